@@ -1,0 +1,522 @@
+"""Checkpoints of sharded training state on a local disk, S3 or GCS, with no collectives.
+
+Layout under the manager's URI (local path, ``file://``, ``s3://bucket/prefix``, ``gs://bucket/prefix``):
+
+    {uri}/step_{N:08d}/{shard}/        files torch.distributed.checkpoint wrote for one shard owner
+    {uri}/step_{N:08d}/manifest.json   written last, by the driver: the commit point
+    {uri}/latest                       step number of the newest commit (a hint for people/tools)
+
+Protocol
+  1. Each shard owner (e.g. ``model_tp0_pp0_cp0``, ``rng_rank3``) calls ``save_shard`` or
+     ``async_save_shard`` for its own shard. DCP runs with ``no_dist=True``: no collective, so a
+     dead peer can never block a save. The call returns the files it wrote (size, sha256).
+  2. The driver gathers those ``FileEntry`` lists (over Ray) and calls ``commit``: every file must
+     exist with its size, then ``manifest.json`` is written, then ``latest``, then retention.
+  3. Restore: the driver picks ``latest_verified()``; each owner calls
+     ``load_shard(step, name, state_dict, manifest)``, which re-checks its files' sha256 first.
+
+Failure cases
+  - An owner dies mid-save, or the driver never commits: the step directory has no manifest, so
+    it is never loaded; retention deletes it once a newer step commits.
+  - The driver dies between manifest and ``latest``: the step is committed (the manifest decides).
+  - Bytes rot or a file disappears after the commit: ``verify`` finds it (size, sha256) and
+    ``latest_verified`` falls back to an older checkpoint, logging a warning for each one skipped.
+  - Storage outage: transient errors are retried with exponential backoff, at most ``max_retries``
+    times within ``retry_budget_s``; then ``CheckpointError``. A single request is bounded only by
+    the client's own timeouts (S3: ``config_kwargs`` connect/read timeouts in storage_options;
+    gcsfs retries a refused connection internally for about 30 s).
+
+Remote shards are written by DCP into a private local staging directory (``tempfile``, honours
+``TMPDIR``), hashed there, then uploaded with fsspec ``put`` (concurrent files; s3fs multipart).
+Loads download into staging, check the hashes, then read. Local URIs are written and read in place.
+For the GCS emulator set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` before gcsfs is imported.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_WRITE_THREADS = 2  # DCP files per shard: >1 lets the upload run several transfers at once
+_HASH_CHUNK = 8 << 20  # bytes
+
+
+@dataclass
+class FileEntry:
+    """One file of a checkpoint: ``path`` relative to the step directory, ``size`` in bytes."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """What ``commit`` wrote to ``manifest.json``; ``created_at`` is Unix time in seconds."""
+
+    step: int
+    layout: dict
+    files: list[FileEntry]
+    extra: dict
+    created_at: float
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, committed, read or verified; the message names the URI."""
+
+
+class _NotCommitted(CheckpointError):
+    """manifest.json is missing or does not parse (as opposed to storage being unreachable)."""
+
+
+class CheckpointManager:
+    """Saves, commits, verifies and loads checkpoints under one URI. Safe to use from one actor's
+    threads; several processes may share a URI as long as each shard name has one writer and one
+    driver commits.
+
+    Args:
+        uri: root of the checkpoints (see module docstring).
+        keep_last: committed checkpoints kept by retention (>= 1).
+        storage_options: passed to fsspec (e.g. S3 ``key``/``secret``/``client_kwargs``, GCS
+            ``token``/``endpoint_url``). Without them the usual env vars apply (AWS_ENDPOINT_URL,
+            AWS_ACCESS_KEY_ID, ..., STORAGE_EMULATOR_HOST). Never logged.
+        max_retries: retries of one storage operation after its first failure.
+        retry_backoff_s: first retry delay in seconds, doubled each retry.
+        retry_budget_s: a storage operation gives up (CheckpointError) when the next retry would
+            start later than this many seconds after its first attempt.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        keep_last: int = 2,
+        storage_options: dict | None = None,
+        max_retries: int = 5,
+        retry_backoff_s: float = 0.5,
+        retry_budget_s: float = 60.0,
+    ):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.uri = str(uri).rstrip("/")
+        self.keep_last = keep_last
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_budget_s = retry_budget_s
+        self.fs, root = fsspec.core.url_to_fs(self.uri, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self._local = "file" in _protocols(self.fs)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._pending_what = ""
+
+    def __repr__(self) -> str:  # no storage_options: they may hold credentials
+        return f"CheckpointManager({self.uri!r}, keep_last={self.keep_last})"
+
+    # ---------------------------------------------------------------- paths
+    def step_uri(self, step: int) -> str:
+        """URI of the directory of checkpoint ``step``."""
+        return f"{self.uri}/{_step_dir(step)}"
+
+    def _step_path(self, step: int) -> str:
+        return f"{self.root}/{_step_dir(step)}"
+
+    # ---------------------------------------------------------------- save
+    def save_shard(self, step: int, name: str, state_dict: dict) -> list[FileEntry]:
+        """Write ``state_dict`` (nested dicts/lists of tensors and picklable objects) as shard
+        ``name`` of ``step``; synchronous. Returns the files written, paths relative to the step
+        directory. A shard saved again replaces the earlier one. Transient storage errors are
+        retried; raises CheckpointError past the retry limits or on any other error."""
+        _check_name(name)
+        where = f"{self.step_uri(step)}/{name}"
+        what = f"saving shard {name!r} to {where}"
+        if self._local:
+            target = f"{self._step_path(step)}/{name}"
+            self._retry(what, _dcp_save_fresh, state_dict, target, True)
+            return _hash_local_dir(target, name)
+        with tempfile.TemporaryDirectory(prefix="ckpt-stage-") as stage:
+            _wrap(what, _dcp_save_fresh, state_dict, stage, False)
+            entries = _hash_local_dir(stage, name)
+            local = [os.path.join(stage, e.path.split("/", 1)[1]) for e in entries]
+            remote = [f"{self._step_path(step)}/{e.path}" for e in entries]
+            self._retry(what, self.fs.put, local, remote)
+        return entries
+
+    def async_save_shard(self, step: int, name: str, state_dict: dict) -> concurrent.futures.Future:
+        """Like ``save_shard`` but writes in a background thread. First waits for this manager's
+        previous pending save (its error, if any, stays in its future and is logged here), then
+        copies every tensor to host memory before returning: later in-place changes to the
+        tensors are not in the checkpoint. The future's result is the ``list[FileEntry]``."""
+        self._wait_previous()
+        snapshot = _snapshot(state_dict)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+        self._pending = self._executor.submit(self.save_shard, step, name, snapshot)
+        self._pending_what = f"async save of shard {name!r} of step {step}"
+        return self._pending
+
+    def wait(self) -> None:
+        """Wait for the pending async save; re-raises its error (CheckpointError)."""
+        if self._pending is not None:
+            self._pending.result()
+
+    def _wait_previous(self) -> None:
+        if self._pending is None:
+            return
+        concurrent.futures.wait([self._pending])
+        if self._pending.exception() is not None:
+            logger.warning("%s failed: %s", self._pending_what, self._pending.exception())
+
+    # ---------------------------------------------------------------- load
+    def load_shard(self, step: int, name: str, state_dict: dict, manifest: Manifest | None = None) -> dict:
+        """Load shard ``name`` of ``step`` into ``state_dict`` in place (tensors copied into,
+        other values replaced) and return it. With ``manifest``, first checks the size and
+        sha256 of this shard's files. Raises CheckpointError on a missing shard, a mismatch,
+        a state_dict that does not fit the checkpoint, or storage failure past the retry limits."""
+        _check_name(name)
+        where = f"{self.step_uri(step)}/{name}"
+        expected = None
+        if manifest is not None:
+            if manifest.step != step:
+                raise CheckpointError(f"manifest is for step {manifest.step}, not {step} ({where})")
+            expected = [f for f in manifest.files if f.path.startswith(name + "/")]
+            if not expected:
+                raise CheckpointError(f"manifest of {self.step_uri(step)} lists no files of shard {name!r}")
+        if self._local:
+            return self._check_and_load(where, f"{self._step_path(step)}", name, expected, state_dict)
+        with tempfile.TemporaryDirectory(prefix="ckpt-stage-") as stage:
+            shard_path = f"{self._step_path(step)}/{name}"
+            if expected is not None:
+                remote = [f"{self._step_path(step)}/{f.path}" for f in expected]
+            else:
+                remote = self._retry(f"listing {where}", self._find, shard_path)
+                if not remote:
+                    raise CheckpointError(f"no files of shard {name!r} at {where}")
+            os.makedirs(os.path.join(stage, name))
+            local = [os.path.join(stage, name, p.rsplit("/", 1)[1]) for p in remote]
+            self._retry(f"downloading {where}", self.fs.get, remote, local)
+            return self._check_and_load(where, stage, name, expected, state_dict)
+
+    def _check_and_load(self, where, step_dir, name, expected, state_dict) -> dict:
+        if expected is not None:
+            problems = [p for f in expected if (p := _check_local_file(step_dir, f))]
+            if problems:
+                raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
+        reader = dcp.FileSystemReader(os.path.join(step_dir, name))
+        _wrap(f"loading shard {name!r} from {where}", dcp.load, state_dict, storage_reader=reader, no_dist=True)
+        return state_dict
+
+    # ---------------------------------------------------------------- commit
+    def commit(self, step: int, layout: dict, files: list[FileEntry], extra: dict | None = None) -> Manifest:
+        """Commit checkpoint ``step``: check that every file in ``files`` (FileEntry or dicts of
+        its fields, as gathered from the shard owners) exists with its size, write
+        ``manifest.json`` last in the step directory, then ``latest``, then apply retention
+        (failures of retention are logged, not raised). Raises CheckpointError naming each
+        missing or wrong-sized file, on layout/extra that JSON cannot encode, or on storage
+        failure past the retry limits; then nothing is committed."""
+        files = [FileEntry(**f) if isinstance(f, dict) else f for f in files]
+        where = self.step_uri(step)
+        dupes = {f.path for f in files if sum(g.path == f.path for g in files) > 1}
+        if dupes:
+            raise CheckpointError(f"cannot commit {where}: files listed twice: {sorted(dupes)}")
+        sizes = self._retry(f"listing {where}", self._sizes, self._step_path(step))
+        problems = []
+        for f in files:
+            if f.path not in sizes:
+                problems.append(f"{f.path}: missing")
+            elif sizes[f.path] != f.size:
+                problems.append(f"{f.path}: size {sizes[f.path]} bytes, expected {f.size}")
+        if problems:
+            raise CheckpointError(f"cannot commit {where}: " + "; ".join(problems))
+        manifest = Manifest(step, dict(layout), list(files), dict(extra or {}), time.time())
+        try:
+            data = json.dumps(dataclasses.asdict(manifest), indent=1, sort_keys=True).encode()
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"cannot commit {where}: layout/extra not JSON-serializable: {exc}") from exc
+        self._retry(f"writing {where}/{MANIFEST}", self._write_atomic, f"{self._step_path(step)}/{MANIFEST}", data)
+        self._retry(f"writing {self.uri}/{LATEST}", self._write_atomic, f"{self.root}/{LATEST}", str(step).encode())
+        try:
+            self._apply_retention(step)
+        except CheckpointError as exc:
+            logger.warning("retention after committing %s failed (will retry next commit): %s", where, exc)
+        return manifest
+
+    def _apply_retention(self, committed: int) -> None:
+        """Keep the newest ``keep_last`` committed steps (and ``committed``); delete older
+        committed steps (manifest first, so a half-deleted step is never taken as committed) and
+        uncommitted step directories older than ``committed`` (newer ones may be saves in flight)."""
+        steps = self._step_dirs()
+        valid = [s for s in steps if self._manifest_or_none(s) is not None]
+        keep = set(valid[-self.keep_last :]) | {committed}
+        doomed = [s for s in valid if s not in keep] + [s for s in steps if s not in valid and s < committed]
+        for s in doomed:
+            path = self._step_path(s)
+            logger.info("retention: deleting %s", self.step_uri(s))
+            self._retry(f"deleting {self.step_uri(s)}", self._rm, f"{path}/{MANIFEST}", False)
+            self._retry(f"deleting {self.step_uri(s)}", self._rm, path, True)
+
+    # ---------------------------------------------------------------- inspect
+    def committed_steps(self) -> list[int]:
+        """Ascending steps whose manifest.json exists and parses (contents are not verified)."""
+        return [s for s in self._step_dirs() if self._manifest_or_none(s) is not None]
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``. Raises CheckpointError if it is missing (step not
+        committed), does not parse, or storage fails past the retry limits."""
+        where = f"{self.step_uri(step)}/{MANIFEST}"
+        try:
+            data = self._retry(f"reading {where}", self.fs.cat_file, f"{self._step_path(step)}/{MANIFEST}")
+        except CheckpointError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise _NotCommitted(f"no {MANIFEST} at {self.step_uri(step)}: step {step} is not committed") from None
+            raise
+        try:
+            raw = json.loads(data)
+            manifest = Manifest(
+                step=int(raw["step"]),
+                layout=dict(raw["layout"]),
+                files=[FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in raw["files"]],
+                extra=dict(raw["extra"]),
+                created_at=float(raw["created_at"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _NotCommitted(f"invalid {where}: {exc!r}") from exc
+        if manifest.step != step:
+            raise _NotCommitted(f"invalid {where}: it names step {manifest.step}")
+        return manifest
+
+    def verify(self, step: int) -> list[str]:
+        """Problems of checkpoint ``step``: no/invalid manifest, missing files, size or sha256
+        mismatches (each string names the file). Empty list = good. Reads every byte. Raises
+        CheckpointError only when storage fails past the retry limits."""
+        return self._verify(step)[1]
+
+    def _verify(self, step: int) -> tuple[Manifest | None, list[str]]:
+        try:
+            manifest = self.read_manifest(step)
+        except _NotCommitted as exc:
+            return None, [str(exc)]
+        step_path = self._step_path(step)
+        sizes = self._retry(f"listing {self.step_uri(step)}", self._sizes, step_path)
+
+        def check(f: FileEntry) -> str | None:
+            if f.path not in sizes:
+                return f"{f.path}: missing"
+            if sizes[f.path] != f.size:
+                return f"{f.path}: size {sizes[f.path]} bytes, expected {f.size}"
+            where = f"{self.step_uri(step)}/{f.path}"
+            digest = self._retry(f"reading {where}", self._sha256, f"{step_path}/{f.path}")
+            return None if digest == f.sha256 else f"{f.path}: sha256 mismatch"
+
+        with concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="ckpt-verify") as pool:
+            problems = [p for p in pool.map(check, manifest.files) if p]
+        return manifest, problems
+
+    def latest_verified(self) -> Manifest | None:
+        """Newest committed checkpoint whose files all verify; logs a warning naming each newer
+        step skipped and why (uncommitted, corrupt, missing files). None if there is none.
+        Raises CheckpointError when storage fails past the retry limits (an outage is not
+        "no checkpoint")."""
+        for step in reversed(self._step_dirs()):
+            manifest, problems = self._verify(step)
+            if not problems:
+                return manifest
+            logger.warning("skipping checkpoint %s: %s", self.step_uri(step), "; ".join(problems))
+        return None
+
+    # ---------------------------------------------------------------- storage helpers
+    def _retry(self, what: str, fn: Callable, *args, **kwargs) -> Any:
+        """Run ``fn``; retry transient storage errors with exponential backoff within
+        ``max_retries`` and ``retry_budget_s``. Every failure ends as CheckpointError."""
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except CheckpointError:
+                raise
+            except (Exception, dcp.CheckpointException) as exc:
+                elapsed = time.monotonic() - start
+                delay = self.retry_backoff_s * 2**attempt
+                if not _is_transient(exc):
+                    raise CheckpointError(f"{what} failed: {exc!r}") from exc
+                if attempt >= self.max_retries or elapsed + delay > self.retry_budget_s:
+                    raise CheckpointError(
+                        f"{what} failed after {attempt + 1} attempts in {elapsed:.1f} s "
+                        f"(max_retries={self.max_retries}, retry_budget_s={self.retry_budget_s}): {exc!r}"
+                    ) from exc
+                attempt += 1
+                logger.warning("%s: transient error %r; retry %d/%d in %.2f s", what, exc, attempt, self.max_retries, delay)
+                time.sleep(delay)
+                self.fs.invalidate_cache()
+
+    def _step_dirs(self) -> list[int]:
+        """Ascending steps that have a directory (committed or not)."""
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache(self.root)
+            try:
+                return self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
+
+        names = self._retry(f"listing {self.uri}", ls)
+        return sorted(int(m.group(1)) for p in names if (m := _STEP_DIR.match(p.rstrip("/").rsplit("/", 1)[-1])))
+
+    def _manifest_or_none(self, step: int) -> Manifest | None:
+        try:
+            return self.read_manifest(step)
+        except _NotCommitted:
+            return None
+
+    def _find(self, path: str) -> list[str]:
+        self.fs.invalidate_cache(path)
+        return sorted(self.fs.find(path))
+
+    def _sizes(self, step_path: str) -> dict[str, int]:
+        """{path relative to step_path: size in bytes} of every file under step_path."""
+        self.fs.invalidate_cache(step_path)
+        found = self.fs.find(step_path, detail=True)
+        return {name[len(step_path) + 1 :]: int(info["size"]) for name, info in found.items()}
+
+    def _sha256(self, path: str) -> str:
+        h = hashlib.sha256()
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        """Readers see the old content or all of ``data``: rename locally; one PUT remotely."""
+        if not self._local:
+            self.fs.pipe_file(path, data)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _rm(self, path: str, recursive: bool) -> None:
+        try:
+            self.fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            pass
+
+
+# -------------------------------------------------------------------- module helpers
+def _step_dir(step: int) -> str:
+    return f"step_{int(step):08d}"
+
+
+def _protocols(fs) -> tuple:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def _check_name(name: str) -> None:
+    if not _SHARD_NAME.match(name) or name == MANIFEST:
+        raise ValueError(f"invalid shard name {name!r}: use letters, digits, '_', '.', '-'")
+
+
+def _wrap(what: str, fn: Callable, *args, **kwargs) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (Exception, dcp.CheckpointException) as exc:
+        raise CheckpointError(f"{what} failed: {exc!r}") from exc
+
+
+def _dcp_save_fresh(state_dict: dict, directory: str, sync_files: bool) -> None:
+    """DCP save into an emptied local directory (no stale files of an earlier attempt)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    writer = dcp.FileSystemWriter(directory, thread_count=_WRITE_THREADS, sync_files=sync_files)
+    dcp.save(state_dict, storage_writer=writer, no_dist=True)
+
+
+def _sha256_local(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_local_dir(directory: str, name: str) -> list[FileEntry]:
+    return [
+        FileEntry(f"{name}/{fn}", os.path.getsize(p), _sha256_local(p))
+        for fn in sorted(os.listdir(directory))
+        if os.path.isfile(p := os.path.join(directory, fn))
+    ]
+
+
+def _check_local_file(step_dir: str, f: FileEntry) -> str | None:
+    path = os.path.join(step_dir, f.path)
+    if not os.path.isfile(path):
+        return f"{f.path}: missing"
+    if (size := os.path.getsize(path)) != f.size:
+        return f"{f.path}: size {size} bytes, expected {f.size}"
+    if _sha256_local(path) != f.sha256:
+        return f"{f.path}: sha256 mismatch"
+    return None
+
+
+def _snapshot(obj: Any) -> Any:
+    """Copy of a nested state dict: tensors cloned to host memory, other leaves deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, _snapshot(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_snapshot(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+_TRANSIENT_BY_NAME = {
+    "botocore.exceptions.ConnectionError",  # refused, connect timeout, proxy
+    "botocore.exceptions.HTTPClientError",  # read timeout, connection closed
+    "botocore.exceptions.IncompleteReadError",
+    "aiohttp.client_exceptions.ClientError",
+}
+_PERMANENT_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Whether retrying may help: network/timeout/5xx-like errors, not missing files or bugs."""
+    if isinstance(exc, dcp.CheckpointException):
+        return any(_is_transient(e) for e, _ in exc.failures.values())
+    if isinstance(exc, _PERMANENT_OS_ERRORS):
+        return False
+    if isinstance(exc, (OSError, TimeoutError)):  # incl. aiohttp connection errors, s3fs-mapped errors
+        return True
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
+    if names & _TRANSIENT_BY_NAME:
+        return True
+    if "gcsfs.retry.HttpError" in names:
+        code = getattr(exc, "code", None)
+        return code is None or code == 429 or (isinstance(code, int) and code >= 500)
+    return False

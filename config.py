@@ -1,0 +1,275 @@
+"""Typed configuration: one dataclass tree, loaded from YAML, overridden with `--set a.b=value`,
+and validated before Ray starts.
+
+Every invalid value raises `ConfigError` whose message names the field (`train.micro_batch_size`)
+and says how to fix it. `resolve()` turns `auto` values into concrete ones (device, engine,
+dtype) from what this machine has.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from parallel_dims import ParallelDims
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass
+class ClusterConfig:
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    num_workers: int = 4
+    num_spares: int = 4
+    cpus_per_actor: float = 0.25
+    gpus_per_actor: float = 1.0
+    device: str = "auto"
+    ray_address: typing.Optional[str] = None
+    ray_num_cpus: typing.Optional[int] = None
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+
+@dataclass
+class ModelConfig:
+    engine: str = "auto"
+    hf_path: typing.Optional[str] = None
+    vocab_size: int = 128
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_hidden_size: int = 128
+    max_seq_len: int = 64
+    dtype: str = "auto"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 4
+    global_batch_size: int = 16
+    mini_batch_size: int = 8
+    micro_batch_size: int = 2
+    seq_len: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 1234
+
+
+@dataclass
+class PPOConfig:
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class CheckpointConfig:
+    uri: str = "runs/demo/checkpoints"
+    interval: int = 2
+    keep_last: int = 2
+    async_save: bool = False
+
+
+@dataclass
+class FaultToleranceConfig:
+    health_timeout_s: float = 5.0
+    step_timeout_s: float = 120.0
+    restore: str = "auto"
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    run_dir: str = "runs/demo"
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims.from_world(self.cluster.num_workers, self.parallel.tp,
+                                       self.parallel.pp, self.parallel.cp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "cluster.device": ("auto", "cpu", "cuda"),
+    "model.engine": ("auto", "torch", "megatron"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
+    "ppo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "fault_tolerance.restore": ("auto", "peer", "checkpoint"),
+}
+
+
+def _check_type(value, hint, name: str):
+    """Return `value` converted to `hint` (int -> float allowed) or raise ConfigError."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else _check_type(value, args[0], name)
+    ok = (isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+          or hint is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{name}: expected {hint.__name__}, got {value!r} "
+                          f"({type(value).__name__}); set it to a {hint.__name__}")
+    return float(value) if hint is float else value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; known keys here: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _check_type(value, hint, prefix + key)
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one `a.b=value` override to a raw config dict; the value is parsed as YAML."""
+    if "=" not in override:
+        raise ConfigError(f"--set {override!r}: expected the form section.key=value, e.g. train.steps=10")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: '{part}' is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a YAML file (or the defaults when `path` is None), apply overrides, validate.
+
+    Raises ConfigError naming the first bad field.
+    """
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config {path}: file not found")
+        data = yaml.safe_load(p.read_text()) or {}
+    for override in overrides:
+        apply_override(data, override)
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+def validate(cfg: Config) -> None:
+    """Semantic checks across fields; raises ConfigError naming the field and the fix."""
+    for name, choices in CHOICES.items():
+        section, key = name.split(".")
+        value = getattr(getattr(cfg, section), key)
+        _require(value in choices, name, f"{value!r} is not one of {list(choices)}")
+    c, t, m = cfg.cluster, cfg.train, cfg.model
+    _require(c.num_workers >= 1, "cluster.num_workers", "must be >= 1")
+    _require(c.num_spares >= 0, "cluster.num_spares", "must be >= 0")
+    _require(c.num_nodes >= 1, "cluster.num_nodes", "must be >= 1")
+    _require(c.gpus_per_node >= 0, "cluster.gpus_per_node", "must be >= 0")
+    _require(c.cpus_per_actor > 0, "cluster.cpus_per_actor", "must be > 0 (fractions allowed)")
+    _require(0 < c.gpus_per_actor <= 1, "cluster.gpus_per_actor",
+             "must be in (0, 1]; use a fraction such as 0.5 to let a spare share a GPU")
+    for name in ("tp", "pp", "cp"):
+        _require(getattr(cfg.parallel, name) >= 1, f"parallel.{name}", "must be >= 1")
+    try:
+        dims = cfg.dims
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "max_seq_len"):
+        _require(getattr(m, name) >= 1, f"model.{name}", "must be >= 1")
+    _require(m.hidden_size % m.num_heads == 0, "model.hidden_size",
+             f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    _require(m.hf_path is None or Path(m.hf_path).is_dir(), "model.hf_path",
+             f"{m.hf_path!r} is not a local directory (no hub downloads at run time)")
+    _require(t.steps >= 1, "train.steps", "must be >= 1")
+    _require(2 <= t.seq_len <= m.max_seq_len, "train.seq_len",
+             f"must be in [2, model.max_seq_len={m.max_seq_len}]")
+    for name in ("global_batch_size", "mini_batch_size", "micro_batch_size"):
+        _require(getattr(t, name) >= 1, f"train.{name}", "must be >= 1")
+    _require(t.global_batch_size % t.mini_batch_size == 0, "train.global_batch_size",
+             f"{t.global_batch_size} is not a multiple of train.mini_batch_size={t.mini_batch_size}")
+    _require(t.mini_batch_size % dims.dp == 0, "train.mini_batch_size",
+             f"{t.mini_batch_size} is not a multiple of the data-parallel size dp={dims.dp}")
+    _require((t.mini_batch_size // dims.dp) % t.micro_batch_size == 0, "train.micro_batch_size",
+             f"the per-replica mini-batch {t.mini_batch_size // dims.dp} "
+             f"(train.mini_batch_size / dp) is not a multiple of {t.micro_batch_size}")
+    _require(t.lr > 0, "train.lr", "must be > 0")
+    _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    p = cfg.ppo
+    _require(0 < p.eps_clip_low < 1, "ppo.eps_clip_low", "must be in (0, 1)")
+    _require(0 < p.eps_clip_high < 1, "ppo.eps_clip_high", "must be in (0, 1)")
+    _require(p.clip_ratio_c > 1, "ppo.clip_ratio_c", "must be > 1 (dual-clip bound, e.g. 3.0)")
+    k = cfg.checkpoint
+    _require(bool(k.uri), "checkpoint.uri", "must be a path, file://, s3:// or gs:// URI")
+    _require(k.interval >= 0, "checkpoint.interval", "must be >= 0 (0 disables checkpoints)")
+    _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    f = cfg.fault_tolerance
+    _require(f.health_timeout_s > 0, "fault_tolerance.health_timeout_s", "must be > 0 seconds")
+    _require(f.step_timeout_s > 0, "fault_tolerance.step_timeout_s", "must be > 0 seconds")
+    if m.engine == "torch":
+        _require(dims.tp == dims.pp == dims.cp == 1, "model.engine",
+                 "the torch engine is data-parallel only; set parallel.tp/pp/cp=1 or model.engine=megatron")
+
+
+def gpus_visible() -> int:
+    """Number of CUDA devices this process sees (0 when torch has no CUDA)."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
+    """Return a copy with `auto` values made concrete for a machine with `num_gpus` GPUs.
+
+    device auto -> cuda when GPUs are visible, else cpu; engine auto -> megatron on cuda,
+    torch on cpu; dtype auto -> bfloat16 on cuda, float32 on cpu. Raises ConfigError for
+    combinations this machine cannot run (megatron on CPU, cuda without GPUs).
+    """
+    num_gpus = gpus_visible() if num_gpus is None else num_gpus
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster),
+                              model=dataclasses.replace(cfg.model))
+    if cfg.cluster.device == "auto":
+        cfg.cluster.device = "cuda" if num_gpus > 0 else "cpu"
+    _require(cfg.cluster.device == "cpu" or num_gpus > 0, "cluster.device",
+             "cuda was asked for but no GPU is visible; set cluster.device=cpu or auto")
+    cuda = cfg.cluster.device == "cuda"
+    if cfg.model.engine == "auto":
+        cfg.model.engine = "megatron" if cuda else "torch"
+    _require(cuda or cfg.model.engine == "torch", "model.engine",
+             "Megatron-Core models need GPUs; set model.engine=torch (or auto) on a CPU machine")
+    if cfg.model.dtype == "auto":
+        cfg.model.dtype = "bfloat16" if cuda else "float32"
+    validate(cfg)
+    return cfg

@@ -1,0 +1,199 @@
+"""Recovery protocol: backup pool, recovery timeline, and `recover()`.
+
+Protocol (one failure or many; see README "Recovery protocol"):
+1. Detect: `MegatronActorGroup.wait` raises `WorkerFailure` (actor death, exception, or a
+   missed deadline).
+2. Abort: survivors abort their communicators through the control concurrency group (this also
+   frees a survivor stuck in a collective); the failed actors are killed.
+3. Replace: a spare from the pool takes each failed rank, preferring a node other than the
+   failed one and a device no surviving rank uses. No spare left: `RecoveryError`.
+4. Rebuild: a new membership generation (fresh store prefix) is formed.
+5. Restore, cheapest source first: peers (survivors roll back to their host-memory snapshot of
+   the committed step, then every DP group broadcasts from a survivor), else the newest
+   verified checkpoint (all ranks load it; the steps after it are replayed).
+6. Resume; the caller records `first_step_s` when the next step completes.
+A failure during any phase restarts the protocol with the larger set of failed ranks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import ray
+
+from checkpoint import CheckpointManager
+from megatron_actor import ActorSlot, MegatronActorGroup, WorkerFailure
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryError(RuntimeError):
+    """Recovery is impossible (no spare left, nothing to restore from); the message says why."""
+
+
+class BackupPool:
+    """Pre-warmed spare actors: placed, imports done, device context made, model built, but in
+    no process group."""
+
+    def __init__(self, spares: list[ActorSlot]):
+        self.spares = list(spares)
+
+    def __len__(self) -> int:
+        return len(self.spares)
+
+    def take(self, avoid_nodes: set[str], busy_devices: set[tuple]) -> ActorSlot | None:
+        """Remove and return the best spare: first one on another node than `avoid_nodes` and on
+        a device not in `busy_devices`, then any on a free device, then any. None if empty."""
+        for ok in (lambda s: s.node_ip not in avoid_nodes and s.device not in busy_devices,
+                   lambda s: s.device not in busy_devices, lambda s: True):
+            for s in self.spares:
+                if ok(s):
+                    self.spares.remove(s)
+                    return s
+        return None
+
+
+@dataclass
+class RecoveryTimeline:
+    """One recovery, phases in seconds. `detect_s` runs from the failure (when its time is known,
+    e.g. an injected kill) to its detection; `steps_lost` counts committed steps redone."""
+    kind: str
+    failed_ranks: list[int]
+    failed_nodes: list[str]
+    generation: int = 0
+    detect_s: float = 0.0
+    abort_s: float = 0.0
+    replace_s: float = 0.0
+    rebuild_s: float = 0.0
+    restore_s: float = 0.0
+    first_step_s: float = 0.0
+    restore_source: str = ""
+    committed_step: int = 0
+    restored_step: int = 0
+    attempts: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s")
+
+    @property
+    def steps_lost(self) -> int:
+        return self.committed_step - self.restored_step
+
+    @property
+    def total_s(self) -> float:
+        return sum(getattr(self, p) for p in self.PHASES)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "steps_lost": self.steps_lost, "total_s": self.total_s}
+
+    def append_jsonl(self, path) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(self.to_dict()) + "\n")
+
+
+def _abort_and_kill(group: MegatronActorGroup, failed: set[int]) -> set[int]:
+    """Abort survivors' communicators (control group, in parallel), kill failed actors.
+    Returns survivors that did not answer the abort in time (to be treated as failed)."""
+    survivors = [r for r in range(group.dims.world_size) if r not in failed]
+    refs = {r: group.workers[r].handle.abort.remote() for r in survivors}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
+                        timeout=group.cfg.fault_tolerance.health_timeout_s)
+    unanswered = set()
+    for r, ref in refs.items():
+        try:
+            if ref not in ready:
+                raise TimeoutError
+            ray.get(ref)
+        except (TimeoutError, ray.exceptions.RayActorError):
+            unanswered.add(r)
+    for r in failed | unanswered:
+        ray.kill(group.workers[r].handle, no_restart=True)
+    return unanswered
+
+
+def _replace(group: MegatronActorGroup, failed: set[int]) -> None:
+    busy = {s.device for r, s in enumerate(group.workers) if r not in failed}
+    for r in sorted(failed):
+        spare = group.pool.take({group.workers[r].node_ip}, busy)
+        if spare is None:
+            raise RecoveryError(
+                f"no spare left to replace rank {r} (cluster.num_spares={group.cfg.cluster.num_spares} "
+                f"all used); raise cluster.num_spares or restart from the last checkpoint")
+        busy.add(spare.device)
+        group.workers[r] = spare
+
+
+def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
+             survivors: set[int], mode: str, timeline: RecoveryTimeline) -> int:
+    """Bring every rank to one committed step; returns that step."""
+    dims, gen = group.dims, group.generation
+    if mode in ("auto", "peer"):
+        dp_groups = dims.group_ranks("dp")
+        ok = all(ray.get([group.workers[r].handle.rollback.remote(gen, committed)
+                          for r in sorted(survivors)]))
+        if ok and all(set(g) & survivors for g in dp_groups):
+            if committed > 0:
+                src = {r: min(set(g) & survivors) for g in dp_groups for r in g}
+                group.wait([s.handle.broadcast_state.remote(gen, src[r])
+                            for r, s in enumerate(group.workers)], group.cfg.fault_tolerance.step_timeout_s)
+            else:
+                group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers],
+                           group.cfg.fault_tolerance.step_timeout_s)
+            timeline.restore_source = "peer"
+            return committed
+        if mode == "peer":
+            raise RecoveryError("fault_tolerance.restore=peer but a whole DP group was lost or a "
+                                "survivor holds no snapshot of the committed step; use restore=auto")
+        timeline.notes.append("peer restore impossible; using checkpoint")
+    manifest = ckpt.latest_verified()
+    if manifest is None:
+        timeline.restore_source = "initial"
+        group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers],
+                   group.cfg.fault_tolerance.step_timeout_s)
+        return 0
+    timeline.restore_source = f"checkpoint step {manifest.step}"
+    return min(group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers],
+                          group.cfg.fault_tolerance.step_timeout_s))
+
+
+def recover(group: MegatronActorGroup, failure: WorkerFailure, ckpt: CheckpointManager,
+            committed_step: int, failed_at: float | None = None, max_attempts: int = 5) -> RecoveryTimeline:
+    """Run the recovery protocol for `failure`; returns the timeline (restored step included).
+
+    `failed_at`: wall-clock time of the failure when known (injected faults), for `detect_s`.
+    Raises RecoveryError when the pool is empty or recovery keeps failing `max_attempts` times.
+    """
+    failed = set(failure.ranks)
+    lost = set(failed)  # every rank replaced so far: its state is gone
+    tl = RecoveryTimeline(failure.kind, sorted(failed),
+                          sorted({group.workers[r].node_ip for r in failed}),
+                          committed_step=committed_step)
+    if failed_at is not None:
+        tl.detect_s = max(0.0, failure.detected_at - failed_at)
+    for attempt in range(1, max_attempts + 1):
+        tl.attempts = attempt
+        try:
+            t0 = time.perf_counter()
+            failed |= _abort_and_kill(group, failed)
+            lost |= failed
+            t1 = time.perf_counter()
+            _replace(group, failed)
+            t2 = time.perf_counter()
+            survivors = set(range(group.dims.world_size)) - lost
+            group.form_generation()
+            t3 = time.perf_counter()
+            tl.restored_step = _restore(group, ckpt, committed_step, survivors,
+                                        group.cfg.fault_tolerance.restore, tl)
+            t4 = time.perf_counter()
+        except WorkerFailure as again:
+            log.warning("failure during recovery (attempt %d): %s", attempt, again)
+            tl.notes.append(f"attempt {attempt}: {again}")
+            failed = set(again.ranks)  # ranks of the new membership; earlier ones are replaced
+            continue
+        tl.abort_s, tl.replace_s, tl.rebuild_s, tl.restore_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        tl.generation = group.generation
+        tl.failed_ranks = sorted(lost)
+        return tl
+    raise RecoveryError(f"recovery failed {max_attempts} times: {tl.notes[-1]}")

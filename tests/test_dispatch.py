@@ -1,0 +1,146 @@
+import pytest
+import torch
+
+import dispatch
+from dispatch import (
+    Dispatch,
+    MeshDispatch,
+    PassThroughDispatch,
+    dispatch_remote,
+    get_dispatch_type,
+    register_dispatch_type,
+)
+from parallel_dims import ParallelDims
+from training_batch import TrainingBatch
+
+
+def numbered_batch(b: int, s: int = 3) -> TrainingBatch:
+    """Sequence i has every input id equal to i, so a chunk tells which sequences it holds."""
+    ids = torch.arange(b).unsqueeze(1).expand(b, s).contiguous()
+    return TrainingBatch(
+        input_ids=ids,
+        attention_mask=torch.ones(b, s, dtype=torch.int64),
+        loss_mask=torch.zeros(b, s),
+        advantages=torch.zeros(b, s),
+    )
+
+
+LAYOUTS = [
+    ParallelDims(tp=tp, pp=pp, cp=cp, dp=dp)
+    for dp in (1, 2, 4)
+    for tp, cp, pp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 1, 3)]
+]
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=str)
+def test_mesh_split_gives_each_replica_its_chunk(dims):
+    b = 8
+    batch, extra, flag = numbered_batch(b), numbered_batch(b), object()
+    parts = MeshDispatch.split(dims, (batch, flag), {"other": extra, "lr": 0.5})
+    assert len(parts) == dims.world_size
+    per = b // dims.dp
+    for rank, (args, kwargs) in enumerate(parts):
+        d = (rank // (dims.tp * dims.cp)) % dims.dp  # Megatron: tp fastest, then cp, dp, pp
+        expected = list(range(d * per, (d + 1) * per))
+        assert args[0].input_ids[:, 0].tolist() == expected
+        assert kwargs["other"].input_ids[:, 0].tolist() == expected
+        assert args[1] is flag and kwargs["lr"] == 0.5
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=str)
+def test_mesh_collect_takes_last_stage_tp0_cp0_per_replica(dims):
+    results = [f"r{r}" for r in range(dims.world_size)]
+    stride = dims.tp * dims.cp
+    expected = [f"r{(dims.pp - 1) * stride * dims.dp + d * stride}" for d in range(dims.dp)]
+    assert MeshDispatch.collect(dims, results) == expected
+
+
+def test_mesh_explicit_layout():
+    dims = ParallelDims(tp=2, pp=2, cp=1, dp=2)
+    parts = MeshDispatch.split(dims, (numbered_batch(4),), {})
+    assert [p[0][0].input_ids[0, 0].item() for p in parts] == [0, 0, 2, 2, 0, 0, 2, 2]
+    assert MeshDispatch.collect(dims, list(range(8))) == [4, 6]
+
+
+def test_mesh_split_not_divisible():
+    dims = ParallelDims(tp=1, pp=1, cp=1, dp=4)
+    with pytest.raises(ValueError, match="6 sequences.*dp=4"):
+        MeshDispatch.split(dims, (), {"batch": numbered_batch(6)})
+
+
+def test_collect_wrong_length():
+    dims = ParallelDims(tp=2, pp=1, cp=1, dp=2)
+    for cls in (MeshDispatch, PassThroughDispatch):
+        with pytest.raises(ValueError, match="3 results"):
+            cls.collect(dims, [0, 1, 2])
+
+
+def test_pass_through():
+    dims = ParallelDims(tp=2, pp=1, cp=1, dp=3)
+    batch = numbered_batch(5)
+    parts = PassThroughDispatch.split(dims, (batch, 1), {"k": "v"})
+    assert len(parts) == 6
+    assert all(a[0] is batch and a[1] == 1 and kw == {"k": "v"} for a, kw in parts)
+    assert PassThroughDispatch.collect(dims, list("abcdef")) == list("abcdef")
+
+
+def test_registry(monkeypatch):
+    monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+    assert get_dispatch_type("mesh") is MeshDispatch
+    assert get_dispatch_type("pass_through") is PassThroughDispatch
+    with pytest.raises(KeyError, match="mesh.*pass_through"):
+        get_dispatch_type("nope")
+
+    class Custom(PassThroughDispatch):
+        pass
+
+    register_dispatch_type("custom", Custom)
+    register_dispatch_type("custom", Custom)  # same class again: fine
+    assert get_dispatch_type("custom") is Custom
+    with pytest.raises(ValueError, match="already registered"):
+        register_dispatch_type("mesh", Custom)
+    with pytest.raises(TypeError):
+        register_dispatch_type("bad", object)
+    with pytest.raises(TypeError):
+        register_dispatch_type("bad", MeshDispatch())
+
+
+class FakeHandle:
+    """Stands in for a Ray actor handle: handle.method.remote(...) records the call."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __getattr__(self, method):
+        handle = self
+
+        class Method:
+            @staticmethod
+            def remote(*args, **kwargs):
+                return (handle.rank, method, args, kwargs)
+
+        return Method
+
+
+def test_dispatch_remote():
+    dims = ParallelDims(tp=2, pp=1, cp=1, dp=2)
+    handles = [FakeHandle(r) for r in range(4)]
+    refs = dispatch_remote(handles, "train_step", dims, "mesh", numbered_batch(4), step=7)
+    assert [(r, m, a[0].input_ids[:, 0].tolist(), kw) for r, m, a, kw in refs] == [
+        (0, "train_step", [0, 1], {"step": 7}),
+        (1, "train_step", [0, 1], {"step": 7}),
+        (2, "train_step", [2, 3], {"step": 7}),
+        (3, "train_step", [2, 3], {"step": 7}),
+    ]
+    refs = dispatch_remote(handles, "ping", dims, PassThroughDispatch, "x")
+    assert refs == [(r, "ping", ("x",), {}) for r in range(4)]
+    with pytest.raises(ValueError, match="3 actor handles"):
+        dispatch_remote(handles[:3], "ping", dims, "pass_through")
+
+
+def test_base_dispatch_is_abstract():
+    dims = ParallelDims(tp=1, pp=1, cp=1, dp=1)
+    with pytest.raises(NotImplementedError):
+        Dispatch.split(dims, (), {})
+    with pytest.raises(NotImplementedError):
+        Dispatch.collect(dims, [None])

@@ -1,0 +1,205 @@
+"""The CPU engine: an HF `transformers` causal LM trained with PPO under torch DDP over gloo.
+
+It implements the engine interface that `MegatronActor` drives (the Megatron engine implements
+the same methods): `connect` / `disconnect` a process-group generation, `train_step`,
+`checkpoint_state` / `load_checkpoint_state`, `snapshot` / `restore_snapshot` (host-memory copy
+of the last committed step), `broadcast_from` (peer restore inside the DP group).
+
+Determinism: the model is built from `train.seed` with the global RNG reseeded first, every
+rank uses one intra-op thread, and data are a pure function of (seed, step, dp rank), so a
+replayed step computes bitwise the same numbers on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import Config
+from parallel_dims import ParallelDims
+from ppo import policy_loss, token_log_probs
+from training_batch import TrainingBatch
+
+
+def build_hf_model(cfg: Config) -> torch.nn.Module:
+    """Build the causal LM: from `model.hf_path` (local HF directory) or a Llama config of the
+    configured sizes, randomly initialised from `train.seed`. Dropout is 0 so replays match."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    m = cfg.model
+    torch.manual_seed(cfg.train.seed)
+    if m.hf_path:
+        return AutoModelForCausalLM.from_pretrained(m.hf_path, attn_implementation="eager",
+                                                    torch_dtype=torch.float32)
+    hf_cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                         intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+                         num_attention_heads=m.num_heads, num_key_value_heads=m.num_heads,
+                         max_position_embeddings=m.max_seq_len, attention_dropout=0.0,
+                         tie_word_embeddings=False)
+    return type(AutoModelForCausalLM.from_config(hf_cfg))._from_config(
+        hf_cfg, attn_implementation="eager")
+
+
+class TorchEngine:
+    """Model, AdamW optimizer and cosine LR schedule of one rank (CPU, float32).
+
+    The model is built in `__init__` (a spare is pre-warmed by constructing this) and is wrapped
+    in DDP only when a process-group generation is joined (`connect`).
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        torch.set_num_threads(1)
+        self.model = build_hf_model(cfg)
+        self._initial_model = copy.deepcopy(self.model.state_dict())
+        self.ddp: DDP | None = None
+        self.dp_group = None
+        self.progress = 0              # micro-batches done; read by the health monitor
+        self._snapshot: dict | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Return to the state of step 0: the seeded initial weights, a fresh optimizer and LR
+        schedule. A pre-warmed spare is in this state, so step 0 never needs a copy."""
+        t = self.cfg.train
+        self.model.load_state_dict(self._initial_model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr,
+                                           weight_decay=t.weight_decay)
+        total_updates = t.steps * (t.global_batch_size // t.mini_batch_size)
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, total_updates)
+        self.step = 0                  # number of train steps whose update this state contains
+        self._dirty = False            # True while a step may have partly updated the state
+
+    # -- process groups ----------------------------------------------------------------------
+    def connect(self, dims: ParallelDims, rank: int) -> None:
+        """Wrap the model in DDP over this generation's DP group (the default group must exist).
+        DDP's constructor broadcasts rank 0's parameters; all replicas already hold equal ones."""
+        # The torch engine is data-parallel only (config validation), so the DP group is WORLD.
+        self.dp_group = dist.group.WORLD
+        self.ddp = DDP(self.model, process_group=self.dp_group, broadcast_buffers=False)
+
+    def disconnect(self) -> None:
+        """Forget the DDP wrapper and groups of an aborted generation (no collective)."""
+        self.ddp, self.dp_group = None, None
+
+    # -- compute -----------------------------------------------------------------------------
+    def _log_probs(self, module: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+        logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return token_log_probs(logits, batch.input_ids)
+
+    def train_step(self, batch: TrainingBatch, step: int) -> dict:
+        """One PPO step on this replica's shard of the global batch.
+
+        batch: this DP replica's sequences, B = global_batch_size / dp. Old log-probs, when
+        absent, are computed with the current (pre-update) policy. The batch is cut into
+        global_batch_size / mini_batch_size mini-batches, one optimizer step each; every
+        mini-batch is cut into micro-batches of `train.micro_batch_size` whose gradients
+        accumulate (DDP syncs on the last one). Returns python floats: `loss` (mean over
+        mini-batches of the token-mean PPO loss), `grad_norm`, `lr`, PPO metrics.
+        Raises RuntimeError if no generation is connected.
+        """
+        if self.ddp is None:
+            raise RuntimeError("train_step called before connect(): no process group generation")
+        t, p = self.cfg.train, self.cfg.ppo
+        micro = t.micro_batch_size
+        if batch.old_log_probs is None:
+            with torch.no_grad():
+                batch = batch.with_old_log_probs(torch.cat(
+                    [self._log_probs(self.model, mb) for mb in batch.chunk(len(batch) // micro)]))
+        minis = batch.chunk(t.global_batch_size // t.mini_batch_size)
+        losses, norms, metrics = [], [], {}
+        for mini in minis:
+            micros = mini.chunk(len(mini) // micro)
+            self.optimizer.zero_grad(set_to_none=True)
+            mini_loss = 0.0
+            for i, mb in enumerate(micros):
+                sync = i == len(micros) - 1
+                with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                    loss, metrics = policy_loss(
+                        self._log_probs(self.ddp, mb), mb.old_log_probs, mb.advantages,
+                        mb.loss_mask, p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c,
+                        p.loss_agg_mode)
+                    (loss / len(micros)).backward()
+                mini_loss += loss.item() / len(micros)
+                self.progress += 1
+            if t.grad_clip > 0:
+                norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip).item())
+            self.optimizer.step()
+            self.scheduler.step()
+            losses.append(mini_loss)
+        self.step, self._dirty = step, False
+        return {"loss": sum(losses) / len(losses), "mini_losses": losses,
+                "grad_norm": max(norms) if norms else 0.0,
+                "lr": self.scheduler.get_last_lr()[0], **metrics}
+
+    # -- state -------------------------------------------------------------------------------
+    def _train_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd,
+                "scheduler": self.scheduler.state_dict(), "step": self.step}
+
+    def _set_train_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self._dirty = int(state["step"]), False
+
+    def checkpoint_state(self, dims: ParallelDims, rank: int) -> dict[str, dict]:
+        """The shards this rank writes, by shard name: the replicated model/optimizer/scheduler
+        state from DP rank 0 only (`model`), and every rank's RNG state (`rng_rank{r}`)."""
+        shards = {f"rng_rank{rank}": {"torch_cpu": torch.get_rng_state()}}
+        if dims.coords(rank).dp == 0:
+            shards["model"] = self._train_state()
+        return shards
+
+    def load_checkpoint_state(self, load_shard, rank: int, has_shard) -> None:
+        """Load this rank's state in place. `load_shard(name, template) -> dict` reads one shard
+        into a template state dict; `has_shard(name) -> bool` tells whether it exists (the RNG of
+        a rank that did not exist at save time is left as it is)."""
+        self._set_train_state(load_shard("model", self._train_state()))
+        name = f"rng_rank{rank}"
+        if has_shard(name):
+            torch.set_rng_state(load_shard(name, {"torch_cpu": torch.get_rng_state()})["torch_cpu"])
+
+    def snapshot(self) -> None:
+        """Copy the training state to host memory at the start of a step (so the copy is the
+        state of the last committed step) and mark the live state dirty until the step ends.
+        Step 0 needs no copy: `reset()` rebuilds it."""
+        self._snapshot = None if self.step == 0 else copy.deepcopy(self._train_state())
+        self._dirty = True
+
+    def rollback(self, step: int) -> bool:
+        """Return to the state after committed step `step` without any transfer: the live state
+        if it is that step and clean, the snapshot, or `reset()` for step 0. Returns False when
+        this rank holds no copy of that step (a spare, or a snapshot of another step)."""
+        if self.step == step and not self._dirty:
+            return True
+        if step == 0:
+            self.reset()
+        elif self._snapshot is not None and self._snapshot["step"] == step:
+            self._set_train_state(copy.deepcopy(self._snapshot))
+        else:
+            return False
+        self._dirty = False
+        return True
+
+    def broadcast_from(self, src_rank: int) -> None:
+        """Make this rank's training state equal to `src_rank`'s (a member of the same DP group)
+        by broadcasting every tensor of the state over the DP group (gloo/NCCL), plus the
+        python parts (step, scheduler) with `broadcast_object_list`."""
+        state = self._train_state()
+        flat, _ = torch.utils._pytree.tree_flatten(state)
+        for tensor in flat:
+            if isinstance(tensor, torch.Tensor):
+                dist.broadcast(tensor, src=src_rank, group=self.dp_group)
+        meta = [{"scheduler": state["scheduler"], "step": state["step"]}]
+        dist.broadcast_object_list(meta, src=src_rank, group=self.dp_group)
+        state.update(meta[0])
+        self._set_train_state(state)
