@@ -128,20 +128,14 @@ class MegatronActor:
         return self.engine.train_step(batch, step)
 
     def save_checkpoint(self, generation: int, step: int) -> list[FileEntry]:
-        """Write this rank's shards of step `step` (no collective); returns the files written."""
+        """Write this rank's shards of step `step`; returns the files written."""
         self._check(generation)
-        files: list[FileEntry] = []
-        for name, state in self.engine.checkpoint_state(self.dims, self.rank).items():
-            files += self.ckpt.save_shard(step, name, state)
-        return files
+        return self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank)
 
     def load_checkpoint(self, generation: int, manifest: Manifest) -> int:
         """Load this rank's state from a committed, verified checkpoint; returns its step."""
         self._check(generation)
-        names = {f.path.split("/", 1)[0] for f in manifest.files}
-        self.engine.load_checkpoint_state(
-            lambda name, template: self.ckpt.load_shard(manifest.step, name, template, manifest),
-            self.rank, lambda name: name in names)
+        self.engine.load_checkpoint(self.ckpt, manifest, self.rank)
         return manifest.step
 
     def rollback(self, generation: int, step: int) -> bool:

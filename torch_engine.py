@@ -2,8 +2,8 @@
 
 It implements the engine interface that `MegatronActor` drives (the Megatron engine implements
 the same methods): `connect` / `disconnect` a process-group generation, `train_step`,
-`checkpoint_state` / `load_checkpoint_state`, `snapshot` / `restore_snapshot` (host-memory copy
-of the last committed step), `broadcast_from` (peer restore inside the DP group).
+`save_checkpoint` / `load_checkpoint`, `snapshot` / `rollback` (host-memory copy of the
+last committed step), `broadcast_from` (peer restore inside the DP group).
 
 Determinism: the model is built from `train.seed` with the global RNG reseeded first, every
 rank uses one intra-op thread, and data are a pure function of (seed, step, dp rank), so a
@@ -151,22 +151,23 @@ class TorchEngine:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self._dirty = int(state["step"]), False
 
-    def checkpoint_state(self, dims: ParallelDims, rank: int) -> dict[str, dict]:
-        """The shards this rank writes, by shard name: the replicated model/optimizer/scheduler
-        state from DP rank 0 only (`model`), and every rank's RNG state (`rng_rank{r}`)."""
-        shards = {f"rng_rank{rank}": {"torch_cpu": torch.get_rng_state()}}
+    def save_checkpoint(self, ckpt, step: int, dims: ParallelDims, rank: int) -> list:
+        """Write this rank's shards of checkpoint `step` through `ckpt` (a CheckpointManager; no
+        collective): the replicated model/optimizer/scheduler state from DP rank 0 only
+        (`model`), and every rank's RNG state (`rng_rank{r}`). Returns the FileEntry list."""
+        files = ckpt.save_shard(step, f"rng_rank{rank}", {"torch_cpu": torch.get_rng_state()})
         if dims.coords(rank).dp == 0:
-            shards["model"] = self._train_state()
-        return shards
+            files += ckpt.save_shard(step, "model", self._train_state())
+        return files
 
-    def load_checkpoint_state(self, load_shard, rank: int, has_shard) -> None:
-        """Load this rank's state in place. `load_shard(name, template) -> dict` reads one shard
-        into a template state dict; `has_shard(name) -> bool` tells whether it exists (the RNG of
-        a rank that did not exist at save time is left as it is)."""
-        self._set_train_state(load_shard("model", self._train_state()))
+    def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
+        """Load this rank's state in place from the committed checkpoint `manifest` (shards are
+        verified against it). The RNG of a rank that did not exist at save time is kept."""
+        self._set_train_state(ckpt.load_shard(manifest.step, "model", self._train_state(), manifest))
         name = f"rng_rank{rank}"
-        if has_shard(name):
-            torch.set_rng_state(load_shard(name, {"torch_cpu": torch.get_rng_state()})["torch_cpu"])
+        if any(f.path.startswith(name + "/") for f in manifest.files):
+            template = {"torch_cpu": torch.get_rng_state()}
+            torch.set_rng_state(ckpt.load_shard(manifest.step, name, template, manifest)["torch_cpu"])
 
     def snapshot(self) -> None:
         """Copy the training state to host memory at the start of a step (so the copy is the
@@ -191,15 +192,16 @@ class TorchEngine:
         return True
 
     def broadcast_from(self, src_rank: int) -> None:
-        """Make this rank's training state equal to `src_rank`'s (a member of the same DP group)
-        by broadcasting every tensor of the state over the DP group (gloo/NCCL), plus the
-        python parts (step, scheduler) with `broadcast_object_list`."""
-        state = self._train_state()
-        flat, _ = torch.utils._pytree.tree_flatten(state)
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor):
-                dist.broadcast(tensor, src=src_rank, group=self.dp_group)
-        meta = [{"scheduler": state["scheduler"], "step": state["step"]}]
-        dist.broadcast_object_list(meta, src=src_rank, group=self.dp_group)
-        state.update(meta[0])
-        self._set_train_state(state)
+        """Make this rank's training state equal to `src_rank`'s (a member of the same DP group):
+        every tensor of the state is broadcast in place over the DP group, the python leaves
+        (step, LR schedule, optimizer hyper-parameters such as the decayed lr) with
+        `broadcast_object_list`. Both sides have the same state structure (same model)."""
+        leaves, spec = torch.utils._pytree.tree_flatten(self._train_state())
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                dist.broadcast(leaf, src=src_rank, group=self.dp_group)
+        others = [[x for x in leaves if not isinstance(x, torch.Tensor)]]
+        dist.broadcast_object_list(others, src=src_rank, group=self.dp_group)
+        it = iter(others[0])
+        leaves = [x if isinstance(x, torch.Tensor) else next(it) for x in leaves]
+        self._set_train_state(torch.utils._pytree.tree_unflatten(leaves, spec))
