@@ -125,6 +125,11 @@ def _check_type(value, hint, name: str):
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return None if value is None else _check_type(value, args[0], name)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     ok = (isinstance(value, hint) and not (hint is int and isinstance(value, bool))
           or hint is float and isinstance(value, int) and not isinstance(value, bool))
     if not ok:

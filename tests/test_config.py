@@ -1,0 +1,66 @@
+"""Config loading, overrides and validation: each bad value names its field."""
+import pytest
+
+from config import Config, ConfigError, load_config, resolve
+
+
+def test_default_file_loads_and_matches_dataclass_defaults():
+    cfg = load_config("config.yaml")
+    assert cfg.to_dict() == Config().to_dict()
+    assert cfg.dims.dp == 4
+
+
+def test_overrides_are_typed():
+    cfg = load_config("config.yaml", ["train.steps=7", "train.lr=1e-4", "parallel.tp=1",
+                                      "checkpoint.uri=s3://b/p", "cluster.num_spares=0"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.checkpoint.uri, cfg.cluster.num_spares) == (7, 1e-4, "s3://b/p", 0)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.steps=0", "train.steps"),
+    ("train.steps=ten", "train.steps"),
+    ("train.stepz=3", "train.stepz"),
+    ("parallel.tp=3", "cluster.num_workers"),
+    ("cluster.num_workers=0", "cluster.num_workers"),
+    ("cluster.gpus_per_actor=1.5", "cluster.gpus_per_actor"),
+    ("train.global_batch_size=12", "train.global_batch_size"),
+    ("train.mini_batch_size=2", "train.mini_batch_size"),
+    ("train.micro_batch_size=3", "train.micro_batch_size"),
+    ("train.seq_len=100", "train.seq_len"),
+    ("model.hidden_size=66", "model.hidden_size"),
+    ("model.engine=jax", "model.engine"),
+    ("model.hf_path=/no/such/dir", "model.hf_path"),
+    ("ppo.clip_ratio_c=1.0", "ppo.clip_ratio_c"),
+    ("ppo.eps_clip_low=1.5", "ppo.eps_clip_low"),
+    ("ppo.loss_agg_mode=sum", "ppo.loss_agg_mode"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+    ("fault_tolerance.restore=magic", "fault_tolerance.restore"),
+    ("fault_tolerance.step_timeout_s=-1", "fault_tolerance.step_timeout_s"),
+])
+def test_invalid_value_names_field(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_config("config.yaml", [override])
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_torch_engine_is_data_parallel_only():
+    with pytest.raises(ConfigError, match="^model.engine"):
+        load_config("config.yaml", ["model.engine=torch", "parallel.tp=2"])
+
+
+def test_bad_override_syntax_and_missing_file():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config("config.yaml", ["train.steps"])
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config("nope.yaml")
+
+
+def test_resolve_auto_on_cpu_and_gpu():
+    cpu = resolve(load_config("config.yaml"), num_gpus=0)
+    assert (cpu.cluster.device, cpu.model.engine, cpu.model.dtype) == ("cpu", "torch", "float32")
+    gpu = resolve(load_config("config.yaml"), num_gpus=2)
+    assert (gpu.cluster.device, gpu.model.engine, gpu.model.dtype) == ("cuda", "megatron", "bfloat16")
+    with pytest.raises(ConfigError, match="^model.engine"):
+        resolve(load_config("config.yaml", ["model.engine=megatron"]), num_gpus=0)
+    with pytest.raises(ConfigError, match="^cluster.device"):
+        resolve(load_config("config.yaml", ["cluster.device=cuda"]), num_gpus=0)
