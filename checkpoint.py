@@ -34,6 +34,7 @@ For the GCS emulator set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` before gcsf
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import dataclasses
@@ -46,6 +47,7 @@ import shutil
 import tempfile
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -54,12 +56,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 logger = logging.getLogger(__name__)
+# DCP warns on every no_dist call that it "assumes a single process": that is the intent here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_WRITE_THREADS = 2  # DCP files per shard: >1 lets the upload run several transfers at once
+_WRITE_THREADS = 1  # >1 loses errors: DCP (torch 2.13) only prints exceptions of its extra writer threads
 _HASH_CHUNK = 8 << 20  # bytes
 
 
@@ -233,11 +237,12 @@ class CheckpointManager:
         its fields, as gathered from the shard owners) exists with its size, write
         ``manifest.json`` last in the step directory, then ``latest``, then apply retention
         (failures of retention are logged, not raised). Raises CheckpointError naming each
-        missing or wrong-sized file, on layout/extra that JSON cannot encode, or on storage
-        failure past the retry limits; then nothing is committed."""
+        missing or wrong-sized file (nothing is written then), on layout/extra that JSON cannot
+        encode, or on storage failure past the retry limits (if manifest.json was written before
+        the failure, the step counts as committed: the manifest decides, ``latest`` is a hint)."""
         files = [FileEntry(**f) if isinstance(f, dict) else f for f in files]
         where = self.step_uri(step)
-        dupes = {f.path for f in files if sum(g.path == f.path for g in files) > 1}
+        dupes = [p for p, n in collections.Counter(f.path for f in files).items() if n > 1]
         if dupes:
             raise CheckpointError(f"cannot commit {where}: files listed twice: {sorted(dupes)}")
         sizes = self._retry(f"listing {where}", self._sizes, self._step_path(step))
@@ -254,6 +259,7 @@ class CheckpointManager:
             data = json.dumps(dataclasses.asdict(manifest), indent=1, sort_keys=True).encode()
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"cannot commit {where}: layout/extra not JSON-serializable: {exc}") from exc
+        manifest = _parse_manifest(data)  # as readers will see it (tuples become lists, ...)
         self._retry(f"writing {where}/{MANIFEST}", self._write_atomic, f"{self._step_path(step)}/{MANIFEST}", data)
         self._retry(f"writing {self.uri}/{LATEST}", self._write_atomic, f"{self.root}/{LATEST}", str(step).encode())
         try:
@@ -292,14 +298,7 @@ class CheckpointManager:
                 raise _NotCommitted(f"no {MANIFEST} at {self.step_uri(step)}: step {step} is not committed") from None
             raise
         try:
-            raw = json.loads(data)
-            manifest = Manifest(
-                step=int(raw["step"]),
-                layout=dict(raw["layout"]),
-                files=[FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in raw["files"]],
-                extra=dict(raw["extra"]),
-                created_at=float(raw["created_at"]),
-            )
+            manifest = _parse_manifest(data)
         except (ValueError, KeyError, TypeError) as exc:
             raise _NotCommitted(f"invalid {where}: {exc!r}") from exc
         if manifest.step != step:
@@ -360,14 +359,14 @@ class CheckpointManager:
                 elapsed = time.monotonic() - start
                 delay = self.retry_backoff_s * 2**attempt
                 if not _is_transient(exc):
-                    raise CheckpointError(f"{what} failed: {exc!r}") from exc
+                    raise CheckpointError(f"{what} failed: {_describe(exc)}") from exc
                 if attempt >= self.max_retries or elapsed + delay > self.retry_budget_s:
                     raise CheckpointError(
                         f"{what} failed after {attempt + 1} attempts in {elapsed:.1f} s "
-                        f"(max_retries={self.max_retries}, retry_budget_s={self.retry_budget_s}): {exc!r}"
+                        f"(max_retries={self.max_retries}, retry_budget_s={self.retry_budget_s}): {_describe(exc)}"
                     ) from exc
                 attempt += 1
-                logger.warning("%s: transient error %r; retry %d/%d in %.2f s", what, exc, attempt, self.max_retries, delay)
+                logger.warning("%s: transient error %s; retry %d/%d in %.2f s", what, _describe(exc), attempt, self.max_retries, delay)
                 time.sleep(delay)
                 self.fs.invalidate_cache()
 
@@ -432,6 +431,17 @@ def _step_dir(step: int) -> str:
     return f"step_{int(step):08d}"
 
 
+def _parse_manifest(data: bytes) -> Manifest:
+    raw = json.loads(data)
+    return Manifest(
+        step=int(raw["step"]),
+        layout=dict(raw["layout"]),
+        files=[FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in raw["files"]],
+        extra=dict(raw["extra"]),
+        created_at=float(raw["created_at"]),
+    )
+
+
 def _protocols(fs) -> tuple:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
@@ -445,7 +455,14 @@ def _wrap(what: str, fn: Callable, *args, **kwargs) -> Any:
     try:
         return fn(*args, **kwargs)
     except (Exception, dcp.CheckpointException) as exc:
-        raise CheckpointError(f"{what} failed: {exc!r}") from exc
+        raise CheckpointError(f"{what} failed: {_describe(exc)}") from exc
+
+
+def _describe(exc: BaseException) -> str:
+    """repr of the error; for DCP's CheckpointException, of the errors it wraps (no tracebacks)."""
+    if isinstance(exc, dcp.CheckpointException):
+        return "; ".join(repr(e) for e, _ in exc.failures.values()) or repr(exc)
+    return repr(exc)
 
 
 def _dcp_save_fresh(state_dict: dict, directory: str, sync_files: bool) -> None:

@@ -24,6 +24,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 import pytest  # noqa: E402
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
+logging.getLogger("gcp_storage_emulator.storage").setLevel(logging.CRITICAL)  # logs every 404 as error
 
 S3_BUCKET = "test-bucket"
 GCS_BUCKET = "test-bucket"
