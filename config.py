@@ -53,6 +53,7 @@ class ModelConfig:
     ffn_hidden_size: int = 128
     max_seq_len: int = 64
     dtype: str = "auto"
+    distributed_optimizer: bool = True
 
 
 @dataclass
@@ -86,9 +87,20 @@ class CheckpointConfig:
 
 @dataclass
 class FaultToleranceConfig:
+    health_interval_s: float = 0.5
     health_timeout_s: float = 5.0
     step_timeout_s: float = 120.0
+    min_step_timeout_s: float = 10.0
+    rendezvous_timeout_s: float = 60.0
+    hang_factor: float = 5.0
     restore: str = "auto"
+    min_dp: typing.Optional[int] = None
+    refill_spares: bool = True
+
+
+@dataclass
+class ChaosConfig:
+    events: list = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +112,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
     run_dir: str = "runs/demo"
 
     @property
@@ -242,11 +255,58 @@ def validate(cfg: Config) -> None:
     _require(k.interval >= 0, "checkpoint.interval", "must be >= 0 (0 disables checkpoints)")
     _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     f = cfg.fault_tolerance
-    _require(f.health_timeout_s > 0, "fault_tolerance.health_timeout_s", "must be > 0 seconds")
-    _require(f.step_timeout_s > 0, "fault_tolerance.step_timeout_s", "must be > 0 seconds")
+    for name in ("health_interval_s", "health_timeout_s", "step_timeout_s", "min_step_timeout_s",
+                 "rendezvous_timeout_s"):
+        _require(getattr(f, name) > 0, f"fault_tolerance.{name}", "must be > 0 seconds")
+    _require(f.min_step_timeout_s <= f.step_timeout_s, "fault_tolerance.min_step_timeout_s",
+             f"must be <= fault_tolerance.step_timeout_s={f.step_timeout_s}")
+    _require(f.hang_factor >= 1, "fault_tolerance.hang_factor", "must be >= 1 (deadline = factor x median step time)")
+    _require(f.min_dp is None or 1 <= f.min_dp <= dims.dp, "fault_tolerance.min_dp",
+             f"must be null (never shrink) or in [1, dp={dims.dp}]")
+    for i, ev in enumerate(cfg.chaos.events):
+        _validate_chaos_event(ev, f"chaos.events[{i}]", c.num_workers)
     if m.engine == "torch":
         _require(dims.tp == dims.pp == dims.cp == 1, "model.engine",
                  "the torch engine is data-parallel only; set parallel.tp/pp/cp=1 or model.engine=megatron")
+    if m.engine == "megatron":
+        _validate_megatron(cfg, dims)
+
+
+def _validate_megatron(cfg: Config, dims: ParallelDims) -> None:
+    """Sizes Megatron-Core can shard: layers over pp, heads / ffn / padded vocab over tp,
+    the sequence over 2 * cp load-balanced chunks."""
+    m, t = cfg.model, cfg.train
+    _require(m.num_layers % dims.pp == 0, "model.num_layers",
+             f"{m.num_layers} is not divisible by parallel.pp={dims.pp}")
+    _require(m.num_heads % dims.tp == 0, "model.num_heads",
+             f"{m.num_heads} is not divisible by parallel.tp={dims.tp}")
+    _require(m.ffn_hidden_size % dims.tp == 0, "model.ffn_hidden_size",
+             f"{m.ffn_hidden_size} is not divisible by parallel.tp={dims.tp}")
+    padded = -(-m.vocab_size // 128) * 128  # megatron_engine.padded_vocab_size
+    _require(padded % dims.tp == 0, "parallel.tp",
+             f"the vocabulary padded to a multiple of 128 ({padded}) is not divisible by tp={dims.tp}")
+    _require(dims.cp == 1 or t.seq_len % (2 * dims.cp) == 0, "train.seq_len",
+             f"{t.seq_len} is not a multiple of 2 * parallel.cp = {2 * dims.cp} (load-balanced context parallelism)")
+
+
+CHAOS_KINDS = ("kill", "exception", "hang", "slow", "node")
+CHAOS_POINTS = ("step_start", "before_allreduce", "inside_allreduce", "after_optimizer_step",
+                "during_save", "during_recovery")
+
+
+def _validate_chaos_event(ev, name: str, world_size: int) -> None:
+    """A chaos event is {step: int >= 1, rank: int, kind: CHAOS_KINDS, point: CHAOS_POINTS}.
+    'slow' makes every later micro-batch of that call take 1 s more (alive, progressing: must
+    not be declared dead); 'node' kills every actor on the rank's node (no point)."""
+    _require(isinstance(ev, dict) and set(ev) <= {"step", "rank", "kind", "point"}
+             and {"step", "rank", "kind"} <= set(ev), name,
+             "expected a mapping with step, rank, kind and (except kind: node) point")
+    _require(isinstance(ev["step"], int) and ev["step"] >= 1, f"{name}.step", "must be an int >= 1")
+    _require(isinstance(ev["rank"], int) and 0 <= ev["rank"] < world_size, f"{name}.rank",
+             f"must be in [0, cluster.num_workers={world_size})")
+    _require(ev["kind"] in CHAOS_KINDS, f"{name}.kind", f"must be one of {list(CHAOS_KINDS)}")
+    _require(ev["kind"] == "node" or ev.get("point") in CHAOS_POINTS, f"{name}.point",
+             f"must be one of {list(CHAOS_POINTS)}")
 
 
 def gpus_visible() -> int:

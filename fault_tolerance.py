@@ -46,7 +46,7 @@ class BackupPool:
     def take(self, avoid_nodes: set[str], busy_devices: set[tuple]) -> ActorSlot | None:
         """Remove and return the best spare: first one on another node than `avoid_nodes` and on
         a device not in `busy_devices`, then any on a free device, then any. None if empty."""
-        for ok in (lambda s: s.node_ip not in avoid_nodes and s.device not in busy_devices,
+        for ok in (lambda s: s.node_id not in avoid_nodes and s.device not in busy_devices,
                    lambda s: s.device not in busy_devices, lambda s: True):
             for s in self.spares:
                 if ok(s):
@@ -114,21 +114,36 @@ def _abort_and_kill(group: MegatronActorGroup, failed: set[int]) -> set[int]:
 
 
 def _replace(group: MegatronActorGroup, failed: set[int]) -> None:
+    """Put a spare at each failed rank; with too few spares, shrink DP if
+    `fault_tolerance.min_dp` allows, else RecoveryError."""
+    group.prune_pool()
+    if len(group.pool) < len(failed):
+        min_dp = group.cfg.fault_tolerance.min_dp
+        lost = len({group.dims.coords(r).dp for r in failed})
+        if min_dp is None or group.dims.dp - lost < min_dp:
+            raise RecoveryError(
+                f"{len(failed)} rank(s) failed and {len(group.pool)} spare(s) are left "
+                f"(cluster.num_spares={group.cfg.cluster.num_spares}); set fault_tolerance.min_dp to "
+                f"let DP shrink (now dp={group.dims.dp}) or raise cluster.num_spares")
+        try:
+            group.shrink(failed)
+        except ValueError as e:
+            raise RecoveryError(str(e)) from None
+        return
+    failed_nodes = {group.workers[r].node_id for r in failed}
     busy = {s.device for r, s in enumerate(group.workers) if r not in failed}
     for r in sorted(failed):
-        spare = group.pool.take({group.workers[r].node_ip}, busy)
-        if spare is None:
-            raise RecoveryError(
-                f"no spare left to replace rank {r} (cluster.num_spares={group.cfg.cluster.num_spares} "
-                f"all used); raise cluster.num_spares or restart from the last checkpoint")
+        spare = group.pool.take(failed_nodes, busy)
         busy.add(spare.device)
         group.workers[r] = spare
 
 
 def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
-             survivors: set[int], mode: str, timeline: RecoveryTimeline) -> int:
-    """Bring every rank to one committed step; returns that step."""
+             survivor_slots: list, mode: str, timeline: RecoveryTimeline) -> int:
+    """Bring every rank to one committed step; returns that step. `survivor_slots`: the
+    ActorSlots that were in the last committed step and are still members."""
     dims, gen = group.dims, group.generation
+    survivors = {r for r, s in enumerate(group.workers) if any(s is v for v in survivor_slots)}
     if mode in ("auto", "peer"):
         dp_groups = dims.group_ranks("dp")
         ok = all(ray.get([group.workers[r].handle.rollback.remote(gen, committed)
@@ -166,9 +181,9 @@ def recover(group: MegatronActorGroup, failure: WorkerFailure, ckpt: CheckpointM
     Raises RecoveryError when the pool is empty or recovery keeps failing `max_attempts` times.
     """
     failed = set(failure.ranks)
-    lost = set(failed)  # every rank replaced so far: its state is gone
+    survivors = [s for r, s in enumerate(group.workers) if r not in failed]
     tl = RecoveryTimeline(failure.kind, sorted(failed),
-                          sorted({group.workers[r].node_ip for r in failed}),
+                          sorted({group.workers[r].node_id for r in failed}),
                           committed_step=committed_step)
     if failed_at is not None:
         tl.detect_s = max(0.0, failure.detected_at - failed_at)
@@ -177,11 +192,13 @@ def recover(group: MegatronActorGroup, failure: WorkerFailure, ckpt: CheckpointM
         try:
             t0 = time.perf_counter()
             failed |= _abort_and_kill(group, failed)
-            lost |= failed
+            killed = [group.workers[r] for r in failed]
+            survivors = [s for s in survivors if not any(s is k for k in killed)]
             t1 = time.perf_counter()
+            if group.cfg.fault_tolerance.refill_spares:
+                group.refill([s.bundle_index for s in killed])
             _replace(group, failed)
             t2 = time.perf_counter()
-            survivors = set(range(group.dims.world_size)) - lost
             group.form_generation()
             t3 = time.perf_counter()
             tl.restored_step = _restore(group, ckpt, committed_step, survivors,
@@ -191,9 +208,10 @@ def recover(group: MegatronActorGroup, failure: WorkerFailure, ckpt: CheckpointM
             log.warning("failure during recovery (attempt %d): %s", attempt, again)
             tl.notes.append(f"attempt {attempt}: {again}")
             failed = set(again.ranks)  # ranks of the new membership; earlier ones are replaced
+            tl.failed_ranks = sorted(set(tl.failed_ranks) | failed)
             continue
         tl.abort_s, tl.replace_s, tl.rebuild_s, tl.restore_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
         tl.generation = group.generation
-        tl.failed_ranks = sorted(lost)
+        tl.failed_ranks = sorted(set(tl.failed_ranks) | failed)
         return tl
     raise RecoveryError(f"recovery failed {max_attempts} times: {tl.notes[-1]}")

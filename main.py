@@ -23,8 +23,12 @@ log = logging.getLogger("main")
 
 def start_ray(cfg: Config) -> None:
     """Join `cluster.ray_address`, or start a local Ray with enough logical CPUs for every actor."""
+    import os
+
     import ray
 
+    # Results of calls aborted by recovery are discarded on purpose; don't log them as unhandled.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     c = cfg.cluster
     if c.ray_address:
         ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=False)
@@ -34,8 +38,10 @@ def start_ray(cfg: Config) -> None:
              log_to_driver=False)
 
 
-def run_steps(cfg: Config, kill_replica: int | None) -> dict:
-    """The demo's scripted sequence on a fresh actor group; returns losses and timelines."""
+def run_steps(cfg: Config, kill_replica: int | None, kill_ranks: list[int] | None = None) -> dict:
+    """The demo's scripted sequence on a fresh actor group; returns losses and timelines.
+    After step 2 it kills the ranks `kill_ranks`, else every rank of DP replica `kill_replica`
+    (None and None: no failure)."""
     import ray
     from megatron_actor import MegatronActorGroup
     from trainer import Trainer
@@ -48,9 +54,9 @@ def run_steps(cfg: Config, kill_replica: int | None) -> dict:
         trainer.train(1)
         trainer.save(1)
         trainer.train(2)
-        if kill_replica is not None:
-            ranks = group.dims.replica_ranks(kill_replica)
-            log.warning("demo: killing DP replica %d (ranks %s) with ray.kill", kill_replica, ranks)
+        if kill_ranks or kill_replica is not None:
+            ranks = kill_ranks or group.dims.replica_ranks(kill_replica)
+            log.warning("demo: killing rank(s) %s with ray.kill", ranks)
             for r in ranks:
                 ray.kill(group.workers[r].handle, no_restart=True)
             trainer.failed_at = time.time()
@@ -96,17 +102,47 @@ def print_report(ref: dict, run: dict, cfg: Config) -> bool:
 def cmd_demo(cfg: Config, args) -> int:
     # The demo's checkpoint schedule is scripted (after step 1), not periodic.
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, interval=0))
-    ref_cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0))
+    # On GPUs the reference run keeps the (idle) spares: fractional GPU bundles then fill every
+    # GPU the same way, so no two ranks of one process group share a GPU.
+    ref_cfg = cfg if cfg.cluster.device == "cuda" else dataclasses.replace(
+        cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0))
     log.info("reference run (no failure, %d workers)", cfg.cluster.num_workers)
     ref = run_steps(dataclasses.replace(ref_cfg, checkpoint=dataclasses.replace(
         cfg.checkpoint, uri=cfg.checkpoint.uri.rstrip("/") + "-reference")), None)
     log.info("run with failure (%d workers + %d spares)", cfg.cluster.num_workers, cfg.cluster.num_spares)
-    run = run_steps(cfg, args.kill_replica)
+    run = run_steps(cfg, args.kill_replica, args.kill_ranks)
     ok = print_report(ref, run, cfg)
     from pathlib import Path
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "demo.json").write_text(json.dumps({"reference": ref, "run": run, "match": ok}, indent=1))
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(json.dumps(demo_summary(ref, run, cfg, ok), indent=1))
     return 0 if ok else 1
+
+
+def demo_summary(ref: dict, run: dict, cfg: Config, ok: bool) -> dict:
+    """The demo's evidence record: device, layout, pass/fail, the largest |loss difference|
+    (reference vs run and every replay), the first recovery's total seconds and timeline."""
+    import torch
+
+    gpus = torch.cuda.device_count() if cfg.cluster.device == "cuda" else 0
+    diffs = [abs(a - b) for s, a in ref["losses"].items()
+             for b in [run["losses"].get(s, math.nan)] + run["replayed"].get(s, [])]
+    tl = run["recoveries"][0] if run["recoveries"] else {}
+    d, m = cfg.dims, cfg.model
+    return {"device": f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "cpu",
+            "date": time.strftime("%Y-%m-%d"),
+            "layout": {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp,
+                       "workers": cfg.cluster.num_workers, "spares": cfg.cluster.num_spares,
+                       "gpus_per_actor": cfg.cluster.gpus_per_actor, "engine": m.engine,
+                       "dtype": m.dtype, "distributed_optimizer": m.distributed_optimizer,
+                       "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                       "seq_len": cfg.train.seq_len},
+            "passed": ok, "loss_max_abs_diff": max(diffs) if diffs else None,
+            "recovery_s": tl.get("total_s"), "timeline": tl,
+            "losses": {"reference": ref["losses"], "with_failure": run["losses"],
+                       "replayed": run["replayed"]}}
 
 
 def cmd_train(cfg: Config, args) -> int:
@@ -119,7 +155,10 @@ def cmd_train(cfg: Config, args) -> int:
         trainer.train(cfg.train.steps)
         for step in sorted(trainer.losses):
             print(f"step {step:>5}  loss {trainer.losses[step]:.6f}")
-        print(f"recoveries: {len(trainer.recoveries)}; spares left: {len(group.pool)}")
+        print(f"recoveries: {len(trainer.recoveries)}; spares left: {len(group.pool)}; "
+              f"dp now {group.dims.dp}")
+        if trainer.recoveries:
+            print(trainer.report())
     finally:
         group.shutdown()
     return 0
@@ -133,6 +172,10 @@ def parse_args(argv=None):
                    help="override one config value, e.g. --set train.steps=10 (repeatable)")
     p.add_argument("--kill-replica", type=int, default=1, metavar="D",
                    help="demo: the DP replica whose ranks are killed after step 2 (default 1)")
+    p.add_argument("--kill-ranks", type=int, nargs="+", default=None, metavar="R",
+                   help="demo: kill these global ranks instead of a whole replica (e.g. one TP rank)")
+    p.add_argument("--summary", default=None, metavar="PATH",
+                   help="demo: also write a JSON summary (device, layout, passed, loss diff, timeline)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p.parse_args(argv)
 
@@ -143,7 +186,11 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = resolve(load_config(args.config, args.overrides))
-        if args.mode == "demo" and not 0 <= args.kill_replica < cfg.dims.dp:
+        if args.mode == "demo" and args.kill_ranks:
+            bad = [r for r in args.kill_ranks if not 0 <= r < cfg.dims.world_size]
+            if bad:
+                raise ConfigError(f"--kill-ranks {bad}: must be in [0, world size={cfg.dims.world_size})")
+        elif args.mode == "demo" and not 0 <= args.kill_replica < cfg.dims.dp:
             raise ConfigError(f"--kill-replica {args.kill_replica}: must be in [0, dp={cfg.dims.dp})")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -26,7 +28,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from checkpoint import CheckpointManager, FileEntry, Manifest
-from config import Config
+from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from dispatch import dispatch_remote, get_dispatch_type
 from parallel_dims import ParallelDims
 
@@ -36,6 +38,13 @@ CONTROL = "control"
 
 class StaleGenerationError(RuntimeError):
     """A compute call belongs to a process-group generation this actor is no longer in."""
+
+
+class InjectedFault(RuntimeError):
+    """An exception raised on purpose by fault injection (`MegatronActor.arm_fault`)."""
+
+
+FAULT_KINDS = tuple(k for k in CHAOS_KINDS if k != "node")  # node loss is done by the driver
 
 
 @ray.remote(concurrency_groups={CONTROL: 4})
@@ -50,7 +59,23 @@ class MegatronActor:
         self.rank: int | None = None
         self.dims: ParallelDims | None = None
         self.ckpt = CheckpointManager(cfg.checkpoint.uri, cfg.checkpoint.keep_last)
+        self.faults: dict[str, str] = {}  # point -> kind, armed by arm_fault
+        self._abort_epoch = 0             # bumped by abort(): cancels a join in progress
+        self._store = None                # ((host, port), TCPStore client of the driver's store)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    def fault_point(self, point: str) -> None:
+        """Fire the fault armed at `point`, once: SIGKILL of this process, an InjectedFault
+        exception, or a hang of the calling (compute) thread."""
+        kind = self.faults.pop(point, None)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "exception":
+            raise InjectedFault(f"injected exception at {point} on rank {self.rank}")
+        elif kind == "hang":
+            threading.Event().wait()
+        elif kind == "slow":
+            self.engine.delay_s = 1.0
 
     # -- control group -----------------------------------------------------------------------
     @ray.method(concurrency_group=CONTROL)
@@ -69,6 +94,14 @@ class MegatronActor:
                 "step": self.engine.step if self.engine else 0}
 
     @ray.method(concurrency_group=CONTROL)
+    def arm_fault(self, kind: str, point: str) -> None:
+        """Fault injection: `kind` in FAULT_KINDS fires when the compute thread reaches `point`
+        (CHAOS_POINTS). Raises ValueError for unknown kinds or points."""
+        if kind not in FAULT_KINDS or point not in CHAOS_POINTS:
+            raise ValueError(f"fault {kind!r} at {point!r}: kinds {FAULT_KINDS}, points {CHAOS_POINTS}")
+        self.faults[point] = kind
+
+    @ray.method(concurrency_group=CONTROL)
     def abort(self) -> float:
         """Abort (not destroy) this actor's communicators: non-blocking, and it frees a compute
         thread stuck in a collective whose peer died. Returns seconds taken."""
@@ -77,6 +110,7 @@ class MegatronActor:
 
         t0 = time.perf_counter()
         self.generation = None
+        self._abort_epoch += 1
         if dist.is_initialized():
             _abort_process_group()
         return time.perf_counter() - t0
@@ -92,7 +126,12 @@ class MegatronActor:
         else:
             from torch_engine import TorchEngine as Engine
         self.engine = Engine(self.cfg)
+        self.engine.fault_point = self.fault_point
         return time.perf_counter() - t0
+
+    def noop(self) -> bool:
+        """A compute-thread call that returns at once: answers only if that thread is free."""
+        return True
 
     def join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int) -> float:
         """Join process-group generation `generation` as `rank` of `dims.world_size` through the
@@ -101,15 +140,31 @@ class MegatronActor:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
+        epoch = self._abort_epoch
+        self.fault_point("during_recovery")
         self.engine.disconnect()
         if dist.is_initialized():  # only after a clean shutdown; a failure path aborted it
             dist.destroy_process_group()
-        timeout = datetime.timedelta(seconds=self.cfg.fault_tolerance.step_timeout_s)
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        ft = self.cfg.fault_tolerance
+        if self._store is None or self._store[0] != (host, port):
+            self._store = ((host, port), dist.TCPStore(
+                host, port, is_master=False, timeout=datetime.timedelta(seconds=ft.rendezvous_timeout_s)))
+        store = dist.PrefixStore(f"gen{generation}", self._store[1])
+        # Abortable barrier before the (uninterruptible) rendezvous inside init_process_group:
+        # a member that never arrives must not strand the others in a blocking store wait.
+        store.add("arrived", 1)
+        deadline = time.monotonic() + ft.rendezvous_timeout_s
+        while store.add("arrived", 0) < dims.world_size:
+            if self._abort_epoch != epoch:
+                raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while forming")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
+                                   f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s")
+            time.sleep(0.01)
         cuda = self.cfg.cluster.device == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                store=dist.PrefixStore(f"gen{generation}", store),
-                                rank=rank, world_size=dims.world_size, timeout=timeout,
+        dist.init_process_group("nccl" if cuda else "gloo", store=store,
+                                rank=rank, world_size=dims.world_size,
+                                timeout=datetime.timedelta(seconds=ft.step_timeout_s),
                                 device_id=torch.device("cuda", 0) if cuda else None)
         self.engine.connect(dims, rank)
         self.generation, self.rank, self.dims = generation, rank, dims
@@ -125,11 +180,13 @@ class MegatronActor:
         the committed state (step - 1) to host memory first, for peer restore."""
         self._check(generation)
         self.engine.snapshot()
+        self.fault_point("step_start")
         return self.engine.train_step(batch, step)
 
     def save_checkpoint(self, generation: int, step: int) -> list[FileEntry]:
         """Write this rank's shards of step `step`; returns the files written."""
         self._check(generation)
+        self.fault_point("during_save")
         return self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank)
 
     def load_checkpoint(self, generation: int, manifest: Manifest) -> int:
@@ -156,6 +213,8 @@ class MegatronActor:
         import torch
         h = hashlib.sha256()
         for name, p in sorted(self.engine.model.state_dict().items()):
+            if not torch.is_tensor(p):  # Megatron modules hold `_extra_state` entries
+                continue
             h.update(name.encode())
             h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
@@ -173,7 +232,7 @@ class ActorSlot:
 
     @property
     def device(self) -> tuple:
-        return (self.node_ip, self.gpu_ids[0] if self.gpu_ids else f"b{self.bundle_index}")
+        return (self.node_id, self.gpu_ids[0] if self.gpu_ids else f"b{self.bundle_index}")
 
 
 class WorkerFailure(RuntimeError):
@@ -237,10 +296,8 @@ class MegatronActorGroup:
                 f"cluster.num_spares={c.num_spares}) could not be placed within {placement_timeout_s:.0f} s; "
                 f"cluster has {ray.cluster_resources()}. Lower cluster.num_spares / cpus_per_actor / "
                 f"gpus_per_actor or add nodes")
-        handles = [MegatronActor.options(
-            num_cpus=c.cpus_per_actor, num_gpus=bundle.get("GPU", 0), max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i)
-        ).remote(cfg, i) for i in range(n)]
+        self._refills: dict = {}  # build ObjectRef -> handle of a spare being refilled
+        handles = [self._new_actor(i) for i in range(n)]
         infos = ray.get([h.info.remote() for h in handles])
         slots = [ActorSlot(h, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"])
                  for h, i in zip(handles, infos)]
@@ -261,9 +318,10 @@ class MegatronActorGroup:
 
     def describe(self) -> list[str]:
         """One line per rank and spare: where it runs (for logs and --dry-run)."""
-        lines = [f"rank {r} {self.dims.coords(r)} on {s.node_ip} device {s.device[1]}"
+        lines = [f"rank {r} {self.dims.coords(r)} on node {s.node_id[:8]} ({s.node_ip}) device {s.device[1]}"
                  for r, s in enumerate(self.workers)]
-        return lines + [f"spare on {s.node_ip} device {s.device[1]}" for s in self.pool.spares]
+        return lines + [f"spare on node {s.node_id[:8]} ({s.node_ip}) device {s.device[1]}"
+                        for s in self.pool.spares]
 
     def form_generation(self) -> float:
         """Start the next membership generation: every worker joins new process groups.
@@ -286,55 +344,200 @@ class MegatronActorGroup:
     def wait(self, refs: list, timeout: float) -> list:
         """Results of `refs` (one per rank), or WorkerFailure naming the failed ranks.
 
-        A rank whose actor died is a 'crash'. A rank whose call raised while no actor died is an
-        'exception'. If the deadline passes, ranks not done are probed: dead -> crash, alive
-        -> 'hang'.
+        A rank whose actor died is a 'crash'; a rank whose call raised while no actor died is an
+        'exception'. The deadline (`timeout` seconds) is pushed back while the ranks' progress
+        counters move (slow is not dead). When it passes without progress: every rank's
+        communicators are aborted, which frees ranks blocked in a collective; ranks whose compute
+        thread still does not answer are the hung ones ('hang'; an empty set means the
+        collective itself stalled and every rank was freed).
         """
+        ft = self.cfg.fault_tolerance
         index = {r.hex(): i for i, r in enumerate(refs)}
         results: list = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + timeout
-        errors: dict[int, Exception] = {}
+        progress = self._progress()
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                break
-            i = index[done[0].hex()]
-            try:
-                results[i] = ray.get(done[0])
-            except ray.exceptions.RayActorError as e:
-                raise WorkerFailure({i} | self.probe(), "crash", str(e)[:300]) from None
-            except ray.exceptions.RayTaskError as e:
-                errors[i] = e
-                break
-        if errors or pending:
-            dead = self.probe()
-            if dead:
-                raise WorkerFailure(dead, "crash", "actor(s) died")
-            if errors:
-                i, e = next(iter(errors.items()))
-                raise WorkerFailure(set(errors), "exception", f"rank {i}: {str(e)[:300]}")
-            raise WorkerFailure({index[r.hex()] for r in pending}, "hang",
-                                f"no result within {timeout:.1f} s")
+            done, pending = ray.wait(pending, num_returns=1,
+                                     timeout=max(0.0, min(ft.health_interval_s, deadline - time.monotonic())))
+            if done:
+                i = index[done[0].hex()]
+                try:
+                    results[i] = ray.get(done[0])
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerFailure({i} | self.probe(), "crash", str(e)[:300]) from None
+                except ray.exceptions.RayTaskError as e:
+                    dead = self.probe()
+                    if dead:
+                        raise WorkerFailure(dead, "crash", "actor(s) died") from None
+                    if not isinstance(e.cause, (TimeoutError, StaleGenerationError)):
+                        raise WorkerFailure({i}, "exception", f"rank {i}: {str(e)[:300]}") from None
+                    # This rank gave up waiting for a peer: judge the ranks still pending soon.
+                    results[i] = e
+                    deadline = min(deadline, time.monotonic() + self.cfg.fault_tolerance.health_timeout_s)
+                continue
+            if time.monotonic() < deadline:
+                continue
+            now = self._progress()
+            if any(now.get(r, -1) > progress.get(r, -1) for r in now):
+                progress, deadline = now, time.monotonic() + timeout
+                continue
+            raise self._hang_failure({index[r.hex()] for r in pending}, timeout)
+        gave_up = [i for i, r in enumerate(results) if isinstance(r, ray.exceptions.RayTaskError)]
+        if gave_up:  # everyone arrived late but did arrive: a transient; re-form without blame
+            raise WorkerFailure(set(), "exception", f"rank(s) {gave_up} timed out waiting for peers")
         return results
 
-    def probe(self) -> set[int]:
-        """Ranks whose actor does not answer a control-group ping within
-        `fault_tolerance.health_timeout_s` seconds, or is dead."""
-        refs = [s.handle.ping.remote() for s in self.workers]
+    def _progress(self) -> dict[int, int]:
+        """rank -> progress counter, for ranks that answer a control ping in time."""
+        refs = {r: s.handle.ping.remote() for r, s in enumerate(self.workers)}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
+                            timeout=self.cfg.fault_tolerance.health_timeout_s)
+        out = {}
+        for r, ref in refs.items():
+            if ref in ready:
+                try:
+                    out[r] = ray.get(ref)["progress"]
+                except ray.exceptions.RayError:
+                    pass
+        return out
+
+    def _hang_failure(self, pending: set[int], timeout: float) -> WorkerFailure:
+        """Name the hung ranks of a call that made no progress. Ranks whose progress counter lags
+        the others are stuck before a collective their peers wait in: those are hung. With no
+        laggard, every rank is aborted (freeing ranks blocked in a collective, as NCCL does) and
+        the ranks whose compute thread still does not answer are hung."""
+        dead = self.probe()
+        if dead:
+            return WorkerFailure(dead, "crash", "actor(s) died")
+        why = f"no progress for {timeout:.1f} s on rank(s) {sorted(pending)}"
+        progress = self._progress()
+        top = max(progress.values(), default=0)
+        lagging = {r for r in pending if progress.get(r, -1) < top}
+        if lagging:
+            return WorkerFailure(lagging, "hang", f"{why}; progress {progress}")
+        ray.wait([s.handle.abort.remote() for s in self.workers], num_returns=len(self.workers),
+                 timeout=self.cfg.fault_tolerance.health_timeout_s)
+        refs = [s.handle.noop.remote() for s in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
-        dead = set()
-        for r, ref in enumerate(refs):
-            if ref not in ready:
-                dead.add(r)
-                continue
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
-                dead.add(r)
+        stuck = {r for r, ref in enumerate(refs) if ref not in ready}
+        return WorkerFailure(stuck, "hang", f"{why}; compute thread still stuck after abort on {sorted(stuck)}")
+
+    def probe(self) -> set[int]:
+        """Ranks whose actor is dead or does not answer a control-group ping within
+        `fault_tolerance.health_timeout_s` seconds. An actor that is only temporarily
+        unreachable (`ActorUnavailableError`, e.g. its node's agent restarting) is retried
+        until then and not reported."""
+        ft = self.cfg.fault_tolerance
+        deadline = time.monotonic() + ft.health_timeout_s
+        dead, todo = set(), set(range(len(self.workers)))
+        while todo:
+            refs = {r: self.workers[r].handle.ping.remote() for r in todo}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
+                                timeout=max(0.0, deadline - time.monotonic()))
+            retry = set()
+            for r, ref in refs.items():
+                if ref not in ready:
+                    dead.add(r)
+                    continue
+                try:
+                    ray.get(ref)
+                except ray.exceptions.ActorUnavailableError:
+                    retry.add(r)
+                except ray.exceptions.RayActorError:
+                    dead.add(r)
+            if retry and time.monotonic() < deadline:
+                time.sleep(min(0.1, ft.health_interval_s))
+            todo = retry if time.monotonic() < deadline else set()
         return dead
 
+    def _new_actor(self, bundle_index: int):
+        c = self.cfg.cluster
+        return MegatronActor.options(
+            num_cpus=c.cpus_per_actor, num_gpus=c.gpus_per_actor if c.device == "cuda" else 0,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
+        ).remote(self.cfg, bundle_index)
+
+    def refill(self, bundle_indices: list[int]) -> None:
+        """Start new spares on the bundles of killed actors, in the background: Ray places each
+        when its bundle is free again (on the same node, or re-placed after a node loss)."""
+        for i in bundle_indices:
+            handle = self._new_actor(i)
+            self._refills[handle.build.remote()] = handle
+
+    def poll_refills(self) -> int:
+        """Move refilled spares whose model is built into the pool (non-blocking); returns how many."""
+        if not self._refills:
+            return 0
+        ready, _ = ray.wait(list(self._refills), num_returns=len(self._refills), timeout=0)
+        added = 0
+        for ref in ready:
+            handle = self._refills.pop(ref)
+            try:
+                ray.get(ref)
+                i = ray.get(handle.info.remote(), timeout=self.cfg.fault_tolerance.health_timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("refill spare failed: %s", str(e)[:200])
+                continue
+            self.pool.spares.append(ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"]))
+            added += 1
+        if added:
+            log.info("spare pool refilled: %d spare(s) now", len(self.pool))
+        return added
+
+    def prune_pool(self) -> None:
+        """Drop spares that are dead (e.g. lost with their node) from the pool."""
+        refs = [s.handle.ping.remote() for s in self.pool.spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+        alive = []
+        for s, ref in zip(self.pool.spares, refs):
+            try:
+                if ref in ready:
+                    ray.get(ref)
+                    alive.append(s)
+            except ray.exceptions.RayActorError:
+                pass
+        self.pool.spares = alive
+
+    def kill_node_of(self, rank: int) -> list[int]:
+        """Fault injection: kill every actor (workers and spares) on the node of `rank`, as a
+        node loss looks to the control plane. Returns the worker ranks killed."""
+        node = self.workers[rank].node_id
+        ranks = [r for r, s in enumerate(self.workers) if s.node_id == node]
+        for s in self.workers + self.pool.spares:
+            if s.node_id == node:
+                ray.kill(s.handle, no_restart=True)
+        return ranks
+
+    def shrink(self, failed: set[int]) -> None:
+        """Drop every DP replica holding a failed rank (used when no spare is left). Living
+        members of dropped replicas become spares. The global batch is unchanged: each replica
+        gets a larger share, so more micro-batches accumulate. Raises ValueError when the batch
+        sizes do not divide by the smaller dp; the caller turns that into a RecoveryError."""
+        from parallel_dims import RankCoords
+
+        old, t = self.dims, self.cfg.train
+        lost = sorted({old.coords(r).dp for r in failed})
+        kept = [d for d in range(old.dp) if d not in lost]
+        new = ParallelDims(tp=old.tp, pp=old.pp, cp=old.cp, dp=len(kept))
+        if not kept or t.mini_batch_size % new.dp or (t.mini_batch_size // new.dp) % t.micro_batch_size:
+            raise ValueError(f"cannot shrink to dp={new.dp}: train.mini_batch_size={t.mini_batch_size} "
+                             f"must split into micro-batches of {t.micro_batch_size} over {new.dp} replicas")
+        workers: list = [None] * new.world_size
+        for r, s in enumerate(self.workers):
+            c = old.coords(r)
+            if c.dp in lost:
+                if r not in failed:
+                    self.pool.spares.append(s)
+            else:
+                workers[new.rank_of(RankCoords(tp=c.tp, cp=c.cp, dp=kept.index(c.dp), pp=c.pp))] = s
+        log.warning("no spare left: shrinking dp %d -> %d (replicas %s dropped)", old.dp, new.dp, lost)
+        self.workers, self.dims = workers, new
+
     def shutdown(self) -> None:
-        """Kill every actor and release the placement group."""
+        """Kill every actor (spares and refills too) and release the placement group."""
         for s in self.workers + self.pool.spares:
             ray.kill(s.handle, no_restart=True)
+        for handle in self._refills.values():
+            ray.kill(handle, no_restart=True)
         remove_placement_group(self.placement_group)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,9 @@ class TorchEngine:
         self._initial_model = copy.deepcopy(self.model.state_dict())
         self.ddp: DDP | None = None
         self.dp_group = None
-        self.progress = 0              # micro-batches done; read by the health monitor
+        self.progress = 0              # micro-batches + buckets all-reduced in the current step
+        self.fault_point = lambda point: None  # set by the actor (fault injection)
+        self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
         self.reset()
 
@@ -80,6 +83,16 @@ class TorchEngine:
         # The torch engine is data-parallel only (config validation), so the DP group is WORLD.
         self.dp_group = dist.group.WORLD
         self.ddp = DDP(self.model, process_group=self.dp_group, broadcast_buffers=False)
+        self.ddp.register_comm_hook(self.dp_group, self._allreduce_hook)
+
+    def _allreduce_hook(self, group, bucket):
+        """DDP's default all-reduce, after counting progress (a rank stuck before a collective
+        shows a lower count than peers waiting inside it) and a fault-injection point."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.progress += 1
+        self.fault_point("inside_allreduce")
+        return allreduce_hook(group, bucket)
 
     def disconnect(self) -> None:
         """Forget the DDP wrapper and groups of an aborted generation (no collective)."""
@@ -117,6 +130,8 @@ class TorchEngine:
             mini_loss = 0.0
             for i, mb in enumerate(micros):
                 sync = i == len(micros) - 1
+                if sync:
+                    self.fault_point("before_allreduce")
                 with contextlib.nullcontext() if sync else self.ddp.no_sync():
                     loss, metrics = policy_loss(
                         self._log_probs(self.ddp, mb), mb.old_log_probs, mb.advantages,
@@ -125,12 +140,14 @@ class TorchEngine:
                     (loss / len(micros)).backward()
                 mini_loss += loss.item() / len(micros)
                 self.progress += 1
+                time.sleep(self.delay_s)
             if t.grad_clip > 0:
                 norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip).item())
             self.optimizer.step()
             self.scheduler.step()
+            self.fault_point("after_optimizer_step")
             losses.append(mini_loss)
-        self.step, self._dirty = step, False
+        self.step, self._dirty, self.delay_s = step, False, 0.0
         return {"loss": sum(losses) / len(losses), "mini_losses": losses,
                 "grad_norm": max(norms) if norms else 0.0,
                 "lr": self.scheduler.get_last_lr()[0], **metrics}
@@ -175,6 +192,7 @@ class TorchEngine:
         Step 0 needs no copy: `reset()` rebuilds it."""
         self._snapshot = None if self.step == 0 else copy.deepcopy(self._train_state())
         self._dirty = True
+        self.progress = 0
 
     def rollback(self, step: int) -> bool:
         """Return to the state after committed step `step` without any transfer: the live state

@@ -7,8 +7,11 @@ re-run after recovery with the same data (data are a pure function of (seed, ste
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from pathlib import Path
+
+import ray
 
 from checkpoint import CheckpointManager
 from config import Config
@@ -39,13 +42,42 @@ class Trainer:
         self.checkpoints: list[int] = []
         self.failed_at: float | None = None  # set by fault injection: when the fault happened
         self._resume_t: float | None = None
+        self.step_times: list[float] = []
+        self._chaos_fired: set[int] = set()
 
     def batch(self, step: int):
         t, m = self.cfg.train, self.cfg.model
         return synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
 
+    def step_deadline(self) -> float:
+        """Seconds a step may take before it is a hang: `hang_factor` x the median of the last
+        20 step times, at least `min_step_timeout_s`, at most (and before any step)
+        `step_timeout_s`. The deadline is extended while progress counters move."""
+        ft = self.cfg.fault_tolerance
+        if not self.step_times:
+            return ft.step_timeout_s
+        median = statistics.median(self.step_times[-20:])
+        return min(ft.step_timeout_s, max(ft.min_step_timeout_s, ft.hang_factor * median))
+
+    def _arm_chaos(self, step: int) -> None:
+        """Arm the `chaos.events` of this step (each fires once, even if the step is re-run)."""
+        for i, ev in enumerate(self.cfg.chaos.events):
+            if ev["step"] != step or i in self._chaos_fired:
+                continue
+            self._chaos_fired.add(i)
+            log.warning("chaos: %s", ev)
+            self.failed_at = time.time()
+            if ev["kind"] == "node":
+                self.group.kill_node_of(ev["rank"])
+            else:
+                ray.get(self.group.workers[ev["rank"]].handle.arm_fault.remote(ev["kind"], ev["point"]))
+
     def _step(self, step: int) -> float:
-        results = self.group.call("train_step", step, self.batch(step), dispatch="mesh")
+        self._arm_chaos(step)
+        t0 = time.perf_counter()
+        results = self.group.call("train_step", step, self.batch(step), dispatch="mesh",
+                                  timeout=self.step_deadline())
+        self.step_times.append(time.perf_counter() - t0)
         return sum(r["loss"] for r in results) / len(results)
 
     def train(self, until_step: int, after_step=None) -> None:
@@ -63,6 +95,7 @@ class Trainer:
             except WorkerFailure as failure:
                 self.handle_failure(failure)
                 continue
+            self.group.poll_refills()
             if after_step is not None:
                 after_step(self, step)
 
@@ -89,6 +122,15 @@ class Trainer:
                          {"generation": self.group.generation})
         self.checkpoints.append(step)
         log.info("checkpoint step %d committed in %.2f s", step, time.perf_counter() - t0)
+
+    def report(self) -> str:
+        """A table of every recovery's phases (seconds), source and steps lost."""
+        head = ("kind", "ranks", "detect", "abort", "replace", "rebuild", "restore", "first step",
+                "total", "source", "lost")
+        rows = [(t.kind, ",".join(map(str, t.failed_ranks)), *(f"{getattr(t, p):.3f}" for p in t.PHASES),
+                 f"{t.total_s:.3f}", t.restore_source, str(t.steps_lost)) for t in self.recoveries]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+        return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in (head, *rows))
 
     def handle_failure(self, failure: WorkerFailure) -> RecoveryTimeline:
         """Recover from `failure` and move `committed_step` back to the restored step."""

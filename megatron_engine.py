@@ -1,0 +1,485 @@
+"""The GPU engine: a Megatron-Core `GPTModel` trained with PPO under Megatron DDP, the Megatron
+(optionally distributed) optimizer and the pipeline schedule, over NCCL.
+
+It implements the engine interface of `torch_engine.TorchEngine` (the reference), which
+`MegatronActor` drives: `connect` / `disconnect` a process-group generation, `train_step`,
+`save_checkpoint` / `load_checkpoint` (Megatron `dist_checkpointing`, torch_dist format),
+`snapshot` / `rollback` (host-memory copy of the last committed step), `broadcast_from`
+(peer restore inside the DP group) and `reset`.
+
+Lifecycle. Megatron layers take their process groups when they are built, so the model, DDP
+wrapper, optimizer and LR schedule are (re)built in every `connect`, after
+`parallel_state.initialize_model_parallel` has made the groups of the new generation. A rank
+that already held a model (a survivor) carries its training state into the new objects by
+copying tensors in place (model params, fp32 main params, Adam moments and step, schedule),
+so a membership change loses nothing. A pre-warmed spare has imported Megatron and made its
+CUDA context in `__init__`; its model is built from `train.seed` when it first joins, so it
+starts equal to a reference run's step 0.
+
+Peer restore and the distributed optimizer. With `model.distributed_optimizer: true` each DP
+rank holds a different shard of the fp32 main params and Adam moments, so no DP peer can supply
+a replaced rank's shard: `rollback(step > 0)` returns False on every rank, and the recovery
+protocol falls back to the newest checkpoint. With `distributed_optimizer: false` every DP rank
+holds the whole state of its (tp, cp, pp) shard and `broadcast_from` restores params and
+optimizer state from a peer.
+
+Log-probs across shards: the vocabulary-parallel cross entropy gives log p(token) on every TP
+rank from its vocabulary shard (-CE = log p). With cp > 1 the sequence is cut into 2*cp chunks
+and rank r keeps chunks r and 2*cp-1-r (Megatron's load-balanced layout); labels are shifted
+before the split, and per-token log-probs are all-gathered (differentiably) over the CP group
+before the PPO loss. Context parallelism needs Transformer Engine attention (the local spec
+has none), so cp > 1 raises at build time without TE.
+
+Vocabulary: Megatron needs vocab % tp == 0; the embedding is padded to a multiple of 128
+(independent of tp, so checkpoints reshard across TP sizes). Padded entries take part in the
+softmax, as in Megatron's own training.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import math
+import os
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from config import Config
+from parallel_dims import ParallelDims
+from ppo import policy_loss
+from training_batch import TrainingBatch
+
+VOCAB_MULTIPLE = 128
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """Vocabulary rows of the Megatron embedding/output layer: vocab_size rounded up to 128."""
+    return math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def cp_split(x: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """This CP rank's part of the sequence dim (1) of x [B, S, ...]: chunks cp_rank and
+    2*cp-1-cp_rank of 2*cp equal chunks, concatenated -> [B, S/cp, ...]. Identity for cp=1."""
+    if cp == 1:
+        return x
+    c = x.chunk(2 * cp, dim=1)
+    return torch.cat([c[cp_rank], c[2 * cp - 1 - cp_rank]], dim=1)
+
+
+def cp_gather(local: torch.Tensor, cp: int, group) -> torch.Tensor:
+    """Inverse of `cp_split` over the CP group, differentiable: local [B, S/cp] -> [B, S].
+    The backward sums the gradients of all CP ranks (so each rank's local part receives cp
+    times the gradient of a loss that every rank computes identically)."""
+    if cp == 1:
+        return local
+    from torch.distributed.nn.functional import all_gather
+
+    parts = all_gather(local.contiguous(), group=group)
+    chunks: list = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        chunks[r], chunks[2 * cp - 1 - r] = part.chunk(2, dim=1)
+    return torch.cat(chunks, dim=1)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    return [x for x in torch.utils._pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
+
+
+class MegatronEngine:
+    """Megatron-Core GPT model, optimizer and cosine LR schedule of one rank (CUDA device 0 of
+    the process, bf16 params with fp32 main params and fp32 gradient reduction).
+
+    Raises ValueError from `__init__` when the config asks for something this install cannot
+    run (cp > 1 without Transformer Engine, HF loading).
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        m = cfg.model
+        if cfg.parallel.cp > 1 and not have_transformer_engine():
+            raise ValueError("parallel.cp > 1 needs Transformer Engine attention (the local layer "
+                             "spec has no context parallelism); install transformer_engine or set parallel.cp=1")
+        if m.hf_path:
+            raise ValueError("model.hf_path is not supported by the Megatron engine yet; unset it")
+        # Pre-warm: imports and the CUDA context; the model needs this generation's groups.
+        from megatron.core import dist_checkpointing, parallel_state  # noqa: F401
+        from megatron.core.models.gpt import GPTModel  # noqa: F401
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.zeros(1, device=self.device)
+        self.bf16 = m.dtype == "bfloat16"
+        self.model = None              # the unwrapped GPTModel (this rank's pipeline stage)
+        self.ddp = self.optimizer = self.scheduler = None
+        self.dims: ParallelDims | None = None
+        self.rank: int | None = None
+        self.progress = 0              # micro-batches done; read by the health monitor
+        self.step = 0                  # train steps whose update this state contains
+        self._dirty = False            # True while a step may have partly updated the state
+        self._initial: dict | None = None   # host copy of the step-0 state
+        self._snapshot: dict | None = None  # host copy of the last committed step's state
+        self._connected = False
+
+    # -- process groups ----------------------------------------------------------------------
+    def connect(self, dims: ParallelDims, rank: int) -> None:
+        """Make Megatron's groups for this generation (the default group must exist) and build
+        model, DDP, optimizer and schedule on them. A rank that already held a model keeps its
+        training state and RNG state; a new one starts from the seeded step-0 state."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+        if (dims.tp, dims.pp, dims.cp) != (self.cfg.parallel.tp, self.cfg.parallel.pp, self.cfg.parallel.cp):
+            raise ValueError(f"dims {dims} do not match the config's parallel sizes {self.cfg.parallel}")
+        # Carry the live state over, unless its optimizer shards no longer fit (DP resized under
+        # the distributed optimizer: the state is then restored from a checkpoint).
+        keep = self.model is not None and not (self.cfg.model.distributed_optimizer and self.dims.dp != dims.dp)
+        old = self._train_state() if keep else None
+        rng = self._rng_state() if old is not None else None
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp,
+                                     create_gloo_process_groups=False)
+        model_parallel_cuda_manual_seed(self.cfg.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
+        self.dims, self.rank = dims, rank
+        self._build()
+        if old is None:
+            self._initial = self._host_copy(self._train_state(), pin=False)
+            self.step = 0
+        else:
+            self._set_train_state(old)
+            torch.cuda.set_rng_state(rng["cuda"])
+            torch.set_rng_state(rng["cpu"])
+            get_cuda_rng_tracker().set_states(rng["tracker"])
+        del old
+        self._connected = True
+
+    def disconnect(self) -> None:
+        """Mark the generation's groups unusable (no collective); the state stays for `connect`."""
+        self._connected = False
+
+    def _build(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                              get_gpt_layer_with_transformer_engine_spec)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.module import Float16Module
+
+        m, t, d = self.cfg.model, self.cfg.train, self.dims
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.model = self.ddp = self.optimizer = self.scheduler = None
+        torch.cuda.empty_cache()
+        tc = TransformerConfig(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
+            ffn_hidden_size=m.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
+            activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+            init_method_std=0.02, bf16=self.bf16, params_dtype=dtype, pipeline_dtype=dtype,
+            tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
+            context_parallel_size=d.cp, masked_softmax_fusion=False, bias_activation_fusion=False,
+            bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+        spec = (get_gpt_layer_with_transformer_engine_spec() if have_transformer_engine()
+                else get_gpt_layer_local_spec(normalization="RMSNorm"))
+        self.model = GPTModel(config=tc, transformer_layer_spec=spec,
+                              vocab_size=padded_vocab_size(m.vocab_size),
+                              max_sequence_length=m.max_seq_len,
+                              pre_process=ps.is_pipeline_first_stage(),
+                              post_process=ps.is_pipeline_last_stage(),
+                              share_embeddings_and_output_weights=False,
+                              position_embedding_type="rope").to(self.device)
+        module = Float16Module(tc, self.model) if self.bf16 else self.model
+        self.ddp = DistributedDataParallel(
+            config=tc, module=module,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=m.distributed_optimizer))
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=0.0, weight_decay=t.weight_decay,
+                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, bf16=self.bf16,
+                            params_dtype=dtype, clip_grad=t.grad_clip,
+                            use_distributed_optimizer=m.distributed_optimizer),
+            [self.ddp], use_gloo_process_groups=False)
+        updates = t.steps * (t.global_batch_size // t.mini_batch_size)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=0.0, lr_warmup_steps=0,
+            lr_decay_steps=updates, lr_decay_style="cosine", start_wd=t.weight_decay,
+            end_wd=t.weight_decay, wd_incr_steps=updates, wd_incr_style="constant")
+        tc.finalize_model_grads_func = finalize_model_grads
+        tc.grad_scale_func = self.optimizer.scale_loss
+        self._init_optimizer_state()
+
+    def _init_optimizer_state(self) -> None:
+        """Create Adam's state (step 0, zero moments: what torch's lazy init makes) so that every
+        rank's state has the same structure before the first step (for copies/broadcasts)."""
+        for o in self.optimizer.chained_optimizers:
+            for g in o.optimizer.param_groups:
+                for p in g["params"]:
+                    s = o.optimizer.state[p]
+                    if not s:
+                        s.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+
+    # -- compute -----------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        """Megatron `forward_step_func`: one micro-batch through this pipeline stage."""
+        from megatron.core import parallel_state as ps
+
+        mb: TrainingBatch = next(data_iterator)
+        cp, cp_rank = self.dims.cp, ps.get_context_parallel_rank()
+        pos = torch.arange(mb.input_ids.shape[1], device=self.device).expand_as(mb.input_ids)
+        out = model(cp_split(mb.input_ids, cp, cp_rank), cp_split(pos, cp, cp_rank), None)
+        self.progress += 1
+        return out, functools.partial(self._loss, mb)
+
+    def _loss(self, mb: TrainingBatch, logits: torch.Tensor):
+        """Last stage: logits float32 [B, S/cp, V_pad/tp] -> (loss to backprop, reported dict).
+        Without old log-probs in `mb` (the old-policy pass) it reports `log_probs` [B, S]."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        cp = self.dims.cp
+        labels = cp_split(F.pad(mb.input_ids[:, 1:], (0, 1)), cp, ps.get_context_parallel_rank())
+        lp_next = -vocab_parallel_cross_entropy(logits.float(), labels)        # [B, S/cp]
+        lp_next = cp_gather(lp_next, cp, ps.get_context_parallel_group())       # [B, S]
+        log_probs = F.pad(lp_next[:, :-1], (1, 0))                              # [B, S]
+        if mb.old_log_probs is None:
+            return torch.zeros((), device=self.device), {"log_probs": log_probs.detach()}
+        p = self.cfg.ppo
+        loss, metrics = policy_loss(log_probs, mb.old_log_probs, mb.advantages, mb.loss_mask,
+                                    p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c, p.loss_agg_mode)
+        # Every CP rank computes the same loss; the gather's backward sums cp copies and the
+        # schedule multiplies by cp (gradients are averaged over dp*cp): divide by cp once.
+        return loss / cp, {"loss": loss.detach(), **metrics}
+
+    def _run(self, micros: list[TrainingBatch], forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iter(micros), model=[self.ddp],
+            num_microbatches=len(micros), seq_length=micros[0].input_ids.shape[1],
+            micro_batch_size=len(micros[0]), forward_only=forward_only)
+
+    def train_step(self, batch: TrainingBatch, step: int) -> dict:
+        """One PPO step on this replica's shard of the global batch (as `TorchEngine.train_step`).
+
+        batch: this DP replica's sequences (CPU or GPU), B = global_batch_size / dp, S =
+        train.seq_len (S % (2*cp) == 0 when cp > 1). Old log-probs, when absent, come from a
+        forward-only pass of the current policy. One optimizer step per mini-batch; the
+        micro-batches of a mini-batch run through the pipeline schedule. Returns python floats:
+        `loss` (mean over mini-batches of the PPO loss; NaN on ranks that are not the last
+        pipeline stage), `mini_losses`, `grad_norm` (global), `lr`, PPO metrics.
+        Raises RuntimeError if no generation is connected.
+        """
+        from megatron.core import parallel_state as ps
+
+        if not self._connected:
+            raise RuntimeError("train_step called before connect(): no process group generation")
+        t = self.cfg.train
+        micro, last = t.micro_batch_size, ps.is_pipeline_last_stage()
+        batch = batch.to(self.device)
+        if batch.old_log_probs is None:
+            with torch.no_grad():
+                out = self._run(batch.chunk(len(batch) // micro), forward_only=True)
+            old = torch.cat([o["log_probs"] for o in out]) if last else torch.zeros_like(batch.loss_mask)
+            batch = batch.with_old_log_probs(old)
+        losses, norms, metrics = [], [], {}
+        for mini in batch.chunk(t.global_batch_size // t.mini_batch_size):
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            out = self._run(mini.chunk(len(mini) // micro), forward_only=False)
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            norms.append(float(grad_norm or 0.0))
+            if last:
+                losses.append(sum(o["loss"].item() for o in out) / len(out))
+                metrics = {k: sum(o[k] for o in out) / len(out) for k in out[0] if k != "loss"}
+        self.step, self._dirty = step, False
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        return {"loss": loss, "mini_losses": losses, "grad_norm": max(norms),
+                "lr": self.optimizer.param_groups[0]["lr"], **metrics}
+
+    # -- in-memory state ---------------------------------------------------------------------
+    def _train_state(self) -> dict:
+        """Live training state of this rank (references, not copies): model params, then per
+        optimizer main param: [main param fp32, exp_avg, exp_avg_sq, step (CPU scalar)], the
+        schedule's update count and the engine step."""
+        inner = [(p, o.optimizer.state[p]) for o in self.optimizer.chained_optimizers
+                 for g in o.optimizer.param_groups for p in g["params"]]
+        return {"model": [p.data for p in self.model.parameters()],
+                "optimizer": [[p.data, s["exp_avg"], s["exp_avg_sq"], s["step"]] for p, s in inner],
+                "sched_steps": self.scheduler.num_steps, "step": self.step}
+
+    def _set_train_state(self, state: dict) -> None:
+        """Copy `state` (same structure as `_train_state`) into the live tensors in place."""
+        for dst, src in zip(_tensors(self._train_state()), _tensors(state), strict=True):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        self.scheduler.num_steps = int(state["sched_steps"])
+        self.scheduler.step(increment=0)  # sets lr / weight decay of that update count
+        self.step, self._dirty = int(state["step"]), False
+
+    def _host_copy(self, state: dict, into: dict | None = None, pin: bool = True) -> dict:
+        """Copy of `state` in host memory (pinned when `pin`: faster repeated copies); reuses the
+        buffers of `into` when given."""
+        if into is None:
+            into = torch.utils._pytree.tree_map(
+                lambda x: torch.empty(x.shape, dtype=x.dtype, pin_memory=pin and x.is_cuda)
+                if isinstance(x, torch.Tensor) else x, state)
+        for dst, src in zip(_tensors(into), _tensors(state), strict=True):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        into.update(sched_steps=state["sched_steps"], step=state["step"])
+        return into
+
+    def reset(self) -> None:
+        """Return to the state of step 0: the seeded initial weights, zero Adam state, the
+        schedule's start. Before the first `connect` there is nothing to reset."""
+        if self._initial is not None:
+            self._set_train_state(self._initial)
+        self.step, self._dirty = 0, False
+
+    def snapshot(self) -> None:
+        """Copy the training state to host memory at the start of a step (the state of the last
+        committed step) and mark the live state dirty until the step ends. Step 0 needs no copy
+        (`reset`); with the distributed optimizer no copy is kept (see `rollback`)."""
+        if self.step > 0 and not self.cfg.model.distributed_optimizer:
+            self._snapshot = self._host_copy(self._train_state(), self._snapshot)
+        self._dirty = True
+
+    def rollback(self, step: int) -> bool:
+        """Return to the state after committed step `step` without any transfer: the live state
+        if it is that step and clean, the snapshot, or `reset()` for step 0. Returns False when
+        this rank holds no copy of that step, and always for step > 0 with the distributed
+        optimizer (a replaced rank's optimizer shard exists on no peer: restore from checkpoint)."""
+        if step == 0:
+            self.reset()
+            return True
+        if self.cfg.model.distributed_optimizer:
+            return False
+        if self.step == step and not self._dirty:
+            return True
+        if self._snapshot is not None and self._snapshot["step"] == step:
+            self._set_train_state(self._snapshot)
+            return True
+        return False
+
+    def broadcast_from(self, src_rank: int) -> None:
+        """Make this rank's training state equal to `src_rank`'s (same DP group, i.e. same
+        (tp, cp, pp) shard): every tensor is broadcast in place over the DP group (CPU scalars
+        through a CUDA copy), the schedule count and step with `broadcast_object_list`.
+        Raises RuntimeError with the distributed optimizer (peers hold other shards)."""
+        from megatron.core import parallel_state as ps
+
+        if self.cfg.model.distributed_optimizer and self.dims.dp > 1:
+            raise RuntimeError("broadcast_from: with model.distributed_optimizer each DP rank holds "
+                               "a different optimizer shard; restore from a checkpoint instead")
+        group = ps.get_data_parallel_group()
+        state = self._train_state()
+        for x in _tensors(state):
+            buf = x if x.is_cuda else x.to(self.device)
+            dist.broadcast(buf, src=src_rank, group=group)
+            if buf is not x:
+                x.copy_(buf)
+        meta = [(state["sched_steps"], state["step"])]
+        dist.broadcast_object_list(meta, src=src_rank, group=group, device=self.device)
+        state["sched_steps"], state["step"] = meta[0]
+        self._set_train_state(state)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _rng_state(self) -> dict:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
+                "tracker": get_cuda_rng_tracker().get_states()}
+
+    def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        model_sd = self.model.sharded_state_dict()
+        # fully_reshardable: optimizer state in model-parameter space (reshards over DP and TP).
+        meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+        sd = {"model": model_sd,
+              "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta),
+              "step": self.step, "sched_steps": self.scheduler.num_steps}
+        if with_rng:
+            w = self.dims.world_size
+            sd["rng"] = ShardedObject("rng_state", self._rng_state(), (w,), (self.rank,), replica_id=0)
+        return sd
+
+    @staticmethod
+    def _local_dir(ckpt, step: int) -> str:
+        import fsspec
+
+        uri = ckpt.step_uri(step) + "/megatron"
+        fs, path = fsspec.core.url_to_fs(uri)
+        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            raise ValueError(f"{uri}: the Megatron engine writes dist_checkpointing checkpoints to "
+                             f"local or shared file systems only; set checkpoint.uri to a path")
+        return path
+
+    def save_checkpoint(self, ckpt, step: int, dims: ParallelDims, rank: int) -> list:
+        """Collective over all ranks: write the model's and optimizer's sharded state dicts, the
+        step, the schedule count (common, rank 0) and every rank's RNG state with Megatron
+        `dist_checkpointing` (torch_dist) into `{ckpt.step_uri(step)}/megatron`. Returns the
+        FileEntry list of the files this rank wrote (`__{rank}_*.distcp`; rank 0 also the
+        metadata and common files), paths relative to the step directory."""
+        import shutil
+
+        from megatron.core import dist_checkpointing
+
+        from checkpoint import FileEntry
+
+        path = self._local_dir(ckpt, step)
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(False, True), path)
+        files = []
+        for name in sorted(os.listdir(path)):
+            m = _RANK_FILE.match(name)
+            mine = int(m.group(1)) == rank if m else rank == 0
+            if mine and os.path.isfile(p := os.path.join(path, name)):
+                files.append(FileEntry(f"megatron/{name}", os.path.getsize(p), _sha256(p)))
+        return files
+
+    def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
+        """Collective over all ranks: load the committed checkpoint `manifest` (already verified
+        by the driver's `latest_verified`) into this rank's shards; the saved layout may differ
+        in DP and TP size (dist_checkpointing reshards). RNG states are restored only when the
+        layout is the same (rank r gets rank r's); otherwise each rank keeps its own."""
+        from megatron.core import dist_checkpointing
+
+        d = self.dims
+        same = {k: manifest.layout.get(k) for k in ("tp", "pp", "cp", "dp")} == \
+            {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp}
+        loaded = dist_checkpointing.load(self._sharded_state(True, same),
+                                         self._local_dir(ckpt, manifest.step))
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.num_steps = int(loaded["sched_steps"])
+        self.scheduler.step(increment=0)
+        if same:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            rng = loaded["rng"]
+            torch.set_rng_state(rng["cpu"])
+            torch.cuda.set_rng_state(rng["cuda"])
+            get_cuda_rng_tracker().set_states(rng["tracker"])
+        self.step, self._dirty = int(loaded["step"]), False
