@@ -89,8 +89,10 @@ class MegatronActor:
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> dict:
         """Liveness + progress, answered even while the compute thread is in a collective."""
+        e = self.engine
         return {"generation": self.generation, "rank": self.rank,
-                "progress": self.engine.progress if self.engine else 0,
+                "progress": e.progress if e else 0,
+                "step_progress": e.progress - e.step_start_progress if e else 0,
                 "step": self.engine.step if self.engine else 0}
 
     @ray.method(concurrency_group=CONTROL)
@@ -345,8 +347,9 @@ class MegatronActorGroup:
         """Results of `refs` (one per rank), or WorkerFailure naming the failed ranks.
 
         A rank whose actor died is a 'crash'; a rank whose call raised while no actor died is an
-        'exception'. The deadline (`timeout` seconds) is pushed back while the ranks' progress
-        counters move (slow is not dead). When it passes without progress: every rank's
+        'exception'. While waiting, progress counters are polled every `health_interval_s`; the
+        deadline is at least `timeout` seconds after the last poll that saw any counter move
+        (slow is not dead). When it passes without progress: every rank's
         communicators are aborted, which frees ranks blocked in a collective; ranks whose compute
         thread still does not answer are the hung ones ('hang'; an empty set means the
         collective itself stalled and every rank was freed).
@@ -355,7 +358,7 @@ class MegatronActorGroup:
         index = {r.hex(): i for i, r in enumerate(refs)}
         results: list = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + timeout
-        progress = self._progress()
+        progress: dict[int, int] = {}
         while pending:
             done, pending = ray.wait(pending, num_returns=1,
                                      timeout=max(0.0, min(ft.health_interval_s, deadline - time.monotonic())))
@@ -375,11 +378,10 @@ class MegatronActorGroup:
                     results[i] = e
                     deadline = min(deadline, time.monotonic() + self.cfg.fault_tolerance.health_timeout_s)
                 continue
-            if time.monotonic() < deadline:
-                continue
             now = self._progress()
-            if any(now.get(r, -1) > progress.get(r, -1) for r in now):
-                progress, deadline = now, time.monotonic() + timeout
+            if any(now[r] > progress.get(r, -1) for r in now):  # moved since the last poll
+                progress, deadline = now, max(deadline, time.monotonic() + timeout)
+            if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({index[r.hex()] for r in pending}, timeout)
         gave_up = [i for i, r in enumerate(results) if isinstance(r, ray.exceptions.RayTaskError)]
@@ -387,8 +389,9 @@ class MegatronActorGroup:
             raise WorkerFailure(set(), "exception", f"rank(s) {gave_up} timed out waiting for peers")
         return results
 
-    def _progress(self) -> dict[int, int]:
-        """rank -> progress counter, for ranks that answer a control ping in time."""
+    def _progress(self, key: str = "progress") -> dict[int, int]:
+        """rank -> progress counter (`progress`: monotonic; `step_progress`: within the current
+        step), for ranks that answer a control ping in time."""
         refs = {r: s.handle.ping.remote() for r, s in enumerate(self.workers)}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
                             timeout=self.cfg.fault_tolerance.health_timeout_s)
@@ -396,7 +399,7 @@ class MegatronActorGroup:
         for r, ref in refs.items():
             if ref in ready:
                 try:
-                    out[r] = ray.get(ref)["progress"]
+                    out[r] = ray.get(ref)[key]
                 except ray.exceptions.RayError:
                     pass
         return out
@@ -410,7 +413,7 @@ class MegatronActorGroup:
         if dead:
             return WorkerFailure(dead, "crash", "actor(s) died")
         why = f"no progress for {timeout:.1f} s on rank(s) {sorted(pending)}"
-        progress = self._progress()
+        progress = self._progress("step_progress")
         top = max(progress.values(), default=0)
         lagging = {r for r in pending if progress.get(r, -1) < top}
         if lagging:

@@ -42,6 +42,7 @@ import importlib.util
 import math
 import os
 import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,18 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _set_main_param_and_state(opt, model_param, tensors: dict) -> None:
+    """`DistributedOptimizer._set_main_param_and_optimizer_states` without its KeyError: in
+    Megatron-Core 0.16 a fully_reshardable load copies every key of torch AdamW's state,
+    'step' included, from `tensors`, which has none ('step' is restored per param group)."""
+    gi, go = opt.model_param_group_index_map[model_param]
+    main = opt.optimizer.param_groups[gi]["params"][go]
+    main.data.copy_(tensors["param"])
+    for k, v in tensors.items():
+        if k != "param":
+            opt.optimizer.state[main][k].copy_(v)
+
+
 def _tensors(state) -> list[torch.Tensor]:
     return [x for x in torch.utils._pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
 
@@ -127,7 +140,10 @@ class MegatronEngine:
         self.ddp = self.optimizer = self.scheduler = None
         self.dims: ParallelDims | None = None
         self.rank: int | None = None
-        self.progress = 0              # micro-batches done; read by the health monitor
+        self.progress = 0              # micro-batches done, ever (monotonic); read by the health monitor
+        self.step_start_progress = 0   # `progress` when the current step started
+        self.fault_point = lambda point: None  # set by the actor (fault injection)
+        self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self.step = 0                  # train steps whose update this state contains
         self._dirty = False            # True while a step may have partly updated the state
         self._initial: dict | None = None   # host copy of the step-0 state
@@ -177,7 +193,7 @@ class MegatronEngine:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                               get_gpt_layer_with_transformer_engine_spec)
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer import TransformerConfig
         from megatron.core.transformer.module import Float16Module
@@ -220,6 +236,9 @@ class MegatronEngine:
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=0.0, lr_warmup_steps=0,
             lr_decay_steps=updates, lr_decay_style="cosine", start_wd=t.weight_decay,
             end_wd=t.weight_decay, wd_incr_steps=updates, wd_incr_style="constant")
+        for o in self.optimizer.chained_optimizers:
+            if isinstance(o, DistributedOptimizer):
+                o._set_main_param_and_optimizer_states = functools.partial(_set_main_param_and_state, o)
         tc.finalize_model_grads_func = finalize_model_grads
         tc.grad_scale_func = self.optimizer.scale_loss
         self._init_optimizer_state()
@@ -241,6 +260,8 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         mb: TrainingBatch = next(data_iterator)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         cp, cp_rank = self.dims.cp, ps.get_context_parallel_rank()
         pos = torch.arange(mb.input_ids.shape[1], device=self.device).expand_as(mb.input_ids)
         out = model(cp_split(mb.input_ids, cp, cp_rank), cp_split(pos, cp, cp_rank), None)
@@ -302,8 +323,10 @@ class MegatronEngine:
         for mini in batch.chunk(t.global_batch_size // t.mini_batch_size):
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
+            self.fault_point("before_allreduce")
             out = self._run(mini.chunk(len(mini) // micro), forward_only=False)
             _, grad_norm, _ = self.optimizer.step()
+            self.fault_point("after_optimizer_step")
             self.scheduler.step(increment=1)
             norms.append(float(grad_norm or 0.0))
             if last:
@@ -361,6 +384,7 @@ class MegatronEngine:
         if self.step > 0 and not self.cfg.model.distributed_optimizer:
             self._snapshot = self._host_copy(self._train_state(), self._snapshot)
         self._dirty = True
+        self.step_start_progress = self.progress
 
     def rollback(self, step: int) -> bool:
         """Return to the state after committed step `step` without any transfer: the live state
@@ -473,6 +497,10 @@ class MegatronEngine:
                                          self._local_dir(ckpt, manifest.step))
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
+        for o in self.optimizer.chained_optimizers:  # Megatron sets one shared 'step' tensor for
+            for s in o.optimizer.state.values():      # all params; AdamW would add 1 per param
+                if "step" in s:
+                    s["step"] = s["step"].clone()
         self.scheduler.num_steps = int(loaded["sched_steps"])
         self.scheduler.step(increment=0)
         if same:

@@ -58,7 +58,8 @@ class TorchEngine:
         self._initial_model = copy.deepcopy(self.model.state_dict())
         self.ddp: DDP | None = None
         self.dp_group = None
-        self.progress = 0              # micro-batches + buckets all-reduced in the current step
+        self.progress = 0              # micro-batches + buckets all-reduced, ever (monotonic)
+        self.step_start_progress = 0   # `progress` when the current step started
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
@@ -79,10 +80,12 @@ class TorchEngine:
     # -- process groups ----------------------------------------------------------------------
     def connect(self, dims: ParallelDims, rank: int) -> None:
         """Wrap the model in DDP over this generation's DP group (the default group must exist).
-        DDP's constructor broadcasts rank 0's parameters; all replicas already hold equal ones."""
+        `init_sync=False`: DDP must not broadcast rank 0's weights when a generation forms (rank 0
+        may be a fresh spare); recovery restores state explicitly (rollback / broadcast_from)."""
         # The torch engine is data-parallel only (config validation), so the DP group is WORLD.
         self.dp_group = dist.group.WORLD
-        self.ddp = DDP(self.model, process_group=self.dp_group, broadcast_buffers=False)
+        self.ddp = DDP(self.model, process_group=self.dp_group, broadcast_buffers=False,
+                       init_sync=False)
         self.ddp.register_comm_hook(self.dp_group, self._allreduce_hook)
 
     def _allreduce_hook(self, group, bucket):
@@ -192,7 +195,7 @@ class TorchEngine:
         Step 0 needs no copy: `reset()` rebuilds it."""
         self._snapshot = None if self.step == 0 else copy.deepcopy(self._train_state())
         self._dirty = True
-        self.progress = 0
+        self.step_start_progress = self.progress
 
     def rollback(self, step: int) -> bool:
         """Return to the state after committed step `step` without any transfer: the live state

@@ -11,9 +11,9 @@ import pytest  # noqa: E402
 from storage_servers import gcs_server, s3_server  # noqa: E402,F401  (fixtures)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray instance for the whole test session (8 logical CPUs on any machine)."""
+    """A local Ray instance per test module (8 logical CPUs on any machine)."""
     import ray
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,

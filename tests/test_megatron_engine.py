@@ -1,7 +1,6 @@
 """GPU tests of `megatron_engine.MegatronEngine` (marker `gpu`; skipped without enough GPUs).
 
-Each test spawns one process per GPU (CUDA_VISIBLE_DEVICES = its rank, as Ray gives an actor
-one GPU) and drives the engine the way `MegatronActor` does: process-group generations through
+Each test spawns one process per GPU (process r uses GPU r) and drives the engine the way `MegatronActor` does: process-group generations through
 one TCPStore with a fresh prefix each, `connect`, `train_step`, checkpoints committed by rank 0
 through `CheckpointManager`, rollback and peer broadcast. Workers report (rank, result or
 traceback) through a queue; the test asserts on the results.
@@ -46,7 +45,8 @@ def _join(engine, store, gen, rank, dims):
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("nccl", store=dist.PrefixStore(f"gen{gen}", store), rank=rank,
-                            world_size=dims.world_size, device_id=torch.device("cuda", 0))
+                            world_size=dims.world_size,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
     engine.connect(dims, rank)
 
 
@@ -152,11 +152,10 @@ def _scenarios(rank, world, store, tmp) -> dict:
 
 
 def _worker(rank, world, port, tmp, queue):
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     try:
         import torch.distributed as dist
 
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
         queue.put((rank, _scenarios(rank, world, store, tmp)))
     except Exception:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run one GPU demo layout of `main.py demo` (reference run, then the same steps with ranks
 # killed and replaced by spares) and keep its evidence: NAME.cmd, NAME.log, NAME.json in DEST.
-# Usage (repo root, GPU machine): bash bench/results/gpu/run_demo.sh NAME small|1b DEST [main.py args]
+# Usage (repo root, GPU machine): bash bench/results/gpu/run_demo.sh NAME small|medium|1b DEST [main.py args]
 # Workers and spares share the GPUs (gpus_per_actor 0.5: 2 workers + 2 spares on 2 GPUs).
 set -o pipefail
 name=$1 size=$2 dest=$3
@@ -14,11 +14,15 @@ case $size in
  --set model.ffn_hidden_size=512 --set model.vocab_size=1000 --set model.max_seq_len=128
  --set train.seq_len=128 --set train.global_batch_size=8 --set train.mini_batch_size=4
  --set train.micro_batch_size=1" ;;
+  medium) model="--set model.num_layers=8 --set model.hidden_size=1024 --set model.num_heads=16
+ --set model.ffn_hidden_size=2816 --set model.vocab_size=32000 --set model.max_seq_len=1024
+ --set train.seq_len=1024 --set train.global_batch_size=8 --set train.mini_batch_size=4
+ --set train.micro_batch_size=1 --set train.lr=0.0001" ;;
   1b) model="--set model.num_layers=24 --set model.hidden_size=2048 --set model.num_heads=16
  --set model.ffn_hidden_size=5632 --set model.vocab_size=32000 --set model.max_seq_len=2048
  --set train.seq_len=2048 --set train.global_batch_size=8 --set train.mini_batch_size=4
  --set train.micro_batch_size=1 --set train.lr=0.0001" ;;
-  *) echo "size must be small or 1b" >&2; exit 2 ;;
+  *) echo "size must be small, medium or 1b" >&2; exit 2 ;;
 esac
 mkdir -p "$dest"
 cmd="python3 main.py demo --summary $dest/$name.json $(echo $common $model) $*"
