@@ -1,0 +1,118 @@
+"""Recovery benchmark: our in-place recovery vs. a full job restart, measured in one run.
+
+(i) Recovery: a DP replica is killed with `ray.kill` between steps; the next step detects it,
+    a pre-warmed spare replaces it, groups are rebuilt, state comes from peers, the step runs.
+    Time = detect + abort + replace + rebuild + restore + first step (RecoveryTimeline).
+(ii) Full restart, as a job restart would do it: detect (same as (i)), then every actor torn down
+    and the placement group removed, a new placement group and actors (imports, model build),
+    a new process-group generation, the newest checkpoint loaded, and the first step re-run.
+
+Usage: python bench/recovery.py [--repeats 3] [--config config.yaml] [--set a.b=v ...]
+Prints a table and writes bench/results/recovery_<device>.json:
+{"recovery_s", "full_restart_s", "ratio", "steps_lost", "full_restart_steps_lost", "detect_s",
+ "timeline", "runs", "config"} (medians over repeats; `timeline` is the median run's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+
+from config import load_config, resolve  # noqa: E402
+from main import start_ray  # noqa: E402
+from megatron_actor import MegatronActorGroup  # noqa: E402
+from trainer import Trainer  # noqa: E402
+
+
+def kill_replica(trainer: Trainer, replica: int) -> None:
+    for r in trainer.group.dims.replica_ranks(replica):
+        ray.kill(trainer.group.workers[r].handle, no_restart=True)
+    trainer.failed_at = time.time()
+
+
+def full_restart(cfg, detect_s: float) -> float:
+    """Seconds from the failure to the first step done after a whole-job restart from the newest
+    checkpoint (the steps since that checkpoint are lost on top of this)."""
+    t0 = time.perf_counter()
+    group = MegatronActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        manifest = trainer.ckpt.latest_verified()
+        group.call("load_checkpoint", manifest)
+        trainer.committed_step = manifest.step
+        trainer.train(manifest.step + 1)
+        return detect_s + time.perf_counter() - t0
+    finally:
+        group.shutdown()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "config.yaml"))
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/recovery_<device>.json)")
+    args = p.parse_args(argv)
+    run_dir = f"/tmp/bench_recovery_{int(time.time())}"
+    cfg = resolve(load_config(args.config, [f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt",
+                                            "checkpoint.interval=2", *args.overrides]))
+    if cfg.cluster.num_spares < args.repeats * len(cfg.dims.replica_ranks(0)):
+        sys.exit(f"--repeats {args.repeats} needs cluster.num_spares >= {args.repeats * len(cfg.dims.replica_ranks(0))}")
+    start_ray(cfg)
+
+    group = MegatronActorGroup(cfg)
+    trainer = Trainer(cfg, group)
+    trainer.train(3)  # kills land between checkpoints (every 2 steps), as failures do
+    committed_at_kill = []
+    for i in range(args.repeats):
+        kill_replica(trainer, 1 + i % (cfg.dims.dp - 1) if cfg.dims.dp > 1 else 0)
+        committed_at_kill.append(trainer.committed_step)
+        trainer.train(trainer.committed_step + 2)   # detect + recover + first step, then one more
+    timelines = trainer.recoveries
+    group.shutdown()
+    restarts = []
+    for i, tl in enumerate(timelines[: max(1, args.repeats - 1)]):
+        restarts.append({"full_restart_s": full_restart(cfg, tl.detect_s),
+                         "steps_lost": committed_at_kill[i] % cfg.checkpoint.interval})
+
+    totals = [t.total_s for t in timelines]
+    median_tl = sorted(timelines, key=lambda t: t.total_s)[len(timelines) // 2]
+    result = {
+        "recovery_s": statistics.median(totals),
+        "full_restart_s": statistics.median(r["full_restart_s"] for r in restarts),
+        "steps_lost": max(t.steps_lost for t in timelines),
+        "full_restart_steps_lost": max(r["steps_lost"] for r in restarts),
+        "detect_s": statistics.median(t.detect_s for t in timelines),
+        "timeline": median_tl.to_dict(),
+        "runs": {"recoveries": [t.to_dict() for t in timelines], "full_restarts": restarts},
+        "config": {"device": cfg.cluster.device, "engine": cfg.model.engine,
+                   "workers": cfg.cluster.num_workers, "spares": cfg.cluster.num_spares,
+                   "tp": cfg.dims.tp, "pp": cfg.dims.pp, "cp": cfg.dims.cp, "dp": cfg.dims.dp,
+                   "date": time.strftime("%Y-%m-%d")},
+    }
+    result["ratio"] = result["full_restart_s"] / result["recovery_s"]
+    print(f"\n{'phase':<14}{'seconds':>10}")
+    for phase in (*median_tl.PHASES, "total_s"):
+        print(f"{phase[:-2]:<14}{median_tl.to_dict()[phase]:>10.3f}")
+    print(f"\n{'':<26}{'ours':>10}{'full restart':>14}")
+    print(f"{'time to first step (s)':<26}{result['recovery_s']:>10.3f}{result['full_restart_s']:>14.3f}")
+    print(f"{'steps lost':<26}{result['steps_lost']:>10}{result['full_restart_steps_lost']:>14}")
+    print(f"ratio full restart / ours: {result['ratio']:.1f}x  (medians over {args.repeats} recoveries, "
+          f"{len(restarts)} restarts)")
+    out = Path(args.out or ROOT / "bench" / "results" / f"recovery_{cfg.cluster.device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Node loss: several Ray nodes on one machine (`ray.cluster_utils.Cluster`), one removed while
+training; its actors (a worker and the spares on it) die, the lost rank is replaced by a spare
+on another node, and the losses equal the run without failure."""
+import os
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from config import load_config, resolve
+from megatron_actor import MegatronActorGroup
+from trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [c.add_node(num_cpus=2) for _ in range(3)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def make_cfg(tmp_path, spares):
+    return resolve(load_config("config.yaml", [
+        "cluster.num_nodes=3", "cluster.num_workers=2", f"cluster.num_spares={spares}",
+        "cluster.cpus_per_actor=0.5", "train.steps=4", "fault_tolerance.health_timeout_s=2",
+        f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt"]), num_gpus=0)
+
+
+def test_node_removed_mid_run_recovers_on_other_node(cluster, tmp_path):
+    c, nodes = cluster
+    ref_group = MegatronActorGroup(make_cfg(tmp_path / "ref", 0))
+    try:
+        ref = Trainer(ref_group.cfg, ref_group)
+        ref.train(4)
+    finally:
+        ref_group.shutdown()
+
+    cfg = make_cfg(tmp_path / "run", 4)
+    group = MegatronActorGroup(cfg)
+    try:
+        assert len({s.node_id for s in group.workers + group.pool.spares}) == 3  # SPREAD
+        trainer = Trainer(cfg, group)
+        trainer.train(2)
+        victim = group.workers[1].node_id
+        (node,) = [n for n in nodes if n.node_id == victim]
+        c.remove_node(node)
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert tl.kind == "crash" and 1 in tl.failed_ranks and tl.failed_nodes[0] == victim
+        assert all(s.node_id != victim for s in group.workers)
+        assert trainer.losses == ref.losses
+    finally:
+        group.shutdown()
