@@ -62,6 +62,7 @@ class MegatronActor:
         self.faults: dict[str, str] = {}  # point -> kind, armed by arm_fault
         self._abort_epoch = 0             # bumped by abort(): cancels a join in progress
         self._store = None                # ((host, port), TCPStore client of the driver's store)
+        self._pending_save = None         # futures of an async checkpoint write
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     def fault_point(self, point: str) -> None:
@@ -185,11 +186,23 @@ class MegatronActor:
         self.fault_point("step_start")
         return self.engine.train_step(batch, step)
 
-    def save_checkpoint(self, generation: int, step: int) -> list[FileEntry]:
-        """Write this rank's shards of step `step`; returns the files written."""
+    def save_checkpoint(self, generation: int, step: int, async_save: bool = False) -> list[FileEntry] | None:
+        """Write this rank's shards of step `step`; returns the files written. With `async_save`
+        the state is snapshotted to host memory and written in the background: returns None,
+        and `finish_checkpoint` returns the files once written."""
         self._check(generation)
         self.fault_point("during_save")
-        return self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank)
+        if not async_save:
+            return self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank)
+        self._pending_save = self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank, True)
+        return None
+
+    def finish_checkpoint(self, generation: int) -> list[FileEntry]:
+        """Wait for the background write started by `save_checkpoint(async_save=True)`; returns
+        its files. Raises CheckpointError if the write failed."""
+        self._check(generation)
+        futures, self._pending_save = self._pending_save or [], None
+        return [f for future in futures for f in future.result()]
 
     def load_checkpoint(self, generation: int, manifest: Manifest) -> int:
         """Load this rank's state from a committed, verified checkpoint; returns its step."""

@@ -171,14 +171,19 @@ class TorchEngine:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self._dirty = int(state["step"]), False
 
-    def save_checkpoint(self, ckpt, step: int, dims: ParallelDims, rank: int) -> list:
+    def save_checkpoint(self, ckpt, step: int, dims: ParallelDims, rank: int,
+                        async_save: bool = False) -> list:
         """Write this rank's shards of checkpoint `step` through `ckpt` (a CheckpointManager; no
         collective): the replicated model/optimizer/scheduler state from DP rank 0 only
-        (`model`), and every rank's RNG state (`rng_rank{r}`). Returns the FileEntry list."""
-        files = ckpt.save_shard(step, f"rng_rank{rank}", {"torch_cpu": torch.get_rng_state()})
+        (`model`), and every rank's RNG state (`rng_rank{r}`). Returns the FileEntry list; with
+        `async_save`, a list of Futures of FileEntry lists: the state is copied to host memory
+        before this returns and written in the background while training goes on."""
+        shards = {f"rng_rank{rank}": {"torch_cpu": torch.get_rng_state()}}
         if dims.coords(rank).dp == 0:
-            files += ckpt.save_shard(step, "model", self._train_state())
-        return files
+            shards["model"] = self._train_state()
+        if async_save:
+            return [ckpt.async_save_shard(step, name, state) for name, state in shards.items()]
+        return [f for name, state in shards.items() for f in ckpt.save_shard(step, name, state)]
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Load this rank's state in place from the committed checkpoint `manifest` (shards are

@@ -43,6 +43,8 @@ class Trainer:
         self.failed_at: float | None = None  # set by fault injection: when the fault happened
         self._resume_t: float | None = None
         self.step_times: list[float] = []
+        self.save_stalls: list[float] = []   # seconds training waited for each save
+        self._pending_save: tuple[int, float] | None = None  # (step, start) of an async save
         self._chaos_fired: set[int] = set()
 
     def batch(self, step: int):
@@ -84,11 +86,15 @@ class Trainer:
         """Train until `committed_step == until_step`, recovering from failures on the way.
         `after_step(trainer, step)` is called after each committed step (demos inject faults
         there). Raises RecoveryError when recovery is impossible."""
-        while self.committed_step < until_step:
-            step = self.committed_step + 1
+        while True:
             try:
+                if self.committed_step >= until_step:
+                    self.finish_save()
+                    return
+                step = self.committed_step + 1
                 loss = self._step(step)
                 self._commit_step(step, loss)
+                self.finish_save()
                 interval = self.cfg.checkpoint.interval
                 if interval and step % interval == 0:
                     self.save(step)
@@ -112,16 +118,33 @@ class Trainer:
             self._resume_t = None
 
     def save(self, step: int) -> None:
-        """Every rank writes its shards; the driver commits the manifest last."""
+        """Every rank writes its shards; the driver commits the manifest last. With
+        `checkpoint.async_save` the ranks only snapshot to host memory here (the training stall)
+        and the commit happens after the next step, or at the end of `train`."""
+        self.finish_save()
         t0 = time.perf_counter()
-        per_rank = self.group.call("save_checkpoint", step)
+        if self.cfg.checkpoint.async_save:
+            self.group.call("save_checkpoint", step, True)
+            self._pending_save = (step, t0)
+            self.save_stalls.append(time.perf_counter() - t0)
+            return
+        self._commit_save(step, self.group.call("save_checkpoint", step), t0)
+        self.save_stalls.append(time.perf_counter() - t0)
+
+    def finish_save(self) -> None:
+        """Commit the pending async save once every rank's files are written."""
+        if self._pending_save is not None:
+            (step, t0), self._pending_save = self._pending_save, None
+            self._commit_save(step, self.group.call("finish_checkpoint"), t0)
+
+    def _commit_save(self, step: int, per_rank: list, t0: float) -> None:
         files = [f for rank_files in per_rank for f in rank_files]
         d = self.group.dims
         self.ckpt.commit(step, {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp,
                                 "dp": d.dp, "engine": self.cfg.model.engine}, files,
                          {"generation": self.group.generation})
         self.checkpoints.append(step)
-        log.info("checkpoint step %d committed in %.2f s", step, time.perf_counter() - t0)
+        log.info("checkpoint step %d committed %.2f s after the save started", step, time.perf_counter() - t0)
 
     def report(self) -> str:
         """A table of every recovery's phases (seconds), source and steps lost."""
@@ -135,6 +158,7 @@ class Trainer:
     def handle_failure(self, failure: WorkerFailure) -> RecoveryTimeline:
         """Recover from `failure` and move `committed_step` back to the restored step."""
         log.warning("failure detected: %s", failure)
+        self._pending_save = None  # its shards stay uncommitted: never loaded, later deleted
         tl = recover(self.group, failure, self.ckpt, self.committed_step, self.failed_at)
         self.failed_at = None
         self.recoveries.append(tl)

@@ -12,11 +12,22 @@ from storage_servers import gcs_server, s3_server  # noqa: E402,F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    """A local Ray instance per test module (8 logical CPUs on any machine)."""
+def ray_session(s3_server, gcs_server):
+    """A local Ray instance per test module (8 logical CPUs on any machine). Driver and actors
+    reach the loopback S3 / GCS servers through the usual environment variables."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    env = {"PYTHONPATH": ROOT, "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_EMULATOR_HOST": gcs_server.endpoint_url,
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -62,3 +62,16 @@ def test_checkpoint_restore_skips_half_written_and_replays(reference, tmp_path):
     assert trainer.losses == reference[0]
     assert trainer.replayed == {2: [reference[0][2]]}  # the replayed step computed the same loss
     assert digests == reference[1]
+
+
+@pytest.mark.parametrize("storage", ["s3", "gcs"])
+def test_checkpoint_restore_from_object_storage(reference, tmp_path, storage, request):
+    """Resumed from an S3 / GCS checkpoint (loopback servers), async save: same losses as the
+    run without failure (and so as a resume from local disk, tested above)."""
+    server = request.getfixturevalue(f"{storage}_server")
+    cfg = make_cfg(tmp_path, "fault_tolerance.restore=checkpoint", "checkpoint.async_save=true",
+                   f"checkpoint.uri={server.uri(tmp_path.name)}")
+    trainer, digests, _ = run(cfg, kill_rank=1)
+    (tl,) = trainer.recoveries
+    assert tl.restore_source == "checkpoint step 1" and trainer.checkpoints == [1]
+    assert trainer.losses == reference[0] and digests == reference[1]
