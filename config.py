@@ -83,6 +83,7 @@ class CheckpointConfig:
     interval: int = 2
     keep_last: int = 2
     async_save: bool = False
+    retry_budget_s: float = 60.0
 
 
 @dataclass
@@ -114,6 +115,12 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     run_dir: str = "runs/demo"
+
+    def checkpoint_manager(self):
+        """The CheckpointManager of `checkpoint.*` (driver and actors build the same one)."""
+        from checkpoint import CheckpointManager
+        k = self.checkpoint
+        return CheckpointManager(k.uri, k.keep_last, retry_budget_s=k.retry_budget_s)
 
     @property
     def dims(self) -> ParallelDims:
@@ -254,6 +261,7 @@ def validate(cfg: Config) -> None:
     _require(bool(k.uri), "checkpoint.uri", "must be a path, file://, s3:// or gs:// URI")
     _require(k.interval >= 0, "checkpoint.interval", "must be >= 0 (0 disables checkpoints)")
     _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    _require(k.retry_budget_s > 0, "checkpoint.retry_budget_s", "must be > 0 seconds")
     f = cfg.fault_tolerance
     for name in ("health_interval_s", "health_timeout_s", "step_timeout_s", "min_step_timeout_s",
                  "rendezvous_timeout_s"):

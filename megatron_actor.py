@@ -27,7 +27,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from checkpoint import CheckpointManager, FileEntry, Manifest
+from checkpoint import CheckpointError, Manifest
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from dispatch import dispatch_remote, get_dispatch_type
 from parallel_dims import ParallelDims
@@ -58,7 +58,7 @@ class MegatronActor:
         self.generation: int | None = None
         self.rank: int | None = None
         self.dims: ParallelDims | None = None
-        self.ckpt = CheckpointManager(cfg.checkpoint.uri, cfg.checkpoint.keep_last)
+        self.ckpt = cfg.checkpoint_manager()
         self.faults: dict[str, str] = {}  # point -> kind, armed by arm_fault
         self._abort_epoch = 0             # bumped by abort(): cancels a join in progress
         self._store = None                # ((host, port), TCPStore client of the driver's store)
@@ -186,23 +186,30 @@ class MegatronActor:
         self.fault_point("step_start")
         return self.engine.train_step(batch, step)
 
-    def save_checkpoint(self, generation: int, step: int, async_save: bool = False) -> list[FileEntry] | None:
-        """Write this rank's shards of step `step`; returns the files written. With `async_save`
-        the state is snapshotted to host memory and written in the background: returns None,
-        and `finish_checkpoint` returns the files once written."""
+    def save_checkpoint(self, generation: int, step: int, async_save: bool = False) -> list | str | None:
+        """Write this rank's shards of step `step`; returns the files written, or the message of
+        a storage error (CheckpointError: storage down past the retry budget), which is not a
+        failure of this rank. With `async_save` the state is snapshotted to host memory and
+        written in the background: returns None; `finish_checkpoint` returns the files."""
         self._check(generation)
         self.fault_point("during_save")
-        if not async_save:
-            return self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank)
-        self._pending_save = self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank, True)
+        try:
+            if not async_save:
+                return self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank)
+            self._pending_save = self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank, True)
+        except CheckpointError as e:
+            return str(e)
         return None
 
-    def finish_checkpoint(self, generation: int) -> list[FileEntry]:
+    def finish_checkpoint(self, generation: int) -> list | str:
         """Wait for the background write started by `save_checkpoint(async_save=True)`; returns
-        its files. Raises CheckpointError if the write failed."""
+        its files, or the message of its storage error."""
         self._check(generation)
         futures, self._pending_save = self._pending_save or [], None
-        return [f for future in futures for f in future.result()]
+        try:
+            return [f for future in futures for f in future.result()]
+        except CheckpointError as e:
+            return str(e)
 
     def load_checkpoint(self, generation: int, manifest: Manifest) -> int:
         """Load this rank's state from a committed, verified checkpoint; returns its step."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from checkpoint import CheckpointManager
+from checkpoint import CheckpointError
 from config import Config
 from fault_tolerance import RecoveryTimeline, recover
 from megatron_actor import MegatronActorGroup, WorkerFailure
@@ -32,7 +32,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, group: MegatronActorGroup):
         self.cfg, self.group = cfg, group
-        self.ckpt = CheckpointManager(cfg.checkpoint.uri, cfg.checkpoint.keep_last)
+        self.ckpt = cfg.checkpoint_manager()
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.committed_step = 0
@@ -40,6 +40,7 @@ class Trainer:
         self.replayed: dict[int, list[float]] = {}
         self.recoveries: list[RecoveryTimeline] = []
         self.checkpoints: list[int] = []
+        self.failed_saves: list[int] = []   # steps whose save hit a storage error
         self.failed_at: float | None = None  # set by fault injection: when the fault happened
         self._resume_t: float | None = None
         self.step_times: list[float] = []
@@ -138,11 +139,21 @@ class Trainer:
             self._commit_save(step, self.group.call("finish_checkpoint"), t0)
 
     def _commit_save(self, step: int, per_rank: list, t0: float) -> None:
-        files = [f for rank_files in per_rank for f in rank_files]
+        """Commit unless a rank's write or the commit hit a storage error: then the save is
+        skipped with a warning, training goes on and the previous checkpoint stays."""
+        errors = [r for r in per_rank if isinstance(r, str)]
         d = self.group.dims
-        self.ckpt.commit(step, {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp,
-                                "dp": d.dp, "engine": self.cfg.model.engine}, files,
-                         {"generation": self.group.generation})
+        try:
+            if errors:
+                raise CheckpointError(errors[0])
+            self.ckpt.commit(step, {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp,
+                                    "dp": d.dp, "engine": self.cfg.model.engine},
+                             [f for rank_files in per_rank for f in rank_files],
+                             {"generation": self.group.generation})
+        except CheckpointError as e:
+            log.warning("checkpoint step %d NOT committed (training goes on): %s", step, e)
+            self.failed_saves.append(step)
+            return
         self.checkpoints.append(step)
         log.info("checkpoint step %d committed %.2f s after the save started", step, time.perf_counter() - t0)
 

@@ -75,3 +75,24 @@ def test_checkpoint_restore_from_object_storage(reference, tmp_path, storage, re
     (tl,) = trainer.recoveries
     assert tl.restore_source == "checkpoint step 1" and trainer.checkpoints == [1]
     assert trainer.losses == reference[0] and digests == reference[1]
+
+
+def test_storage_outage_skips_save_and_training_goes_on(reference, tmp_path, s3_server):
+    cfg = make_cfg(tmp_path, "checkpoint.interval=1", "checkpoint.retry_budget_s=2",
+                   f"checkpoint.uri={s3_server.uri(tmp_path.name)}")
+    group = MegatronActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(2)
+        s3_server.stop()
+        try:
+            trainer.train(3)
+        finally:
+            s3_server.start()
+        trainer.train(4)
+    finally:
+        group.shutdown()
+    assert not trainer.recoveries                    # a storage outage is not a worker failure
+    assert trainer.failed_saves == [3] and trainer.checkpoints == [1, 2, 4]
+    assert trainer.ckpt.latest_verified().step == 4
+    assert trainer.losses == reference[0]
