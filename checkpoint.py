@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -54,6 +55,7 @@ from typing import Any, Callable
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 logger = logging.getLogger(__name__)
 # DCP warns on every no_dist call that it "assumes a single process": that is the intent here.
@@ -227,7 +229,7 @@ class CheckpointManager:
             problems = [p for f in expected if (p := _check_local_file(step_dir, f))]
             if problems:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
-        reader = dcp.FileSystemReader(os.path.join(step_dir, name))
+        reader = _SafeReader(os.path.join(step_dir, name))
         _wrap(f"loading shard {name!r} from {where}", dcp.load, state_dict, storage_reader=reader, no_dist=True)
         return state_dict
 
@@ -433,13 +435,44 @@ def _step_dir(step: int) -> str:
 
 def _parse_manifest(data: bytes) -> Manifest:
     raw = json.loads(data)
-    return Manifest(
+    manifest = Manifest(
         step=int(raw["step"]),
         layout=dict(raw["layout"]),
         files=[FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in raw["files"]],
         extra=dict(raw["extra"]),
         created_at=float(raw["created_at"]),
     )
+    for f in manifest.files:  # a manifest must not point outside its step directory
+        if f.path.startswith("/") or ".." in f.path.split("/") or "\\" in f.path:
+            raise ValueError(f"file path {f.path!r} escapes the checkpoint directory")
+    return manifest
+
+
+# What a DCP `.metadata` pickle may reference (read off torch 2.13's own files). Anything else,
+# e.g. `os.system`, is refused: a checkpoint must never run code when loaded.
+_METADATA_GLOBALS = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if ((module, name) in _METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata"
+                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata references {module}.{name}: refused")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader, with `.metadata` read by a restricted unpickler (DCP itself reads
+    tensors and objects with `torch.load(weights_only=True)`, but the metadata with `pickle`)."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _protocols(fs) -> tuple:
