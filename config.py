@@ -301,7 +301,7 @@ def _validate_megatron(cfg: Config, dims: ParallelDims) -> None:
 
 CHAOS_KINDS = ("kill", "exception", "hang", "slow", "node")
 CHAOS_POINTS = ("step_start", "before_allreduce", "inside_allreduce", "after_optimizer_step",
-                "during_save", "during_recovery")
+                "during_save", "mid_save", "during_recovery")
 
 
 def _validate_chaos_event(ev, name: str, world_size: int) -> None:

@@ -183,7 +183,11 @@ class TorchEngine:
             shards["model"] = self._train_state()
         if async_save:
             return [ckpt.async_save_shard(step, name, state) for name, state in shards.items()]
-        return [f for name, state in shards.items() for f in ckpt.save_shard(step, name, state)]
+        files = []
+        for name, state in shards.items():
+            files += ckpt.save_shard(step, name, state)
+            self.fault_point("mid_save")  # fault injection: some shards written, not all
+        return files
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Load this rank's state in place from the committed checkpoint `manifest` (shards are

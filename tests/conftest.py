@@ -23,7 +23,8 @@ def ray_session(s3_server, gcs_server):
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
     for k, v in saved.items():
