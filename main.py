@@ -1,10 +1,14 @@
-"""Command line: `python main.py demo|train [--config FILE] [--set a.b=value ...]`.
+"""Fault-tolerant training on Ray: `python main.py {demo,train} [options]`.
 
 demo  : reference run without failure, then the same steps with one whole DP replica killed
         (train a step, checkpoint, train a step, kill, detect, recover from spares, replay,
         two more steps); prints both loss columns and the recovery timeline; exits 1 unless
         the losses match (bitwise on CPU).
-train : `train.steps` steps with automatic failure detection and recovery.
+train : `train.steps` steps with automatic failure detection and recovery (inject failures
+        with `--set chaos.events=[...]`), a progress bar on a terminal, and a report at the end.
+
+Both write to `run_dir`: recoveries.jsonl, loss.png, recoveries.png (demo: demo.json too).
+Exit status: 0 ok, 1 demo losses differ, 2 config error.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ from config import Config, ConfigError, load_config, resolve
 log = logging.getLogger("main")
 
 
-def start_ray(cfg: Config) -> None:
-    """Join `cluster.ray_address`, or start a local Ray with enough logical CPUs for every actor."""
+def start_ray(cfg: Config, log_to_driver: bool = False) -> None:
+    """Join `cluster.ray_address`, or start a local Ray with enough logical CPUs for every actor.
+    `log_to_driver`: forward the actors' stdout/stderr to this process (--verbose)."""
     import os
 
     import ray
@@ -31,11 +36,80 @@ def start_ray(cfg: Config) -> None:
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     c = cfg.cluster
     if c.ray_address:
-        ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=False)
+        ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=log_to_driver)
         return
     needed = math.ceil((c.num_workers + c.num_spares) * c.cpus_per_actor)
-    ray.init(num_cpus=c.ray_num_cpus or max(needed, 1), include_dashboard=False,
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=c.ray_num_cpus or max(needed, 1), include_dashboard=False,
+             log_to_driver=log_to_driver)
+
+
+def log_placement(group) -> None:
+    """One `event=placement` line per rank and spare: node, device, bundle, (tp, cp, dp, pp)."""
+    for r, slot in enumerate(group.workers):
+        c = group.dims.coords(r)
+        log.info("event=placement role=rank rank=%d tp=%d cp=%d dp=%d pp=%d node=%s node_ip=%s "
+                 "device=%s bundle=%d", r, c.tp, c.cp, c.dp, c.pp, slot.node_id[:8], slot.node_ip,
+                 slot.device[1], slot.bundle_index)
+    for slot in group.pool.spares:
+        log.info("event=placement role=spare node=%s node_ip=%s device=%s bundle=%d",
+                 slot.node_id[:8], slot.node_ip, slot.device[1], slot.bundle_index)
+
+
+def placement_plan(cfg: Config) -> list[dict]:
+    """The planned placement, computed from the config without starting Ray: bundle i goes to
+    node i % num_nodes (SPREAD, num_nodes > 1) or node 0 (PACK), and on GPU to the node's GPU
+    (local index // actors per GPU), actors per GPU = 1 / cluster.gpus_per_actor; then the run's
+    own `assign_roles` picks ranks (one per device first) and spares. Ray decides the real
+    nodes and GPUs at run time; they are logged as `event=placement` lines."""
+    from megatron_actor import ActorSlot, assign_roles
+
+    c = cfg.cluster
+    per_gpu = max(1, int(1 / c.gpus_per_actor + 1e-9))
+    slots = []
+    for i in range(c.num_workers + c.num_spares):
+        node, local = i % c.num_nodes, i // c.num_nodes
+        gpu = [local // per_gpu] if c.device == "cuda" else []
+        slots.append(ActorSlot(None, f"node{node}", f"node{node}", gpu, i))
+    workers, spares = assign_roles(slots, c.num_workers)
+    rows = [{"role": "rank", "rank": r, **dataclasses.asdict(cfg.dims.coords(r)), "slot": s}
+            for r, s in enumerate(workers)]
+    return rows + [{"role": "spare", "slot": s} for s in spares]
+
+
+def print_dry_run(cfg: Config) -> None:
+    """Print the resolved config (YAML) and the planned placement; nothing is started."""
+    import yaml
+
+    print("# resolved config")
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    c, d = cfg.cluster, cfg.dims
+    print(f"\n# planned placement (from the config, Ray not started): tp={d.tp} cp={d.cp} dp={d.dp} "
+          f"pp={d.pp}, {c.num_workers} ranks + {c.num_spares} spares, one placement-group bundle each "
+          f"({c.cpus_per_actor} CPU" + (f", {c.gpus_per_actor} GPU)" if c.device == "cuda" else ")"))
+    print(f"{'role':<6} {'rank':>4} {'tp':>3} {'cp':>3} {'dp':>3} {'pp':>3}  {'bundle':>6}  {'node':<8} device")
+    for row in placement_plan(cfg):
+        s = row["slot"]
+        dev = f"GPU {s.gpu_ids[0]}" if s.gpu_ids else "CPU"
+        coords = " ".join(f"{row[k]:>3}" for k in ("tp", "cp", "dp", "pp")) if row["role"] == "rank" else " " * 15
+        print(f"{row['role']:<6} {row.get('rank', ''):>4} {coords}  {s.bundle_index:>6}  {s.node_id:<8} {dev}")
+    if c.device == "cuda" and c.gpus_per_node:
+        per_node = -(-(c.num_workers + c.num_spares) // c.num_nodes)
+        need = -(-per_node // max(1, int(1 / c.gpus_per_actor + 1e-9)))
+        if need > c.gpus_per_node:
+            print(f"WARNING: {need} GPUs per node needed, cluster.gpus_per_node={c.gpus_per_node}: "
+                  f"the placement group will not fit; lower cluster.num_spares or cluster.gpus_per_actor")
+
+
+def write_plots(cfg: Config, series: dict, recoveries: list[dict], replayed: dict) -> None:
+    """loss.png and recoveries.png in `run_dir` (see plots.py)."""
+    from pathlib import Path
+
+    from plots import plot_loss, plot_recoveries
+
+    run_dir = Path(cfg.run_dir)
+    for path in (plot_loss(run_dir / "loss.png", series, recoveries, replayed),
+                 plot_recoveries(run_dir / "recoveries.png", recoveries)):
+        log.info("event=plot path=%s", path)
 
 
 def run_steps(cfg: Config, kill_replica: int | None, kill_ranks: list[int] | None = None) -> dict:
@@ -48,15 +122,15 @@ def run_steps(cfg: Config, kill_replica: int | None, kill_ranks: list[int] | Non
 
     group = MegatronActorGroup(cfg)
     try:
-        for line in group.describe():
-            log.info("placement: %s", line)
+        log_placement(group)
         trainer = Trainer(cfg, group)
         trainer.train(1)
         trainer.save(1)
         trainer.train(2)
         if kill_ranks or kill_replica is not None:
             ranks = kill_ranks or group.dims.replica_ranks(kill_replica)
-            log.warning("demo: killing rank(s) %s with ray.kill", ranks)
+            log.warning("event=demo_kill ranks=%s nodes=%s step=3", ",".join(map(str, ranks)),
+                        ",".join(sorted({group.workers[r].node_id[:8] for r in ranks})))
             for r in ranks:
                 ray.kill(group.workers[r].handle, no_restart=True)
             trainer.failed_at = time.time()
@@ -112,6 +186,8 @@ def cmd_demo(cfg: Config, args) -> int:
     log.info("run with failure (%d workers + %d spares)", cfg.cluster.num_workers, cfg.cluster.num_spares)
     run = run_steps(cfg, args.kill_replica, args.kill_ranks)
     ok = print_report(ref, run, cfg)
+    write_plots(cfg, {"with failure": run["losses"], "reference": ref["losses"]},
+                run["recoveries"], run["replayed"])
     from pathlib import Path
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "demo.json").write_text(json.dumps({"reference": ref, "run": run, "match": ok}, indent=1))
@@ -146,46 +222,97 @@ def demo_summary(ref: dict, run: dict, cfg: Config, ok: bool) -> dict:
 
 
 def cmd_train(cfg: Config, args) -> int:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from megatron_actor import MegatronActorGroup
+    from metrics import RunMetrics
     from trainer import Trainer
 
+    bar = tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
+               disable=args.quiet or not sys.stderr.isatty())
     group = MegatronActorGroup(cfg)
     try:
-        trainer = Trainer(cfg, group)
-        trainer.train(cfg.train.steps)
+        log_placement(group)
+        trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar))
+        with logging_redirect_tqdm():
+            trainer.train(cfg.train.steps)
+        bar.close()
         for step in sorted(trainer.losses):
             print(f"step {step:>5}  loss {trainer.losses[step]:.6f}")
         print(f"recoveries: {len(trainer.recoveries)}; spares left: {len(group.pool)}; "
               f"dp now {group.dims.dp}")
         if trainer.recoveries:
             print(trainer.report())
+        write_plots(cfg, {"loss": trainer.losses}, [t.to_dict() for t in trainer.recoveries],
+                    trainer.replayed)
     finally:
+        bar.close()
         group.shutdown()
     return 0
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["demo", "train"], help="what to run")
-    p.add_argument("--config", default="config.yaml", help="YAML config file (default: config.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
-                   help="override one config value, e.g. --set train.steps=10 (repeatable)")
-    p.add_argument("--kill-replica", type=int, default=1, metavar="D",
-                   help="demo: the DP replica whose ranks are killed after step 2 (default 1)")
-    p.add_argument("--kill-ranks", type=int, nargs="+", default=None, metavar="R",
-                   help="demo: kill these global ranks instead of a whole replica (e.g. one TP rank)")
-    p.add_argument("--summary", default=None, metavar="PATH",
-                   help="demo: also write a JSON summary (device, layout, passed, loss diff, timeline)")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    return p.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: one subcommand per mode; options every mode has come from `common`."""
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("options of every mode")
+    g.add_argument("--config", default="config.yaml", metavar="FILE",
+                   help="YAML config file; every key is documented in it and in README (default: config.yaml)")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
+                   help="override one config value, parsed as YAML, e.g. --set train.steps=10 (repeatable)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config (YAML) and the planned placement (which rank and spare "
+                        "goes to which bundle, node and GPU), computed from the config without starting "
+                        "Ray, then exit. `auto` resolves for cluster.gpus_per_node GPUs when that is set, "
+                        "so a GPU layout can be planned on a laptop")
+    level = g.add_mutually_exclusive_group()
+    level.add_argument("-q", "--quiet", action="store_true",
+                       help="warnings and errors only, no progress bar")
+    level.add_argument("-v", "--verbose", action="store_true",
+                       help="debug logging, and the actors' own output forwarded to this terminal")
+    g.add_argument("--log-level", default=None, metavar="LEVEL",
+                   help="explicit logging level (DEBUG, INFO, WARNING, ERROR); overrides -q / -v")
+
+    p = argparse.ArgumentParser(prog="main.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(common.format_help().splitlines()[2:])
+                                + "\n\n`python main.py MODE --help` shows the options of MODE.")
+    modes = p.add_subparsers(dest="mode", required=True, metavar="MODE")
+    demo = modes.add_parser("demo", parents=[common], help="failure-free reference vs run with a killed replica",
+                            description="Reference run, then the same steps with ranks killed after step 2; "
+                                        "prints both loss columns and the recovery timeline; exit 1 unless "
+                                        "the losses match (bitwise on CPU).")
+    d = demo.add_argument_group("demo options")
+    d.add_argument("--kill-replica", type=int, default=1, metavar="D",
+                   help="the DP replica whose ranks are killed after step 2 (default 1)")
+    d.add_argument("--kill-ranks", type=int, nargs="+", default=None, metavar="R",
+                   help="kill these global ranks instead of a whole replica (e.g. one TP rank)")
+    d.add_argument("--summary", default=None, metavar="PATH",
+                   help="also write a JSON summary (device, layout, passed, loss diff, timeline)")
+    modes.add_parser("train", parents=[common], help="train.steps steps with detection and recovery",
+                     description="Train `train.steps` steps, detecting failures and recovering from spares; "
+                                 "a progress bar (step, loss, tokens/s, recoveries, spares) on a terminal; "
+                                 "loss.png and recoveries.png in run_dir at the end.")
+    return p
+
+
+def setup_logging(args) -> None:
+    """Key=value event lines on stderr at the level of --log-level, else -q / -v / INFO."""
+    from metrics import KeyValueFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(KeyValueFormatter())
+    level = args.log_level or ("WARNING" if args.quiet else "DEBUG" if args.verbose else "INFO")
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    setup_logging(args)
     try:
-        cfg = resolve(load_config(args.config, args.overrides))
+        raw = load_config(args.config, args.overrides)
+        gpus = raw.cluster.gpus_per_node if args.dry_run and raw.cluster.gpus_per_node else None
+        cfg = resolve(raw, num_gpus=gpus)
         if args.mode == "demo" and args.kill_ranks:
             bad = [r for r in args.kill_ranks if not 0 <= r < cfg.dims.world_size]
             if bad:
@@ -195,7 +322,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    start_ray(cfg)
+    if args.dry_run:
+        print_dry_run(cfg)
+        return 0
+    start_ray(cfg, log_to_driver=args.verbose)
     return {"demo": cmd_demo, "train": cmd_train}[args.mode](cfg, args)
 
 

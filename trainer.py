@@ -17,6 +17,7 @@ from checkpoint import CheckpointError
 from config import Config
 from fault_tolerance import RecoveryTimeline, recover
 from megatron_actor import MegatronActorGroup, WorkerFailure
+from metrics import RunMetrics
 from training_batch import synthetic_batch
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ class Trainer:
     `recoveries` (list of RecoveryTimeline), `committed_step`, `checkpoints` (committed steps).
     """
 
-    def __init__(self, cfg: Config, group: MegatronActorGroup):
+    def __init__(self, cfg: Config, group: MegatronActorGroup, metrics: RunMetrics | None = None):
         self.cfg, self.group = cfg, group
+        self.metrics = metrics or RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len)
         self.ckpt = cfg.checkpoint_manager()
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,11 +114,12 @@ class Trainer:
         else:
             self.losses[step] = loss
         self.committed_step = step
-        log.info("step %d loss %.6f", step, loss)
         if self._resume_t is not None:
             self.recoveries[-1].first_step_s = time.perf_counter() - self._resume_t
             self.recoveries[-1].append_jsonl(self.run_dir / "recoveries.jsonl")
+            self.metrics.on_recovery(self.recoveries[-1])
             self._resume_t = None
+        self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool))
 
     def save(self, step: int) -> None:
         """Every rank writes its shards; the driver commits the manifest last. With
@@ -127,10 +130,10 @@ class Trainer:
         if self.cfg.checkpoint.async_save:
             self.group.call("save_checkpoint", step, True)
             self._pending_save = (step, t0)
-            self.save_stalls.append(time.perf_counter() - t0)
-            return
-        self._commit_save(step, self.group.call("save_checkpoint", step), t0)
+        else:
+            self._commit_save(step, self.group.call("save_checkpoint", step), t0)
         self.save_stalls.append(time.perf_counter() - t0)
+        self.metrics.on_save(step, self.save_stalls[-1])
 
     def finish_save(self) -> None:
         """Commit the pending async save once every rank's files are written."""
