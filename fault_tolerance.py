@@ -45,13 +45,19 @@ class BackupPool:
 
     def take(self, avoid_nodes: set[str], busy_devices: set[tuple]) -> ActorSlot | None:
         """Remove and return the best spare: first one on another node than `avoid_nodes` and on
-        a device not in `busy_devices`, then any on a free device, then any. None if empty."""
+        a device not in `busy_devices`, then any on a free device, then any; among equals, one from
+        the node holding the most spares (the pool stays spread over failure domains). None if
+        empty."""
+        per_node: dict[str, int] = {}
+        for s in self.spares:
+            per_node[s.node_id] = per_node.get(s.node_id, 0) + 1
         for ok in (lambda s: s.node_id not in avoid_nodes and s.device not in busy_devices,
                    lambda s: s.device not in busy_devices, lambda s: True):
-            for s in self.spares:
-                if ok(s):
-                    self.spares.remove(s)
-                    return s
+            fits = [s for s in self.spares if ok(s)]
+            if fits:  # from the node with the most spares: the pool stays spread over nodes
+                s = max(fits, key=lambda s: per_node[s.node_id])
+                self.spares.remove(s)
+                return s
         return None
 
 

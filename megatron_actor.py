@@ -267,20 +267,76 @@ class WorkerFailure(RuntimeError):
         self.detected_at = time.time()
 
 
-def assign_roles(slots: list[ActorSlot], num_workers: int) -> tuple[list[ActorSlot], list[ActorSlot]]:
-    """Split placed actors into workers (index = rank) and spares.
-
-    Slots are sorted by (node IP, GPU id, bundle index): Ray does not return bundles in node
-    order. Workers are taken one per device round-robin, so no two ranks share a GPU while
-    there are free GPUs; ranks follow the sorted order, so tp neighbours share a node.
-    """
+def _device_order(slots: list[ActorSlot]) -> list[ActorSlot]:
+    """Slots of one node, one per device round-robin (first slot of every device, then the
+    second, ...), so workers taken from the front never share a device while one is free."""
     by_device: dict[tuple, list[ActorSlot]] = {}
-    for s in sorted(slots, key=lambda s: (s.node_ip, s.device[1] if s.gpu_ids else 0, s.bundle_index)):
+    for s in sorted(slots, key=lambda s: (s.device[1] if s.gpu_ids else 0, s.bundle_index)):
         by_device.setdefault(s.device, []).append(s)
     rounds = max(len(v) for v in by_device.values())
-    ordered = [v[i] for i in range(rounds) for v in by_device.values() if i < len(v)]
-    workers = sorted(ordered[:num_workers], key=lambda s: (s.node_ip, s.device[1] if s.gpu_ids else 0, s.bundle_index))
-    return workers, ordered[num_workers:]
+    return [v[i] for i in range(rounds) for v in by_device.values() if i < len(v)]
+
+
+def _slot_key(s: ActorSlot) -> tuple:
+    return (s.node_ip, s.node_id, s.device[1] if s.gpu_ids else 0, s.bundle_index)
+
+
+def assign_roles(slots: list[ActorSlot], num_workers: int) -> tuple[list[ActorSlot], list[ActorSlot]]:
+    """Split placed actors into workers (index = rank) and spares, spreading spares over nodes
+    (failure domains).
+
+    Losing node n loses its w_n workers and its s_n spares; the spares left elsewhere cover its
+    ranks when S - s_n >= w_n, i.e. when the pool S is at least the node's slot count. Given
+    that, the split maximises the pool left after the worst node loss: spares are handed out one
+    at a time to the node holding the fewest so far (ties: the node with more slots, then the
+    later node), never leaving a node more workers than devices while free devices exist.
+    Within a node, workers take one slot per device round-robin, so no two ranks share a GPU
+    while there are free GPUs. Ranks follow (node IP, node id, GPU id, bundle index): Ray does
+    not return bundles in node order, and tp neighbours share a node.
+    `placement_report(workers, spares)` explains the result, one line per node.
+    """
+    if not 0 <= num_workers <= len(slots):
+        raise ValueError(f"{num_workers} workers asked for {len(slots)} placed actors")
+    nodes: dict[str, list[ActorSlot]] = {}
+    for s in sorted(slots, key=_slot_key):
+        nodes.setdefault(s.node_id, []).append(s)
+    ordered = {n: _device_order(v) for n, v in nodes.items()}
+    devices = {n: len({s.device for s in v}) for n, v in nodes.items()}
+    spares_on = {n: max(0, len(v) - devices[n]) for n, v in nodes.items()}  # workers <= devices
+    num_spares = len(slots) - num_workers
+    while sum(spares_on.values()) > num_spares:  # too few slots for one worker per device
+        n = max((n for n in nodes if spares_on[n]), key=lambda n: (spares_on[n], list(nodes).index(n)))
+        spares_on[n] -= 1
+    order = list(nodes)
+    while sum(spares_on.values()) < num_spares:
+        n = min((n for n in nodes if spares_on[n] < len(nodes[n])),
+                key=lambda n: (spares_on[n], -len(nodes[n]), -order.index(n)))
+        spares_on[n] += 1
+    workers, spares = [], []
+    for n, v in ordered.items():
+        k = len(v) - spares_on[n]
+        workers += v[:k]
+        spares += v[k:]
+    return sorted(workers, key=_slot_key), spares
+
+
+def placement_report(workers: list[ActorSlot], spares: list[ActorSlot]) -> list[str]:
+    """One line per node: its workers and spares, and whether the spares on other nodes cover
+    its ranks if the node is lost (the failure-domain rule of `assign_roles`)."""
+    nodes: dict[str, list[int]] = {}
+    for s in workers:
+        nodes.setdefault(s.node_id, [0, 0])[0] += 1
+    for s in spares:
+        nodes.setdefault(s.node_id, [0, 0])[1] += 1
+    ip = {s.node_id: s.node_ip for s in workers + spares}
+    lines = []
+    for n, (w, sp) in nodes.items():
+        elsewhere = len(spares) - sp
+        verdict = (f"covered by the {elsewhere} spare(s) on other nodes" if elsewhere >= w else
+                   f"NOT covered: {elsewhere} spare(s) on other nodes < {w} ranks (pool of {len(spares)} "
+                   f"< {w + sp} slots of this node; raise cluster.num_spares or fault_tolerance.min_dp)")
+        lines.append(f"node {n[:8]} ({ip[n]}): {w} worker(s), {sp} spare(s); if lost, its ranks are {verdict}")
+    return lines
 
 
 def _free_port() -> int:
@@ -324,6 +380,9 @@ class MegatronActorGroup:
         slots = [ActorSlot(h, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"])
                  for h, i in zip(handles, infos)]
         self.workers, spares = assign_roles(slots, c.num_workers)
+        self.placement_report = placement_report(self.workers, spares)
+        for line in self.placement_report:
+            log.info("placement: %s", line)
         self.build_s = max(ray.get([s.handle.build.remote() for s in slots]))
         self.pool = BackupPool(spares)
         self.store_host = ray.util.get_node_ip_address()

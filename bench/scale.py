@@ -1,0 +1,224 @@
+"""Scale benchmark of the control plane: recovery phases for N = 8 .. 64 actors on one machine.
+
+A Ray cluster of `--nodes` nodes is started on this machine (`ray.cluster_utils.Cluster`, logical
+CPUs; the head node holds no actors). N actors are placed on it: 3/4 of them workers (CPU engine,
+smallest model, gloo, pure DP), 1/4 spares spread over the nodes by `assign_roles`. For each N:
+(a) one killed actor (`ray.kill` of a worker between steps), the pool is then refilled;
+(b) one killed node (`Cluster.remove_node` of a node holding workers, chosen so the spares left on
+    other nodes cover its ranks).
+Each recovery's phases come from its `RecoveryTimeline`: detect (kill -> WorkerFailure), abort,
+replace, rebuild (new process-group generation), restore (peer), first step, total.
+`detect_s` of a node loss is timed from the return of `remove_node` (the node's processes are
+gone by then).
+
+Memory: every actor imports torch + transformers. Before the run the benchmark measures the
+proportional set size (PSS, shared library pages split between processes) of the actors of the
+first N and refuses to start an N whose projected total exceeds `--max-mem-gb` (default 12).
+
+Usage: python bench/scale.py [--sizes 8 16 32 64] [--nodes 4] [--repeats 1] [--set a.b=v ...]
+Prints a table and a log-log fit (slope of each phase against N) and writes
+bench/results/scale_cpu.json: a list of {"n", "failure", "detect_s", "abort_s", "replace_s",
+"rebuild_s", "restore_s", "first_step_s", "total_s", ...} (one row per recovery), followed by
+nothing else; the fit is written to bench/results/scale_cpu_fit.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from config import load_config, resolve  # noqa: E402
+from megatron_actor import MegatronActorGroup  # noqa: E402
+from trainer import Trainer  # noqa: E402
+
+PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s", "total_s")
+
+
+def pss_mb(pid: int) -> float:
+    """Proportional set size of a process in MB (Linux), 0 if unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def mem_available_gb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def make_cfg(n: int, nodes: int, run_dir: str, overrides: list[str]):
+    workers, spares = n - n // 4, n // 4
+    return resolve(load_config(str(ROOT / "config.yaml"), [
+        f"cluster.num_nodes={nodes}", f"cluster.num_workers={workers}", f"cluster.num_spares={spares}",
+        f"cluster.cpus_per_actor={nodes / n}",
+        "model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.ffn_hidden_size=32",
+        "model.vocab_size=64", "model.max_seq_len=8", "train.seq_len=8", "train.steps=1000",
+        f"train.global_batch_size={workers}", f"train.mini_batch_size={workers}", "train.micro_batch_size=1",
+        "checkpoint.interval=0", "fault_tolerance.health_timeout_s=10",
+        "fault_tolerance.min_step_timeout_s=60", "fault_tolerance.rendezvous_timeout_s=120",
+        f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt", *overrides]), num_gpus=0)
+
+
+def wait_refilled(group: MegatronActorGroup, want: int, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(group.pool) < want and time.monotonic() < deadline:
+        group.poll_refills()
+        time.sleep(0.2)
+
+
+def run_n(n: int, nodes: int, repeats: int, overrides: list[str], mem_check: float | None) -> tuple[list[dict], float]:
+    """Start a cluster, run the (a) and (b) failures for N actors; returns rows and the PSS of
+    one actor (MB)."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    node_handles = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_IGNORE_UNHANDLED_ERRORS": "1"}})
+    rows, actor_mb = [], 0.0
+    run_dir = f"/tmp/bench_scale_{n}_{int(time.time())}"
+    cfg = make_cfg(n, nodes, run_dir, overrides)
+    group = None
+    try:
+        t0 = time.perf_counter()
+        group = MegatronActorGroup(cfg, placement_timeout_s=120)
+        start_s = time.perf_counter() - t0
+        pids = ray.get([s.handle.info.remote() for s in group.workers + group.pool.spares])
+        actor_mb = statistics.mean(pss_mb(i["pid"]) for i in pids)
+        print(f"N={n}: group up in {start_s:.1f} s, actor PSS {actor_mb:.0f} MB, "
+              f"{len(group.workers)} workers + {len(group.pool)} spares, MemAvailable {mem_available_gb():.1f} GB",
+              flush=True)
+        for line in group.placement_report:
+            print("  " + line)
+        trainer = Trainer(cfg, group)
+        trainer.train(2)
+        spares = len(group.pool)
+        for i in range(repeats):  # (a) one killed actor
+            victim = (1 + 5 * i) % len(group.workers)
+            ray.kill(group.workers[victim].handle, no_restart=True)
+            trainer.failed_at = time.time()
+            trainer.train(trainer.committed_step + 2)
+            rows.append({"n": n, "failure": "actor", **_row(trainer.recoveries[-1])})
+            wait_refilled(group, spares)
+        for i in range(repeats):  # (b) one killed node
+            by_node: dict[str, int] = {}
+            for s in group.workers:
+                by_node[s.node_id] = by_node.get(s.node_id, 0) + 1
+            alive = {h.node_id for h in node_handles if h in cluster.worker_nodes}
+            choices = [nid for nid in by_node if nid in alive and
+                       sum(s.node_id != nid for s in group.pool.spares) >= by_node[nid]]
+            if not choices:
+                print(f"N={n}: no node whose ranks the spares elsewhere could cover; node failure skipped")
+                break
+            victim = max(choices, key=lambda nid: by_node[nid])
+            (handle,) = [h for h in node_handles if h.node_id == victim]
+            cluster.remove_node(handle, allow_graceful=False)
+            trainer.failed_at = time.time()
+            trainer.train(trainer.committed_step + 2)
+            rows.append({"n": n, "failure": "node", "node_ranks": by_node[victim], **_row(trainer.recoveries[-1])})
+    finally:
+        if group is not None:
+            group.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    for r in rows:
+        r["actor_pss_mb"] = round(actor_mb, 1)
+    return rows, actor_mb
+
+
+def _row(tl) -> dict:
+    d = tl.to_dict()
+    return {**{p: d[p] for p in PHASES}, "failed_ranks": len(tl.failed_ranks), "restore_source": tl.restore_source,
+            "steps_lost": tl.steps_lost, "attempts": tl.attempts}
+
+
+def loglog_slope(ns: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) against log(n): y ~ n^slope (0 = flat, 1 = linear)."""
+    pts = [(math.log(n), math.log(max(y, 1e-4))) for n, y in zip(ns, ys)]
+    if len(pts) < 2:
+        return 0.0
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    den = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / den if den else 0.0
+
+
+def fit(rows: list[dict]) -> dict:
+    """Per failure kind and phase: log-log slope and the ratio largest-N / smallest-N (medians)."""
+    out = {}
+    for failure in sorted({r["failure"] for r in rows}):
+        sub = [r for r in rows if r["failure"] == failure]
+        ns = sorted({r["n"] for r in sub})
+        med = {p: [statistics.median(r[p] for r in sub if r["n"] == n) for n in ns] for p in PHASES}
+        out[failure] = {"n": ns, "median": med,
+                        "slope": {p: round(loglog_slope(ns, med[p]), 3) for p in PHASES},
+                        "ratio_max_min": {p: round(med[p][-1] / max(med[p][0], 1e-9), 3) for p in PHASES}}
+    return out
+
+
+def print_table(rows: list[dict], fits: dict) -> None:
+    head = ("n", "failure", "ranks", *[p[:-2] for p in PHASES])
+    lines = [head] + [(str(r["n"]), r["failure"], str(r["failed_ranks"]), *[f"{r[p]:.3f}" for p in PHASES])
+                      for r in rows]
+    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(x.rjust(w) for x, w in zip(line, widths)))
+    print("\nlog-log slope (phase ~ N^slope) and ratio largest N / smallest N:")
+    for failure, f in fits.items():
+        print(f"  {failure:<6}" + "  ".join(f"{p[:-2]} {f['slope'][p]:+.2f} ({f['ratio_max_min'][p]:.2f}x)"
+                                            for p in PHASES))
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-mem-gb", type=float, default=12.0,
+                   help="skip an N whose projected actor memory (PSS) exceeds this")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale_cpu.json"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    rows, actor_mb, skipped = [], 0.0, []
+    for n in sorted(args.sizes):
+        if actor_mb and n * actor_mb / 1024 > args.max_mem_gb:
+            skipped.append(n)
+            print(f"N={n}: skipped, projected {n * actor_mb / 1024:.1f} GB of actor PSS > --max-mem-gb "
+                  f"{args.max_mem_gb}")
+            continue
+        got, mb = run_n(n, args.nodes, args.repeats, args.overrides, args.max_mem_gb)
+        actor_mb = max(actor_mb, mb)
+        rows += got
+        Path(args.out).write_text(json.dumps(rows, indent=1))  # partial results survive a crash
+    fits = fit(rows)
+    print_table(rows, fits)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    fit_out = out.with_name(out.stem + "_fit.json")
+    fit_out.write_text(json.dumps({"fit": fits, "skipped_n": skipped, "nodes": args.nodes,
+                                   "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, indent=1))
+    print(f"wrote {out} and {fit_out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
