@@ -1,0 +1,212 @@
+"""Chaos soak: a seeded schedule of faults of every kind over one CPU training run, checked
+against the same run without faults.
+
+Fault kinds (round-robin over the schedule, points drawn from the seed):
+  kill / exception / hang  of one rank at a step point (incl. inside the gradient all-reduce)
+  node                     every actor on one Ray node killed (workers and spares)
+  save_kill / save_error   a rank dies / raises while writing a checkpoint (before or between shards)
+  recovery_failure         a rank dies, and another raises while the new generation forms
+  storage_outage           the S3 server (loopback, moto) is stopped for 3 s around a save
+  corrupt_shard            bytes of the newest committed checkpoint flipped, then both ranks
+                           killed, so recovery must load a checkpoint and fall back past it
+The cluster: `ray.cluster_utils.Cluster` with 3 logical nodes on this machine; checkpoints go
+to a loopback S3 server.
+
+Usage: python bench/chaos.py [--faults 50] [--seed 0] [--out bench/results/chaos_cpu.json]
+Prints a summary and writes {"faults", "recovered", "steps_lost", "max_abs_loss_diff",
+"checkpoints_lost", "max_stall_s"} (+ per-kind counts, the schedule and every timeline).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+
+KINDS = ("kill", "exception", "hang", "node", "save_kill", "save_error", "recovery_failure",
+         "storage_outage", "corrupt_shard")
+STEP_POINTS = ("step_start", "before_allreduce", "inside_allreduce", "after_optimizer_step")
+GAP = 3          # steps between faults
+INTERVAL = 2     # checkpoint interval (steps)
+
+
+def schedule(n_faults: int, seed: int) -> list[dict]:
+    """Faults in step order; kinds round-robin, points and ranks from `seed`. Save faults land
+    on save steps (multiples of INTERVAL)."""
+    rng = random.Random(seed)
+    out, step = [], 3
+    for i in range(n_faults):
+        kind = KINDS[i % len(KINDS)]
+        if kind in ("save_kill", "save_error", "storage_outage") and step % INTERVAL:
+            step += 1
+        out.append({"kind": kind, "step": step, "rank": rng.randrange(2),
+                    "point": rng.choice(STEP_POINTS if kind != "hang" else STEP_POINTS[:2])})
+        step += GAP
+    return out
+
+
+def chaos_events(faults: list[dict]) -> list[dict]:
+    """The actor-side part of the schedule, as `chaos.events` of the config."""
+    ev = []
+    for f in faults:
+        s, r, k = f["step"], f["rank"], f["kind"]
+        if k in ("kill", "exception", "hang"):
+            ev.append({"step": s, "rank": r, "kind": k, "point": f["point"]})
+        elif k == "node":
+            ev.append({"step": s, "rank": r, "kind": "node"})
+        elif k == "save_kill":
+            ev.append({"step": s, "rank": 0, "kind": "kill", "point": "mid_save" if r else "during_save"})
+        elif k == "save_error":
+            ev.append({"step": s, "rank": r, "kind": "exception", "point": "during_save"})
+        elif k == "recovery_failure":
+            ev += [{"step": s, "rank": r, "kind": "kill", "point": "step_start"},
+                   {"step": s, "rank": 1 - r, "kind": "exception", "point": "during_recovery"}]
+        elif k == "corrupt_shard":
+            ev += [{"step": s + 1, "rank": q, "kind": "kill", "point": "step_start"} for q in (0, 1)]
+    return ev
+
+
+def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list):
+    from config import load_config, resolve
+    return resolve(load_config(ROOT / "config.yaml", [
+        "cluster.num_nodes=3", "cluster.num_workers=2", f"cluster.num_spares={spares}",
+        "cluster.cpus_per_actor=0.5", f"train.steps={steps}", f"checkpoint.interval={INTERVAL}",
+        "checkpoint.keep_last=3", "checkpoint.retry_budget_s=1.5", f"checkpoint.uri={uri}",
+        f"run_dir={run_dir}", "fault_tolerance.health_timeout_s=2",
+        "fault_tolerance.min_step_timeout_s=3", "fault_tolerance.rendezvous_timeout_s=20",
+        "fault_tolerance.health_interval_s=0.2", f"chaos.events={json.dumps(events)}"]), num_gpus=0)
+
+
+def corrupt_newest(ckpt) -> int:
+    """Flip bytes in the largest file of the newest committed checkpoint; returns its step."""
+    manifest = ckpt.latest_verified()
+    f = max(manifest.files, key=lambda f: f.size)
+    path = f"{ckpt.step_uri(manifest.step)}/{f.path}"
+    data = bytearray(ckpt.fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    ckpt.fs.pipe_file(path, bytes(data))
+    return manifest.step
+
+
+def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+    from megatron_actor import MegatronActorGroup
+    from storage_servers import S3Server
+    from trainer import Trainer
+
+    faults = schedule(n_faults, seed)
+    steps = faults[-1]["step"] + GAP
+    s3 = S3Server().start()
+    env = {"AWS_ENDPOINT_URL": s3.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "PYTHONPATH": str(ROOT), "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
+    os.environ.update(env)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=4)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": env})
+    tag = f"chaos-{int(time.time())}"
+    try:
+        ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, 0, [])
+        group = MegatronActorGroup(ref_cfg)
+        try:
+            ref = Trainer(ref_cfg, group)
+            ref.train(steps)
+        finally:
+            group.shutdown()
+
+        cfg = make_cfg(s3.uri(f"{tag}/run"), f"/tmp/{tag}/run", steps, 6, chaos_events(faults))
+        group = MegatronActorGroup(cfg)
+        by_step = {f["step"]: f for f in faults}
+        corrupted: set[int] = set()
+        outage: list[threading.Thread] = []
+
+        def outage_window():
+            s3.stop()
+            time.sleep(3.0)
+            s3.start()
+
+        def after_step(trainer, step):
+            nxt = step + 1
+            if any(e["step"] == nxt for e in cfg.chaos.events) or nxt in by_step:
+                for t in outage:  # the store must be back before the next fault
+                    t.join()
+                outage.clear()
+                deadline = time.monotonic() + 120
+                while len(group.pool) < 3 and time.monotonic() < deadline:  # refills keep up
+                    group.poll_refills()
+                    time.sleep(0.2)
+            f = by_step.get(step)
+            if f and f["kind"] == "storage_outage":
+                outage.append(threading.Thread(target=outage_window))
+                outage[-1].start()
+            elif f and f["kind"] == "corrupt_shard" and trainer.checkpoints:
+                corrupted.add(corrupt_newest(trainer.ckpt))
+
+        try:
+            t0 = time.perf_counter()
+            run = Trainer(cfg, group)
+            run.train(steps, after_step=after_step)
+            wall = time.perf_counter() - t0
+        finally:
+            for t in outage:
+                t.join()
+            group.shutdown()
+        retained = set(run.ckpt.committed_steps())
+        lost = [s for s in retained - corrupted if run.ckpt.verify(s)]
+        diffs = [abs(run.losses[s] - ref.losses[s]) for s in ref.losses]
+        result = {
+            "faults": len(faults),
+            "recovered": len(faults) if len(run.losses) == steps else 0,
+            "recoveries": len(run.recoveries),
+            "steps_lost": sum(t.steps_lost for t in run.recoveries),
+            "max_abs_loss_diff": max(diffs),
+            "replays_equal": all(v == run.losses[s] for s, vs in run.replayed.items() for v in vs),
+            "checkpoints_lost": len(lost),
+            "checkpoints_corrupted_on_purpose": sorted(corrupted),
+            "saves_skipped_by_storage_outage": run.failed_saves,
+            "max_stall_s": max((t.total_s for t in run.recoveries), default=0.0),
+            "steps": steps, "wall_s": wall,
+            "kinds": {k: sum(f["kind"] == k for f in faults) for k in KINDS},
+            "recovery_kinds": {k: sum(t.kind == k for t in run.recoveries) for k in ("crash", "exception", "hang")},
+            "restore_sources": sorted({t.restore_source for t in run.recoveries}),
+            "schedule": faults, "timelines": [t.to_dict() for t in run.recoveries],
+            "seed": seed, "date": time.strftime("%Y-%m-%d"),
+        }
+        return result
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        s3.stop()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--faults", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chaos_cpu.json"))
+    args = p.parse_args(argv)
+    r = run_soak(args.faults, args.seed)
+    for key in ("faults", "recovered", "recoveries", "steps_lost", "max_abs_loss_diff",
+                "checkpoints_lost", "max_stall_s", "steps", "wall_s"):
+        print(f"{key:<20}{r[key]}")
+    print(f"{'kinds':<20}{r['kinds']}\n{'restore sources':<20}{r['restore_sources']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(r, indent=1))
+    print(f"wrote {args.out}")
+    return r
+
+
+if __name__ == "__main__":
+    main()
