@@ -233,6 +233,15 @@ class CheckpointManager:
         _wrap(f"loading shard {name!r} from {where}", dcp.load, state_dict, storage_reader=reader, no_dist=True)
         return state_dict
 
+    def check_writable(self) -> None:
+        """Write, read back and delete a small probe object under the URI, so a wrong endpoint,
+        a missing bucket or no permission shows before training starts. Raises CheckpointError
+        (one retry budget at most)."""
+        probe = f"{self.root}/.probe-{uuid.uuid4().hex}"
+        self._retry(f"writing a probe to {self.uri}", self._write_atomic, probe, b"ok")
+        self._retry(f"reading a probe from {self.uri}", self.fs.cat_file, probe)
+        self._retry(f"deleting a probe from {self.uri}", self._rm, probe, False)
+
     # ---------------------------------------------------------------- commit
     def commit(self, step: int, layout: dict, files: list[FileEntry], extra: dict | None = None) -> Manifest:
         """Commit checkpoint ``step``: check that every file in ``files`` (FileEntry or dicts of

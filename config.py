@@ -319,6 +319,53 @@ def _validate_chaos_event(ev, name: str, world_size: int) -> None:
              f"must be one of {list(CHAOS_POINTS)}")
 
 
+def model_signature(cfg: Config) -> dict:
+    """What a checkpoint must match to be loaded into this run's model (recorded in manifests)."""
+    m = cfg.model
+    return {"engine": m.engine, "hf_path": m.hf_path, "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
+            "ffn_hidden_size": m.ffn_hidden_size}
+
+
+def check_compatible(cfg: Config, manifest) -> None:
+    """Raise ConfigError naming both sides when `manifest` (a committed checkpoint) was written by
+    another model or a layout this engine cannot load."""
+    saved = manifest.extra.get("model")
+    ours = model_signature(cfg)
+    if saved is not None and saved != ours:
+        diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+        raise ConfigError(f"model: checkpoint step {manifest.step} was written by another model "
+                          f"(field: checkpoint value vs this run: {diff}); point checkpoint.uri elsewhere "
+                          f"or use the model it was written with")
+    layout = manifest.layout
+    if ours["engine"] == "torch" and any(layout.get(k, 1) != 1 for k in ("tp", "pp", "cp")):
+        raise ConfigError(f"parallel: checkpoint step {manifest.step} has layout {layout}; the torch "
+                          f"engine loads data-parallel checkpoints only (tp=pp=cp=1)")
+
+
+def preflight(cfg: Config, resources: dict) -> None:
+    """Checks that need the cluster, run before any actor starts. `resources`: Ray's
+    `cluster_resources()` (logical CPU / GPU totals). Raises ConfigError naming the field when the
+    cluster cannot hold every worker and spare, or the checkpoint URI cannot be written."""
+    from checkpoint import CheckpointError
+
+    c = cfg.cluster
+    n = c.num_workers + c.num_spares
+    need = {"CPU": n * c.cpus_per_actor}
+    if c.device == "cuda":
+        need["GPU"] = n * c.gpus_per_actor
+    for res, amount in need.items():
+        have = resources.get(res, 0.0)
+        _require(amount <= have + 1e-9, "cluster.num_workers",
+                 f"{c.num_workers} workers + {c.num_spares} spares need {amount:g} {res} "
+                 f"({'cpus' if res == 'CPU' else 'gpus'}_per_actor each) but the cluster has {have:g} "
+                 f"{res}; lower cluster.num_spares / cluster.{res.lower()}s_per_actor or add nodes")
+    try:
+        cfg.checkpoint_manager().check_writable()
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.uri: {e}; check the URI, endpoint and credentials") from None
+
+
 def gpus_visible() -> int:
     """Number of CUDA devices this process sees (0 when torch has no CUDA)."""
     import torch

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import Config
+from config import Config, check_compatible
 from parallel_dims import ParallelDims
 from ppo import policy_loss, token_log_probs
 from training_batch import TrainingBatch
@@ -191,7 +191,9 @@ class TorchEngine:
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Load this rank's state in place from the committed checkpoint `manifest` (shards are
-        verified against it). The RNG of a rank that did not exist at save time is kept."""
+        verified against it). The RNG of a rank that did not exist at save time is kept.
+        Raises ConfigError when the checkpoint belongs to another model or layout."""
+        check_compatible(self.cfg, manifest)
         self._set_train_state(ckpt.load_shard(manifest.step, "model", self._train_state(), manifest))
         name = f"rng_rank{rank}"
         if any(f.path.startswith(name + "/") for f in manifest.files):

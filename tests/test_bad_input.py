@@ -1,0 +1,57 @@
+"""Bad input fails before any actor starts or any state is lost, with one line naming the
+field and the fix."""
+import pytest
+import torch
+
+from checkpoint import CheckpointManager
+from config import ConfigError, check_compatible, load_config, model_signature, resolve
+from megatron_actor import MegatronActorGroup
+from training_batch import TrainingBatch
+
+
+def cfg_with(tmp_path, *overrides):
+    return resolve(load_config("config.yaml", [f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt",
+                                                *overrides]), num_gpus=0)
+
+
+def test_cluster_too_small_reports_what_is_there(ray_session, tmp_path):
+    cfg = cfg_with(tmp_path, "cluster.num_workers=32", "cluster.num_spares=8", "train.mini_batch_size=32",
+                   "train.global_batch_size=32", "train.micro_batch_size=1")
+    with pytest.raises(ConfigError, match=r"^cluster.num_workers: .*need 10 CPU.*cluster has 8 CPU"):
+        MegatronActorGroup(cfg)
+    assert ray_session.available_resources().get("CPU") == 8  # nothing was placed or started
+
+
+def test_unreachable_checkpoint_uri(ray_session, tmp_path):
+    cfg = cfg_with(tmp_path, "checkpoint.uri=s3://no-such-bucket-for-tests/x", "checkpoint.retry_budget_s=1")
+    with pytest.raises(ConfigError, match="^checkpoint.uri: .*no-such-bucket-for-tests"):
+        MegatronActorGroup(cfg)
+
+
+def test_checkpoint_from_another_model_names_both(tmp_path):
+    a = cfg_with(tmp_path)
+    b = cfg_with(tmp_path, "model.hidden_size=32")
+    m = CheckpointManager(str(tmp_path / "ckpt"))
+    manifest = m.commit(1, {"tp": 1, "pp": 1, "cp": 1}, m.save_shard(1, "s", {"x": torch.ones(1)}),
+                        {"model": model_signature(a)})
+    check_compatible(a, manifest)
+    with pytest.raises(ConfigError, match=r"^model: .*'hidden_size': \(64, 32\)"):
+        check_compatible(b, manifest)
+    tp2 = m.commit(2, {"tp": 2, "pp": 1, "cp": 1}, m.save_shard(2, "s", {"x": torch.ones(1)}),
+                   {"model": model_signature(a)})
+    with pytest.raises(ConfigError, match="^parallel: .*tp=pp=cp=1"):
+        check_compatible(a, tp2)
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("input_ids", lambda b: b.input_ids.float()),
+    ("input_ids", lambda b: b.input_ids + 1000),
+    ("advantages", lambda b: b.advantages.masked_fill(torch.ones_like(b.advantages, dtype=torch.bool), float("nan"))),
+    ("loss_mask", lambda b: b.loss_mask[:, :-1]),
+])
+def test_malformed_batch_names_field(field, bad):
+    from training_batch import synthetic_batch
+    b = synthetic_batch(0, 1, 4, 8, 100)
+    setattr(b, field, bad(b))
+    with pytest.raises(ValueError, match=field):
+        TrainingBatch.validate(b, vocab_size=100)
