@@ -13,18 +13,65 @@ def test_job_yaml_is_consistent():
     job = yaml.safe_load((ROOT / "job.yaml").read_text())
     assert job["max_retries"] == 0  # recovery is ours, not a job restart
     assert (ROOT / job["containerfile"]).is_file()
-    argv = shlex.split(job["entrypoint"])
-    assert argv[:2] == ["python", "main.py"] and (ROOT / argv[1]).is_file()
     # the entrypoint's overrides are valid config (parsed and validated, no Ray started)
     from config import load_config, resolve
-    overrides = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-    resolve(load_config(ROOT / "config.yaml", overrides), num_gpus=8)
+    resolve(load_config(ROOT / "config.yaml", entrypoint_overrides(job["entrypoint"])), num_gpus=8)
+
+
+def entrypoint_overrides(entrypoint: str) -> list[str]:
+    """The `--set` values of a `python main.py ...` command line."""
+    argv = shlex.split(entrypoint)
+    assert argv[:2] == ["python", "main.py"] and (ROOT / argv[1]).is_file()
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+def test_rayjob_yaml_is_consistent():
+    docs = {d["kind"]: d for d in yaml.safe_load_all((ROOT / "deploy" / "rayjob.yaml").read_text())}
+    job = docs["RayJob"]
+    spec, cluster = job["spec"], job["spec"]["rayClusterSpec"]
+    assert spec["backoffLimit"] == 0 and spec["shutdownAfterJobFinishes"] is True  # recovery is ours
+    assert (ROOT / job["metadata"]["annotations"]["ft-megatron/dockerfile"]).is_file()
+    assert yaml.safe_load(spec["runtimeEnvYAML"])["working_dir"] == "/home/ray/app"
+    assert "WORKDIR /home/ray/app" in (ROOT / "Dockerfile").read_text()
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    containers = [c for g in pods for c in g["template"]["spec"]["containers"]]
+    assert len({c["image"] for c in containers}) == 1  # one image, built from the Dockerfile
+    claim = docs["PersistentVolumeClaim"]["metadata"]["name"]
+    assert all(v.get("persistentVolumeClaim", {}).get("claimName") == claim
+               for g in pods for v in g["template"]["spec"]["volumes"] if v["name"] == "checkpoints")
+
+    from config import load_config, resolve
+    overrides = entrypoint_overrides(spec["entrypoint"])
+    cfg = resolve(load_config(ROOT / "config.yaml", overrides), num_gpus=8)
+    assert cfg.checkpoint.uri.startswith(containers[0]["volumeMounts"][0]["mountPath"])
+    # GPU workers hold every rank and spare now, and room for more (spare capacity)
+    gpus = [g for g in cluster["workerGroupSpecs"] if "nvidia.com/gpu" in
+            g["template"]["spec"]["containers"][0]["resources"]["limits"]]
+    per_node = int(gpus[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    c = cfg.cluster
+    assert per_node == c.gpus_per_node and gpus[0]["replicas"] == c.num_nodes
+    assert (c.num_workers + c.num_spares) * c.gpus_per_actor <= per_node * gpus[0]["replicas"]
+    assert gpus[0]["maxReplicas"] > gpus[0]["replicas"]
+
+
+def test_entrypoints_dry_run(capsys):
+    """Both deployment entrypoints run through the CLI with --dry-run (config resolved for the
+    GPU cluster, placement planned, nothing started)."""
+    import main
+    for entrypoint in (yaml.safe_load((ROOT / "job.yaml").read_text())["entrypoint"],
+                       next(d for d in yaml.safe_load_all((ROOT / "deploy" / "rayjob.yaml").read_text())
+                            if d["kind"] == "RayJob")["spec"]["entrypoint"]):
+        argv = shlex.split(entrypoint)[2:] + ["--dry-run", "--config", str(ROOT / "config.yaml"),
+                                              "--set", "cluster.gpus_per_node=8"]
+        assert main.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "# planned placement" in out and out.count("\nspare ") == 4
 
 
 def test_cli_help():
-    for args in (["--help"], ["demo", "--help"]):
+    for args in (["--help"], ["demo", "--help"], ["train", "--help"]):
         out = subprocess.run([sys.executable, "main.py", *args], cwd=ROOT, capture_output=True, text=True)
-        assert out.returncode == 0 and "--set" in out.stdout
+        assert out.returncode == 0 and "--set" in out.stdout and "--dry-run" in out.stdout
 
 
 def test_bad_config_fails_before_ray_with_one_line():
