@@ -113,3 +113,13 @@ def test_readme_config_reference_matches_config_yaml():
     assert table == expected, ("README config reference is out of date; regenerate it with\n"
                                "python -c 'import sys; sys.path[:0] = [\"tests\", \".\"]; from test_deploy import "
                                "config_reference; print(config_reference(open(\"config.yaml\").read()))'")
+
+
+def test_dockerfile_cmd_is_valid_and_venv_stays_out():
+    import json
+    cmd = json.loads(next(line for line in (ROOT / "Dockerfile").read_text().splitlines()
+                          if line.startswith("CMD "))[4:])
+    assert cmd[:2] == ["python", "main.py"] and (ROOT / cmd[1]).is_file()
+    from config import load_config, resolve
+    resolve(load_config(ROOT / "config.yaml", [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]), num_gpus=4)
+    assert ".venv" in (ROOT / ".dockerignore").read_text().split()
