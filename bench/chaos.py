@@ -115,7 +115,9 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     for _ in range(nodes):
         cluster.add_node(num_cpus=4)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": env})
+    # Actors inherit the credentials from this process's environment (never via runtime_env:
+    # Ray's runtime-env agent logs env_vars).
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     tag = f"chaos-{int(time.time())}"
     try:
         ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, 0, [])

@@ -11,6 +11,9 @@ import pytest  # noqa: E402
 from storage_servers import gcs_server, s3_server  # noqa: E402,F401  (fixtures)
 
 
+SECRET = f"secret-{os.urandom(8).hex()}"  # a credential that must never appear in any log
+
+
 @pytest.fixture(scope="module")
 def ray_session(s3_server, gcs_server):
     """A local Ray instance per test module (8 logical CPUs on any machine). Driver and actors
@@ -18,13 +21,15 @@ def ray_session(s3_server, gcs_server):
     import ray
 
     env = {"PYTHONPATH": ROOT, "AWS_ENDPOINT_URL": s3_server.endpoint_url,
-           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET,
            "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_EMULATOR_HOST": gcs_server.endpoint_url,
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # Actors inherit the environment of the local Ray started here. Credentials must not go in
+    # runtime_env: Ray's runtime-env agent logs its env_vars (tests/test_security.py found it).
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield ray
     ray.shutdown()
     for k, v in saved.items():
