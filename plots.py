@@ -25,9 +25,9 @@ def plot_loss(path: str | Path, series: dict[str, dict[int, float]], recoveries:
     """Write the loss plot to `path`. `series`: name -> {step: loss}; `recoveries`: timelines as
     dicts (`RecoveryTimeline.to_dict()`); `replayed`: step -> losses of re-runs. Returns `path`."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, losses in series.items():
+    for (name, losses), style in zip(series.items(), ("-", "--", ":", "-.")):
         steps = sorted(losses)
-        ax.plot(steps, [losses[s] for s in steps], marker="o", markersize=3, label=name)
+        ax.plot(steps, [losses[s] for s in steps], style, marker="o", markersize=3, label=name)
     if replayed:
         xs = [s for s, ls in replayed.items() for _ in ls]
         ax.scatter(xs, [v for ls in replayed.values() for v in ls], marker="x", color="black",
