@@ -156,9 +156,19 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
                           for r in sorted(survivors)]))
         if ok and all(set(g) & survivors for g in dp_groups):
             if committed > 0:
-                src = {r: min(set(g) & survivors) for g in dp_groups for r in g}
-                group.wait([s.handle.broadcast_state.remote(gen, src[r])
-                            for r, s in enumerate(group.workers)], group.cfg.fault_tolerance.step_timeout_s)
+                # Only the replaced ranks need the state: each DP group with a new member makes
+                # a broadcast among its source survivor and its new members; the other ranks
+                # keep their rolled-back state (bitwise the same) and make no call.
+                refs, ranks = [], []
+                for g in dp_groups:
+                    new = sorted(set(g) - survivors)
+                    if new:
+                        src = min(set(g) & survivors)
+                        members = [src, *new] if len(new) + 1 < len(g) else None
+                        ranks += members or list(g)
+                        refs += [group.workers[r].handle.broadcast_state.remote(gen, src, members)
+                                 for r in (members or g)]
+                group.wait(refs, group.cfg.fault_tolerance.step_timeout_s, ranks)
             else:
                 group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers],
                            group.cfg.fault_tolerance.step_timeout_s)

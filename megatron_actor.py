@@ -34,6 +34,7 @@ from parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
 CONTROL = "control"
+JOIN_WAIT_SLICE_S = 0.1  # an aborted join notices within this (seconds)
 
 
 class StaleGenerationError(RuntimeError):
@@ -155,15 +156,23 @@ class MegatronActor:
         store = dist.PrefixStore(f"gen{generation}", self._store[1])
         # Abortable barrier before the (uninterruptible) rendezvous inside init_process_group:
         # a member that never arrives must not strand the others in a blocking store wait.
-        store.add("arrived", 1)
+        # The last member to arrive sets "formed"; the others block in the store's server-side
+        # wait (woken at once, no polling load on the driver's store: O(1) requests per rank),
+        # in slices of JOIN_WAIT_SLICE_S so that an abort still cancels the wait.
+        if store.add("arrived", 1) >= dims.world_size:
+            store.set("formed", b"1")
         deadline = time.monotonic() + ft.rendezvous_timeout_s
-        while store.add("arrived", 0) < dims.world_size:
+        while True:
+            try:
+                store.wait(["formed"], datetime.timedelta(seconds=JOIN_WAIT_SLICE_S))
+                break
+            except RuntimeError:  # DistStoreError: this slice timed out
+                pass
             if self._abort_epoch != epoch:
                 raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while forming")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
                                    f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s")
-            time.sleep(0.01)
         cuda = self.cfg.cluster.device == "cuda"
         dist.init_process_group("nccl" if cuda else "gloo", store=store,
                                 rank=rank, world_size=dims.world_size,
@@ -223,10 +232,22 @@ class MegatronActor:
         self._check(generation)
         return self.engine.rollback(step)
 
-    def broadcast_state(self, generation: int, src_rank: int) -> None:
-        """Collective over this rank's DP group: receive the training state of `src_rank`."""
+    def broadcast_state(self, generation: int, src_rank: int, ranks: list[int] | None = None) -> None:
+        """Collective over this rank's DP group: receive the training state of `src_rank`.
+        `ranks` (CPU engine): only these members of the DP group take part (the source and the
+        replaced ranks; survivors already hold the state), over a group made among them alone,
+        so restore costs O(replaced ranks), not O(DP size)."""
         self._check(generation)
-        self.engine.broadcast_from(src_rank)
+        engine = self.engine
+        if ranks is None or self.cfg.model.engine != "torch":
+            engine.broadcast_from(src_rank)
+            return
+        import torch.distributed as dist
+        full, engine.dp_group = engine.dp_group, dist.new_group(sorted(ranks), use_local_synchronization=True)
+        try:
+            engine.broadcast_from(src_rank)
+        finally:
+            engine.dp_group = full
 
     def state_digest(self) -> str:
         """SHA-256 over the model parameters (for tests: replicas must agree bitwise)."""
@@ -422,8 +443,9 @@ class MegatronActorGroup:
         results = self.wait(refs, timeout or self.cfg.fault_tolerance.step_timeout_s)
         return kind.collect(self.dims, results)
 
-    def wait(self, refs: list, timeout: float) -> list:
-        """Results of `refs` (one per rank), or WorkerFailure naming the failed ranks.
+    def wait(self, refs: list, timeout: float, ranks: list[int] | None = None) -> list:
+        """Results of `refs` (one per rank, or one per rank of `ranks`), or WorkerFailure naming
+        the failed ranks.
 
         A rank whose actor died is a 'crash'; a rank whose call raised while no actor died is an
         'exception'. While waiting, progress counters are polled every `health_interval_s`; the
@@ -434,6 +456,7 @@ class MegatronActorGroup:
         collective itself stalled and every rank was freed).
         """
         ft = self.cfg.fault_tolerance
+        rank_of = list(ranks) if ranks is not None else list(range(len(refs)))
         index = {r.hex(): i for i, r in enumerate(refs)}
         results: list = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + timeout
@@ -446,13 +469,13 @@ class MegatronActorGroup:
                 try:
                     results[i] = ray.get(done[0])
                 except ray.exceptions.RayActorError as e:
-                    raise WorkerFailure({i} | self.probe(), "crash", str(e)[:300]) from None
+                    raise WorkerFailure({rank_of[i]} | self.probe(), "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
                     dead = self.probe()
                     if dead:
                         raise WorkerFailure(dead, "crash", "actor(s) died") from None
                     if not isinstance(e.cause, (TimeoutError, StaleGenerationError)):
-                        raise WorkerFailure({i}, "exception", f"rank {i}: {str(e)[:300]}") from None
+                        raise WorkerFailure({rank_of[i]}, "exception", f"rank {rank_of[i]}: {str(e)[:300]}") from None
                     # This rank gave up waiting for a peer: judge the ranks still pending soon.
                     results[i] = e
                     deadline = min(deadline, time.monotonic() + self.cfg.fault_tolerance.health_timeout_s)
@@ -462,8 +485,8 @@ class MegatronActorGroup:
                 progress, deadline = now, max(deadline, time.monotonic() + timeout)
             if time.monotonic() < deadline:
                 continue
-            raise self._hang_failure({index[r.hex()] for r in pending}, timeout)
-        gave_up = [i for i, r in enumerate(results) if isinstance(r, ray.exceptions.RayTaskError)]
+            raise self._hang_failure({rank_of[index[r.hex()]] for r in pending}, timeout)
+        gave_up = [rank_of[i] for i, r in enumerate(results) if isinstance(r, ray.exceptions.RayTaskError)]
         if gave_up:  # everyone arrived late but did arrive: a transient; re-form without blame
             raise WorkerFailure(set(), "exception", f"rank(s) {gave_up} timed out waiting for peers")
         return results

@@ -91,6 +91,8 @@ class Costs:
     ckpt_stall_s: float       # training stall per checkpoint
     step_s: float             # one training step (the in-flight step is re-run by spare_peer)
     refill_s: float           # a used spare is back in the pool after this
+    node_extra_s: float = 0.0  # a node loss takes this much longer to recover in place (measured:
+                               # its actors are found dead by a ping timeout, not by an error)
 
 
 @dataclass
@@ -192,10 +194,12 @@ def simulate(trace: list[Failure], strategy: str, costs: Costs, horizon_s: float
         if strategy == "spare_peer":
             lost = min(work - saved, f.u * costs.step_s) if interval_s > 0 else f.u * costs.step_s
             recovery = costs.detect_s + costs.inplace_s + costs.peer_restore_s
+            if f.gpus > 1:
+                recovery += costs.node_extra_s
         else:
             lost = work - saved
-            recovery = costs.detect_s + (costs.inplace_s + costs.ckpt_load_s if strategy == "spare_ckpt"
-                                         else costs.restart_s)
+            recovery = costs.detect_s + (costs.inplace_s + costs.ckpt_load_s + (costs.node_extra_s if f.gpus > 1 else 0)
+                                         if strategy == "spare_ckpt" else costs.restart_s)
         if strategy != "restart":
             if pool < f.gpus:  # wait for refills, or restart the whole job when that is faster
                 need = f.gpus - pool
@@ -256,6 +260,10 @@ def measured_model(results: Path = RESULTS) -> dict:
             model["n0"] = ns[0]
             model["base"] = {p: statistics.median(r[p] for r in actor if r["n"] == ns[0]) for p in base}
             model["scale_rows"] = {n: statistics.median(r["total_s"] for r in actor if r["n"] == n) for n in ns}
+            node = [r["total_s"] for r in rows if r["failure"] == "node"]
+            if node:
+                model["node_extra_s"] = max(0.0, statistics.median(node) - statistics.median(
+                    r["total_s"] for r in actor))
             model["source"].append("scale_cpu.json")
     gpu = [d for d in (_load(Path(p)) for p in sorted(glob.glob(str(results / "gpu" / "*.json"))))
            if isinstance(d, dict) and d.get("recovery_s") and d.get("timeline")]
@@ -282,7 +290,8 @@ def costs_for(model: dict, gpus: int, args) -> Costs:
     return Costs(detect_s=phase_at(model, "detect_s", gpus), inplace_s=inplace,
                  peer_restore_s=phase_at(model, "restore_s", gpus), ckpt_load_s=args.ckpt_load_s,
                  restart_s=args.relaunch_s + model["full_restart_s"] * growth + args.ckpt_load_s,
-                 ckpt_stall_s=args.ckpt_stall_s, step_s=args.step_s, refill_s=args.refill_h * 3600)
+                 ckpt_stall_s=args.ckpt_stall_s, step_s=args.step_s, refill_s=args.refill_h * 3600,
+                 node_extra_s=model.get("node_extra_s", 0.0))
 
 
 def plan_one(gpus: int, args, model: dict) -> dict:

@@ -7,7 +7,9 @@ smallest model, gloo, pure DP), 1/4 spares spread over the nodes by `assign_role
 (b) one killed node (`Cluster.remove_node` of a node holding workers, chosen so the spares left on
     other nodes cover its ranks).
 Each recovery's phases come from its `RecoveryTimeline`: detect (kill -> WorkerFailure), abort,
-replace, rebuild (new process-group generation), restore (peer), first step, total.
+replace, rebuild (new process-group generation), restore (peer), first step, total, and
+control = total - first step (the first step is data-plane compute: N ranks share this machine's
+cores, so its time grows with N here whatever the control plane does).
 `detect_s` of a node loss is timed from the return of `remove_node` (the node's processes are
 gone by then).
 
@@ -43,7 +45,7 @@ from config import load_config, resolve  # noqa: E402
 from megatron_actor import MegatronActorGroup  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
-PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s", "total_s")
+PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s", "total_s", "control_s")
 
 
 def pss_mb(pid: int) -> float:
@@ -84,14 +86,14 @@ def wait_refilled(group: MegatronActorGroup, want: int, timeout: float = 300.0) 
         time.sleep(0.2)
 
 
-def run_n(n: int, nodes: int, repeats: int, overrides: list[str], mem_check: float | None) -> tuple[list[dict], float]:
+def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> tuple[list[dict], float]:
     """Start a cluster, run the (a) and (b) failures for N actors; returns rows and the PSS of
     one actor (MB)."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     node_handles = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_IGNORE_UNHANDLED_ERRORS": "1"}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_IGNORE_UNHANDLED_ERRORS": "1", **env}})
     rows, actor_mb = [], 0.0
     run_dir = f"/tmp/bench_scale_{n}_{int(time.time())}"
     cfg = make_cfg(n, nodes, run_dir, overrides)
@@ -145,6 +147,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], mem_check: flo
 
 def _row(tl) -> dict:
     d = tl.to_dict()
+    d["control_s"] = d["total_s"] - d["first_step_s"]  # without the first step (data plane)
     return {**{p: d[p] for p in PHASES}, "failed_ranks": len(tl.failed_ranks), "restore_source": tl.restore_source,
             "steps_lost": tl.steps_lost, "attempts": tl.attempts}
 
@@ -193,6 +196,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--max-mem-gb", type=float, default=12.0,
                    help="skip an N whose projected actor memory (PSS) exceeds this")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the actors' environment "
+                   "(e.g. TORCH_GLOO_LAZY_INIT=1)")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale_cpu.json"))
     args = p.parse_args(argv)
@@ -204,7 +209,8 @@ def main(argv=None) -> list[dict]:
             print(f"N={n}: skipped, projected {n * actor_mb / 1024:.1f} GB of actor PSS > --max-mem-gb "
                   f"{args.max_mem_gb}")
             continue
-        got, mb = run_n(n, args.nodes, args.repeats, args.overrides, args.max_mem_gb)
+        env = dict(e.split("=", 1) for e in args.env)
+        got, mb = run_n(n, args.nodes, args.repeats, args.overrides, env)
         actor_mb = max(actor_mb, mb)
         rows += got
         Path(args.out).write_text(json.dumps(rows, indent=1))  # partial results survive a crash
@@ -214,7 +220,8 @@ def main(argv=None) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     fit_out = out.with_name(out.stem + "_fit.json")
-    fit_out.write_text(json.dumps({"fit": fits, "skipped_n": skipped, "nodes": args.nodes,
+    fit_out.write_text(json.dumps({"fit": fits, "skipped_n": skipped, "nodes": args.nodes, "env": args.env,
+                                   "overrides": args.overrides,
                                    "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, indent=1))
     print(f"wrote {out} and {fit_out}")
     return rows
