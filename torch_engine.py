@@ -89,13 +89,23 @@ class TorchEngine:
         self.ddp.register_comm_hook(self.dp_group, self._allreduce_hook)
 
     def _allreduce_hook(self, group, bucket):
-        """DDP's default all-reduce, after counting progress (a rank stuck before a collective
-        shows a lower count than peers waiting inside it) and a fault-injection point."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        """Average the bucket's gradients over the DP group, one collective per parameter.
 
+        DDP re-packs its buckets after the first iteration of every new wrapper (bucket order =
+        gradient-ready order), and a multi-rank all-reduce sums each element in an order that
+        depends on its offset in the buffer. Per-parameter collectives make every sum independent
+        of the packing, so a run whose DDP was re-wrapped by a recovery stays bitwise equal to
+        one that never was. Also counts progress (a rank stuck before a collective shows a lower
+        count than peers waiting inside it) and is a fault-injection point."""
         self.progress += 1
         self.fault_point("inside_allreduce")
-        return allreduce_hook(group, bucket)
+        world = dist.get_world_size(group)
+        for grad in bucket.gradients():  # views into bucket.buffer()
+            grad.div_(world)
+            dist.all_reduce(grad, group=group)
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
 
     def disconnect(self) -> None:
         """Forget the DDP wrapper and groups of an aborted generation (no collective)."""
