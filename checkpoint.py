@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -46,6 +47,7 @@ import pickle
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -55,6 +57,7 @@ from typing import Any, Callable
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.utils.serialization
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 logger = logging.getLogger(__name__)
@@ -512,7 +515,35 @@ def _dcp_save_fresh(state_dict: dict, directory: str, sync_files: bool) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     writer = dcp.FileSystemWriter(directory, thread_count=_WRITE_THREADS, sync_files=sync_files)
-    dcp.save(state_dict, storage_writer=writer, no_dist=True)
+    with _no_zip_crc32():
+        dcp.save(state_dict, storage_writer=writer, no_dist=True)
+
+
+_crc_lock = threading.Lock()
+_crc_users = 0
+_crc_saved = True
+
+
+@contextlib.contextmanager
+def _no_zip_crc32():
+    """torch.save (which DCP runs per tensor) computes a zip CRC32 of every byte, a full CPU pass
+    (~1/3 of DCP's save time on CPU) that torch.load never checks; our integrity check is the
+    manifest's sha256. The switch is process-global, so it is refcounted across saver threads
+    and restored when the last one ends."""
+    global _crc_users, _crc_saved
+    cfg = torch.utils.serialization.config.save
+    with _crc_lock:
+        if _crc_users == 0:
+            _crc_saved = cfg.compute_crc32
+            cfg.compute_crc32 = False
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users -= 1
+            if _crc_users == 0:
+                cfg.compute_crc32 = _crc_saved
 
 
 def _sha256_local(path: str) -> str:
