@@ -14,7 +14,7 @@ from pathlib import Path
 import ray
 
 from checkpoint import CheckpointError
-from config import Config
+from config import Config, model_signature
 from fault_tolerance import RecoveryTimeline, recover
 from megatron_actor import MegatronActorGroup, WorkerFailure
 from metrics import RunMetrics
@@ -52,7 +52,9 @@ class Trainer:
 
     def batch(self, step: int):
         t, m = self.cfg.train, self.cfg.model
-        return synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
+        batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
+        batch.validate(m.vocab_size)  # a malformed batch fails here, before any rank sees it
+        return batch
 
     def step_deadline(self) -> float:
         """Seconds a step may take before it is a hang: `hang_factor` x the median of the last
@@ -152,7 +154,7 @@ class Trainer:
             self.ckpt.commit(step, {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp,
                                     "dp": d.dp, "engine": self.cfg.model.engine},
                              [f for rank_files in per_rank for f in rank_files],
-                             {"generation": self.group.generation})
+                             {"generation": self.group.generation, "model": model_signature(self.cfg)})
         except CheckpointError as e:
             log.warning("checkpoint step %d NOT committed (training goes on): %s", step, e)
             self.failed_saves.append(step)

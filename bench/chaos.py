@@ -81,7 +81,7 @@ def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list):
         "cluster.num_nodes=3", "cluster.num_workers=2", f"cluster.num_spares={spares}",
         "cluster.cpus_per_actor=0.5", f"train.steps={steps}", f"checkpoint.interval={INTERVAL}",
         "checkpoint.keep_last=3", "checkpoint.retry_budget_s=1.5", f"checkpoint.uri={uri}",
-        f"run_dir={run_dir}", "fault_tolerance.health_timeout_s=2",
+        f"run_dir={run_dir}", "fault_tolerance.health_timeout_s=5",
         "fault_tolerance.min_step_timeout_s=3", "fault_tolerance.rendezvous_timeout_s=20",
         "fault_tolerance.health_interval_s=0.2", f"chaos.events={json.dumps(events)}"]), num_gpus=0)
 
