@@ -229,15 +229,13 @@ def cmd_train(cfg: Config, args) -> int:
     from metrics import RunMetrics
     from trainer import Trainer
 
-    bar = tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
-               disable=args.quiet or not sys.stderr.isatty())
     group = MegatronActorGroup(cfg)
     try:
         log_placement(group)
-        trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar))
-        with logging_redirect_tqdm():
+        with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
+                  disable=args.quiet or not sys.stderr.isatty()) as bar, logging_redirect_tqdm():
+            trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar))
             trainer.train(cfg.train.steps)
-        bar.close()
         for step in sorted(trainer.losses):
             print(f"step {step:>5}  loss {trainer.losses[step]:.6f}")
         print(f"recoveries: {len(trainer.recoveries)}; spares left: {len(group.pool)}; "
@@ -247,7 +245,6 @@ def cmd_train(cfg: Config, args) -> int:
         write_plots(cfg, {"loss": trainer.losses}, [t.to_dict() for t in trainer.recoveries],
                     trainer.replayed)
     finally:
-        bar.close()
         group.shutdown()
     return 0
 
