@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import ray
 
 from checkpoint import CheckpointManager
+from config import check_compatible
 from megatron_actor import ActorSlot, MegatronActorGroup, WorkerFailure
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,8 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
                                 "survivor holds no snapshot of the committed step; use restore=auto")
         timeline.notes.append("peer restore impossible; using checkpoint")
     manifest = ckpt.latest_verified()
+    if manifest is not None:
+        check_compatible(group.cfg, manifest)  # ConfigError: stop, don't retry
     if manifest is None:
         timeline.restore_source = "initial"
         group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers],

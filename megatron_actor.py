@@ -18,7 +18,6 @@ import datetime
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from checkpoint import CheckpointError, Manifest
-from config import CHAOS_KINDS, CHAOS_POINTS, Config
+from config import CHAOS_KINDS, CHAOS_POINTS, Config, preflight
 from dispatch import dispatch_remote, get_dispatch_type
 from parallel_dims import ParallelDims
 
@@ -355,12 +354,6 @@ def placement_report(workers: list[ActorSlot], spares: list[ActorSlot]) -> list[
     return lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class MegatronActorGroup:
     """All actors of a run: workers indexed by rank plus the pool of pre-warmed spares.
 
@@ -375,6 +368,7 @@ class MegatronActorGroup:
         from fault_tolerance import BackupPool
 
         self.cfg, self.dims = cfg, cfg.dims
+        preflight(cfg, ray.cluster_resources())  # before anything is placed or started
         c = cfg.cluster
         n = c.num_workers + c.num_spares
         bundle = {"CPU": c.cpus_per_actor}
@@ -402,10 +396,11 @@ class MegatronActorGroup:
         self.build_s = max(ray.get([s.handle.build.remote() for s in slots]))
         self.pool = BackupPool(spares)
         self.store_host = ray.util.get_node_ip_address()
-        self.store_port = _free_port()
-        self.store = dist.TCPStore(self.store_host, self.store_port, is_master=True,
-                                   wait_for_workers=False,
+        # Port 0: the OS picks a free port at bind time (no probe-then-bind race with other
+        # programs). One store serves every generation, so no port is ever re-bound.
+        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=cfg.fault_tolerance.step_timeout_s))
+        self.store_port = self.store.port
         self.generation = 0
         self.form_generation()
 

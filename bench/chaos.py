@@ -134,8 +134,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
         corrupted: set[int] = set()
         outage: list[threading.Thread] = []
 
-        def outage_window():
-            s3.stop()
+        def restart_later():
             time.sleep(3.0)
             s3.start()
 
@@ -151,7 +150,8 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
                     time.sleep(0.2)
             f = by_step.get(step)
             if f and f["kind"] == "storage_outage":
-                outage.append(threading.Thread(target=outage_window))
+                s3.stop()  # down before the next step, and so before the next save
+                outage.append(threading.Thread(target=restart_later))
                 outage[-1].start()
             elif f and f["kind"] == "corrupt_shard" and trainer.checkpoints:
                 corrupted.add(corrupt_newest(trainer.ckpt))
