@@ -6,7 +6,7 @@ Fault kinds (round-robin over the schedule, points drawn from the seed):
   node                     every actor on one Ray node killed (workers and spares)
   save_kill / save_error   a rank dies / raises while writing a checkpoint (before or between shards)
   recovery_failure         a rank dies, and another raises while the new generation forms
-  storage_outage           the S3 server (loopback, moto) is stopped for 3 s around a save
+  storage_outage           the S3 server (loopback, moto) is stopped for OUTAGE_S around a save
   corrupt_shard            bytes of the newest committed checkpoint flipped, then both ranks
                            killed, so recovery must load a checkpoint and fall back past it
 The cluster: `ray.cluster_utils.Cluster` with 3 logical nodes on this machine; checkpoints go
@@ -37,6 +37,7 @@ KINDS = ("kill", "exception", "hang", "node", "save_kill", "save_error", "recove
 STEP_POINTS = ("step_start", "before_allreduce", "inside_allreduce", "after_optimizer_step")
 GAP = 3          # steps between faults
 INTERVAL = 2     # checkpoint interval (steps)
+OUTAGE_S = 10.0  # storage outage length (s): the next save's retries all fall inside it
 
 
 def schedule(n_faults: int, seed: int) -> list[dict]:
@@ -134,8 +135,8 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
         corrupted: set[int] = set()
         outage: list[threading.Thread] = []
 
-        def restart_later():
-            time.sleep(3.0)
+        def restart_later():  # longer than a save's retries (a single attempt can take ~3 s)
+            time.sleep(OUTAGE_S)
             s3.start()
 
         def after_step(trainer, step):
