@@ -581,7 +581,8 @@ class MegatronActorGroup:
         return added
 
     def prune_pool(self) -> None:
-        """Drop spares that are dead (e.g. lost with their node) from the pool."""
+        """Drop spares that are dead (e.g. lost with their node) from the pool, and start
+        replacements on their bundles in the background (`fault_tolerance.refill_spares`)."""
         refs = [s.handle.ping.remote() for s in self.pool.spares]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
         alive = []
@@ -592,7 +593,12 @@ class MegatronActorGroup:
                     alive.append(s)
             except ray.exceptions.RayActorError:
                 pass
+        dead = [s for s in self.pool.spares if not any(s is a for a in alive)]
         self.pool.spares = alive
+        if dead and self.cfg.fault_tolerance.refill_spares:
+            for s in dead:
+                ray.kill(s.handle, no_restart=True)  # an unanswering one may still hold its bundle
+            self.refill([s.bundle_index for s in dead])
 
     def kill_node_of(self, rank: int) -> list[int]:
         """Fault injection: kill every actor (workers and spares) on the node of `rank`, as a
