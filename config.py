@@ -78,6 +78,27 @@ class PPOConfig:
 
 
 @dataclass
+class RLConfig:
+    enabled: bool = False
+    task: str = "reverse"
+    task_args: dict = field(default_factory=dict)
+    task_module: typing.Optional[str] = None
+    group_size: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    advantage: str = "grpo"
+    norm_std: bool = True
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_coef: float = 0.5
+    value_clip: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+
+@dataclass
 class CheckpointConfig:
     uri: str = "runs/demo/checkpoints"
     interval: int = 2
@@ -97,6 +118,7 @@ class FaultToleranceConfig:
     restore: str = "auto"
     min_dp: typing.Optional[int] = None
     refill_spares: bool = True
+    memory_snapshot_interval: int = 0
 
 
 @dataclass
@@ -111,6 +133,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
@@ -136,7 +159,9 @@ CHOICES = {
     "model.engine": ("auto", "torch", "megatron"),
     "model.dtype": ("auto", "float32", "bfloat16"),
     "ppo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "fault_tolerance.restore": ("auto", "peer", "checkpoint"),
+    "fault_tolerance.restore": ("auto", "peer", "memory", "checkpoint"),
+    "rl.advantage": ("grpo", "gae"),
+    "rl.kl_estimator": ("k1", "k3"),
 }
 
 
@@ -257,6 +282,8 @@ def validate(cfg: Config) -> None:
     _require(0 < p.eps_clip_low < 1, "ppo.eps_clip_low", "must be in (0, 1)")
     _require(0 < p.eps_clip_high < 1, "ppo.eps_clip_high", "must be in (0, 1)")
     _require(p.clip_ratio_c > 1, "ppo.clip_ratio_c", "must be > 1 (dual-clip bound, e.g. 3.0)")
+    if cfg.rl.enabled:
+        _validate_rl(cfg)
     k = cfg.checkpoint
     _require(bool(k.uri), "checkpoint.uri", "must be a path, file://, s3:// or gs:// URI")
     _require(k.interval >= 0, "checkpoint.interval", "must be >= 0 (0 disables checkpoints)")
@@ -271,6 +298,10 @@ def validate(cfg: Config) -> None:
     _require(f.hang_factor >= 1, "fault_tolerance.hang_factor", "must be >= 1 (deadline = factor x median step time)")
     _require(f.min_dp is None or 1 <= f.min_dp <= dims.dp, "fault_tolerance.min_dp",
              f"must be null (never shrink) or in [1, dp={dims.dp}]")
+    _require(isinstance(f.memory_snapshot_interval, int) and f.memory_snapshot_interval >= 0,
+             "fault_tolerance.memory_snapshot_interval", "must be an integer >= 0 (0: off)")
+    _require(f.restore != "memory" or f.memory_snapshot_interval > 0, "fault_tolerance.restore",
+             "'memory' needs fault_tolerance.memory_snapshot_interval >= 1")
     for i, ev in enumerate(cfg.chaos.events):
         _validate_chaos_event(ev, f"chaos.events[{i}]", c.num_workers)
     _require(not (k.async_save and m.engine == "megatron"), "checkpoint.async_save",
@@ -280,6 +311,46 @@ def validate(cfg: Config) -> None:
                  "the torch engine is data-parallel only; set parallel.tp/pp/cp=1 or model.engine=megatron")
     if m.engine == "megatron":
         _validate_megatron(cfg, dims)
+
+
+def _validate_rl(cfg: Config) -> None:
+    """RL mode (`rl.enabled`): sampling knobs, the task (built here, so a bad name or argument
+    stops the run before Ray starts), and room for prompt + completion in train.seq_len."""
+    r, t, m = cfg.rl, cfg.train, cfg.model
+    _require(m.engine != "megatron", "rl.enabled",
+             "rollouts (generation) are implemented for the torch engine only, not yet for "
+             "model.engine=megatron; run RL on CPU (cluster.device=cpu, model.engine=torch) or "
+             "set rl.enabled=false")
+    _require(r.group_size >= 1, "rl.group_size", "must be >= 1")
+    _require(r.advantage != "grpo" or r.group_size >= 2, "rl.group_size",
+             "GRPO normalises rewards within a prompt's group of samples: needs >= 2 samples "
+             "per prompt (or set rl.advantage=gae)")
+    _require(t.global_batch_size % r.group_size == 0, "rl.group_size",
+             f"train.global_batch_size={t.global_batch_size} is not a multiple of {r.group_size}")
+    _require(r.max_new_tokens >= 1, "rl.max_new_tokens", "must be >= 1")
+    _require(r.temperature > 0, "rl.temperature", "must be > 0")
+    _require(0 < r.top_p <= 1, "rl.top_p", "must be in (0, 1]")
+    _require(0 <= r.gamma <= 1, "rl.gamma", "must be in [0, 1]")
+    _require(0 <= r.lam <= 1, "rl.lam", "must be in [0, 1]")
+    _require(r.value_coef > 0, "rl.value_coef", "must be > 0 (weight of the value loss for rl.advantage=gae)")
+    _require(r.value_clip >= 0, "rl.value_clip", "must be >= 0 (0: no value clipping)")
+    _require(r.kl_coef >= 0, "rl.kl_coef", "must be >= 0 (0: no KL penalty, no reference model)")
+    _require(r.entropy_coef >= 0, "rl.entropy_coef", "must be >= 0 (0: no entropy bonus)")
+    from rl import make_task
+    try:
+        task = make_task(r.task, r.task_args, r.task_module)
+    except KeyError as e:
+        raise ConfigError(f"rl.task: {e.args[0]}; register it with rl.register_task or set "
+                          f"rl.task_module to the module that does") from None
+    except ImportError as e:
+        raise ConfigError(f"rl.task_module: cannot import {r.task_module!r}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"rl.task_args: {e}") from None
+    _require(len(task.tokenizer) <= m.vocab_size, "model.vocab_size",
+             f"{m.vocab_size} is smaller than the {len(task.tokenizer)} tokens of task {r.task!r}")
+    _require(task.max_prompt_len + r.max_new_tokens <= t.seq_len, "train.seq_len",
+             f"{t.seq_len} cannot hold a prompt of up to {task.max_prompt_len} tokens plus "
+             f"rl.max_new_tokens={r.max_new_tokens}; raise train.seq_len or lower rl.max_new_tokens")
 
 
 def _validate_megatron(cfg: Config, dims: ParallelDims) -> None:
@@ -324,7 +395,9 @@ def model_signature(cfg: Config) -> dict:
     m = cfg.model
     return {"engine": m.engine, "hf_path": m.hf_path, "vocab_size": m.vocab_size,
             "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
-            "ffn_hidden_size": m.ffn_hidden_size}
+            "ffn_hidden_size": m.ffn_hidden_size,
+            **({"rl": {"value_head": cfg.rl.advantage == "gae", "reference": cfg.rl.kl_coef > 0}}
+               if cfg.rl.enabled else {})}
 
 
 def check_compatible(cfg: Config, manifest) -> None:

@@ -189,6 +189,15 @@ class MegatronActor:
         self.fault_point("step_start")
         return self.engine.train_step(batch, step)
 
+    def generate(self, generation: int, step: int, prompts) -> dict:
+        """RL rollout of step `step`: sample completions of this DP replica's prompt rows (a
+        TrainingBatch of right-padded prompts, rows d, d+dp, ... of the global batch as
+        `MeshDispatch` interleaves them) with the current policy. Reads the state, changes
+        nothing; see `TorchEngine.generate` for the result."""
+        self._check(generation)
+        dp, d = self.dims.dp, self.dims.coords(self.rank).dp
+        return self.engine.generate(prompts, step, list(range(d, d + len(prompts) * dp, dp)))
+
     def save_checkpoint(self, generation: int, step: int, async_save: bool = False) -> list | str | None:
         """Write this rank's shards of step `step`; returns the files written, or the message of
         a storage error (CheckpointError: storage down past the retry budget), which is not a

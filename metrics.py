@@ -13,6 +13,7 @@ a checkpoint save) and fans each out to
 | `ft_step_seconds` | histogram | seconds per committed train step |
 | `ft_throughput_tokens_per_s` | gauge | tokens/s of the last step (global batch x seq_len / step time) |
 | `ft_loss` | gauge | loss of the last committed step |
+| `ft_reward` | gauge | RL: mean reward of the last committed step's samples |
 | `ft_recoveries` | counter | recoveries finished; tag `kind` (crash, hang, exception) |
 | `ft_recovery_phase_seconds` | histogram | seconds per recovery phase; tag `phase` (detect ... first_step, total) |
 | `ft_spares_available` | gauge | spares in the backup pool |
@@ -55,6 +56,7 @@ class RunMetrics:
                                       boundaries=SECONDS_BUCKETS)
         self.throughput = Gauge("ft_throughput_tokens_per_s", "Tokens per second of the last step")
         self.loss = Gauge("ft_loss", "Loss of the last committed step")
+        self.reward = Gauge("ft_reward", "RL: mean reward of the last committed step's samples")
         self.recoveries = Counter("ft_recoveries", "Recoveries finished", tag_keys=("kind",))
         self.phase_seconds = Histogram("ft_recovery_phase_seconds", "Seconds per recovery phase",
                                        boundaries=SECONDS_BUCKETS, tag_keys=("phase",))
@@ -64,18 +66,23 @@ class RunMetrics:
                                     boundaries=SECONDS_BUCKETS)
         self.num_recoveries = 0
 
-    def on_step(self, step: int, loss: float, step_s: float, spares: int) -> None:
-        """Step `step` committed with `loss` after `step_s` seconds; `spares` in the pool."""
+    def on_step(self, step: int, loss: float, step_s: float, spares: int,
+                reward: float | None = None) -> None:
+        """Step `step` committed with `loss` after `step_s` seconds; `spares` in the pool;
+        `reward`: RL runs' mean reward of the step (None otherwise)."""
         tokens_per_s = self.tokens_per_step / step_s if step_s > 0 else 0.0
         self.step_seconds.observe(step_s)
         self.throughput.set(tokens_per_s)
         self.loss.set(loss)
         self.spares.set(spares)
-        log.info("event=step step=%d loss=%.6f step_s=%.3f tokens_per_s=%.0f spares=%d",
-                 step, loss, step_s, tokens_per_s, spares)
+        extra = {} if reward is None else {"reward": f"{reward:.4f}"}
+        if reward is not None:
+            self.reward.set(reward)
+        log.info("event=step step=%d loss=%.6f step_s=%.3f tokens_per_s=%.0f spares=%d%s",
+                 step, loss, step_s, tokens_per_s, spares, "".join(f" {k}={v}" for k, v in extra.items()))
         if self.progress is not None:
             self.progress.n = step
-            self.progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}",
+            self.progress.set_postfix(loss=f"{loss:.4f}", **extra, tok_s=f"{tokens_per_s:.0f}",
                                       recoveries=self.num_recoveries, spares=spares, refresh=False)
             self.progress.refresh()
 

@@ -130,3 +130,127 @@ def policy_loss(
             "ppo_kl": _masked_mean(-log_ratio, loss_mask).item(),
         }
     return loss, metrics
+
+
+# -- advantages, value loss, KL and entropy terms (on-policy RL, see rl.py) --------------------
+
+
+def group_advantages(scores: Tensor, group_size: int, norm_std: bool = True,
+                     eps: float = 1e-6) -> Tensor:
+    """GRPO outcome advantages: each sample's reward normalised within its prompt's group.
+
+    Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, sec. 4.1.2 (outcome supervision):
+        A_i = (r_i - mean(r_group)) / std(r_group)
+    with std the unbiased sample standard deviation (as verl), plus `eps`. `norm_std=False`
+    drops the division (Liu et al. 2025, "Dr. GRPO", arXiv:2503.20783).
+
+    Args:
+        scores: float32 [B], one reward per sample; rows [g*G, (g+1)*G) are the G =
+            `group_size` samples of prompt g.
+
+    Returns:
+        float32 [B]: one advantage per sample (the caller broadcasts it over the response).
+
+    Raises:
+        ValueError: B is not a multiple of group_size, or group_size < 2.
+    """
+    if group_size < 2 or scores.dim() != 1 or scores.numel() % group_size != 0:
+        raise ValueError(f"scores {tuple(scores.shape)} must be [B] with B a multiple of "
+                         f"group_size={group_size} >= 2")
+    groups = scores.float().view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if norm_std:
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
+                   lam: float) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation over each sequence's response tokens.
+
+    Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized Advantage
+    Estimation", arXiv:1506.02438, eqs. (11)-(16):
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = sum_l (gamma * lam)^l * delta_{t+l}   (A_t = delta_t + gamma * lam * A_{t+1})
+        R_t     = A_t + V_t   (the value target, lambda-return)
+    with V_{t+1} = 0 after the last response token (the episode ends there).
+
+    Args:
+        rewards: float32 [B, S], per-token rewards (usually the outcome reward on the last
+            response token, 0 elsewhere).
+        values: float32 [B, S], V_t of the state before response token t (aligned like
+            `token_log_probs`: column t belongs to the action token t).
+        mask: float32 [B, S], 1 on response tokens (contiguous per row).
+
+    Returns:
+        (advantages, returns): float32 [B, S], 0 outside the mask.
+    """
+    values = values * mask
+    advantages = torch.zeros_like(values)
+    last = torch.zeros_like(values[:, 0])
+    seq = values.shape[1]
+    for t in reversed(range(seq)):
+        nxt_mask = mask[:, t + 1] if t + 1 < seq else torch.zeros_like(last)
+        nxt_value = values[:, t + 1] * nxt_mask if t + 1 < seq else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * nxt_value - values[:, t]
+        last = delta + gamma * lam * last * nxt_mask
+        advantages[:, t] = last
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over the masked entries (the usual PPO advantage normalisation);
+    0 outside the mask. values, mask: float32 [B, S]."""
+    mean = _masked_mean(values, mask)
+    var = _masked_mean((values - mean) ** 2, mask)
+    return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi.
+
+    Schulman 2020, "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html), with
+    log_ratio = ref_log_probs - log_probs:
+        k1 = -log_ratio                          (unbiased, high variance, can be negative)
+        k3 = exp(log_ratio) - log_ratio - 1      (unbiased, >= 0; GRPO's penalty,
+                                                  DeepSeekMath arXiv:2402.03300 eq. 4)
+    Args: float32 [B, S] each. Returns float32 [B, S]. Raises ValueError for another estimator.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"rl.kl_estimator={estimator!r} is not one of {KL_ESTIMATORS}")
+    log_ratio = (ref_log_probs - log_probs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    if estimator == "k1":
+        return -log_ratio
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of each position's next-token distribution, aligned like `token_log_probs`:
+    column t = H(p(. | input_ids[:, :t])) for t >= 1, column 0 = 0.
+    logits: float [B, S, V]. Returns float32 [B, S]."""
+    log_p = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return F.pad(-(log_p.exp() * log_p).sum(-1), (1, 0))
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: float, loss_agg_mode: str = "token-mean") -> Tensor:
+    """Clipped value loss of PPO (Schulman et al. 2017, arXiv:1707.06347, as in the OpenAI
+    baselines implementation and verl's `compute_value_loss`):
+        V_clip = old_V + clamp(V - old_V, -clip, clip)
+        loss   = 0.5 * max((V - R)^2, (V_clip - R)^2), aggregated over the mask.
+    values, old_values, returns, mask: float32 [B, S]. clip <= 0 disables clipping.
+    Returns a scalar tensor."""
+    err = (values - returns) ** 2
+    if clip > 0:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (clipped - returns) ** 2)
+    return _aggregate(0.5 * err, mask, loss_agg_mode)
+
+
+def aggregate(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+    """Public form of the loss reduction used by `policy_loss` (see `_aggregate`)."""
+    return _aggregate(loss_mat, mask, mode)

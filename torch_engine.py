@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 
 import torch
@@ -21,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import Config, check_compatible
 from parallel_dims import ParallelDims
-from ppo import policy_loss, token_log_probs
+from ppo import aggregate, kl_penalty, policy_loss, token_entropy, token_log_probs, value_loss
 from training_batch import TrainingBatch
 
 
@@ -55,7 +56,9 @@ class TorchEngine:
         self.cfg = cfg
         torch.set_num_threads(1)
         self.model = build_hf_model(cfg)
-        self._initial_model = copy.deepcopy(self.model.state_dict())
+        self.rl = cfg.rl if cfg.rl.enabled else None
+        self.module, self.ref_model = self._build_rl_modules()
+        self._initial_model = copy.deepcopy(self.module.state_dict())
         self.ddp: DDP | None = None
         self.dp_group = None
         self.progress = 0              # micro-batches + buckets all-reduced, ever (monotonic)
@@ -65,16 +68,39 @@ class TorchEngine:
         self._snapshot: dict | None = None
         self.reset()
 
+    def _build_rl_modules(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        """The module trained under DDP and the frozen reference policy.
+
+        Without RL: the HF model itself, no reference. With RL: `rl.PolicyValue` (the model plus,
+        for `rl.advantage=gae`, a zero-initialised linear value head on its last hidden state),
+        and with `rl.kl_coef > 0` a frozen copy of the initial policy (the KL anchor)."""
+        if self.rl is None:
+            return self.model, None
+        from rl import PolicyValue
+
+        head = None
+        if self.rl.advantage == "gae":
+            head = torch.nn.Linear(self.model.config.hidden_size, 1)
+            torch.nn.init.zeros_(head.weight)
+            torch.nn.init.zeros_(head.bias)
+        ref = None
+        if self.rl.kl_coef > 0:
+            ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        return PolicyValue(self.model, head), ref
+
     def reset(self) -> None:
         """Return to the state of step 0: the seeded initial weights, a fresh optimizer and LR
         schedule. A pre-warmed spare is in this state, so step 0 never needs a copy."""
         t = self.cfg.train
-        self.model.load_state_dict(self._initial_model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr,
+        self.module.load_state_dict(self._initial_model)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr,
                                            weight_decay=t.weight_decay)
         total_updates = t.steps * (t.global_batch_size // t.mini_batch_size)
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, total_updates)
         self.step = 0                  # number of train steps whose update this state contains
+        # Rollout stream position: samples trained on so far. Sampling itself is a pure function
+        # of (seed, step, row) and the weights, so this is all the rollout state there is.
+        self.rollout = {"seed": t.seed, "samples": 0}
         self._dirty = False            # True while a step may have partly updated the state
 
     # -- process groups ----------------------------------------------------------------------
@@ -84,7 +110,7 @@ class TorchEngine:
         may be a fresh spare); recovery restores state explicitly (rollback / broadcast_from)."""
         # The torch engine is data-parallel only (config validation), so the DP group is WORLD.
         self.dp_group = dist.group.WORLD
-        self.ddp = DDP(self.model, process_group=self.dp_group, broadcast_buffers=False,
+        self.ddp = DDP(self.module, process_group=self.dp_group, broadcast_buffers=False,
                        init_sync=False)
         self.ddp.register_comm_hook(self.dp_group, self._allreduce_hook)
 
@@ -112,9 +138,86 @@ class TorchEngine:
         self.ddp, self.dp_group = None, None
 
     # -- compute -----------------------------------------------------------------------------
+    def _forward(self, module: torch.nn.Module, batch: TrainingBatch):
+        """(logits float [B, S, V], values float32 [B, S] or None) of `module` (the model, the
+        DDP wrapper, `rl.PolicyValue` or the reference model). RL divides the logits by
+        `rl.temperature`, the distribution the completions were sampled from."""
+        out = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        logits, values = out if isinstance(out, tuple) else (out.logits, None)
+        if self.rl is not None and self.rl.temperature != 1.0:
+            logits = logits / self.rl.temperature
+        return logits, values
+
     def _log_probs(self, module: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
-        logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return token_log_probs(logits, batch.input_ids)
+        return token_log_probs(self._forward(module, batch)[0], batch.input_ids)
+
+    def _with_behaviour(self, batch: TrainingBatch) -> TrainingBatch:
+        """Fill old_log_probs (current, pre-update policy) and, with a KL penalty, ref_log_probs
+        (frozen reference policy) where absent, micro-batch by micro-batch, without gradients."""
+        micro = self.cfg.train.micro_batch_size
+        with torch.no_grad():
+            if batch.old_log_probs is None:
+                batch = batch.with_old_log_probs(torch.cat(
+                    [self._log_probs(self.module, mb) for mb in batch.chunk(len(batch) // micro)]))
+            if self.ref_model is not None and batch.ref_log_probs is None:
+                batch = dataclasses.replace(batch, ref_log_probs=torch.cat(
+                    [self._log_probs(self.ref_model, mb) for mb in batch.chunk(len(batch) // micro)]))
+        return batch
+
+    def _loss(self, mb: TrainingBatch) -> tuple[torch.Tensor, dict]:
+        """Loss of one micro-batch through DDP: the dual-clip PPO policy loss, plus with RL
+        `value_coef` x clipped value loss (GAE), `kl_coef` x KL(policy || reference) (k1/k3)
+        and - `entropy_coef` x entropy, each aggregated with `ppo.loss_agg_mode`."""
+        p, r = self.cfg.ppo, self.rl
+        logits, values = self._forward(self.ddp, mb)
+        log_probs = token_log_probs(logits, mb.input_ids)
+        loss, metrics = policy_loss(log_probs, mb.old_log_probs, mb.advantages, mb.loss_mask,
+                                    p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c, p.loss_agg_mode)
+        if r is None:
+            return loss, metrics
+        metrics = {**metrics, "pg_loss": loss.item()}
+        if values is not None:
+            vf = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, r.value_clip, p.loss_agg_mode)
+            loss = loss + r.value_coef * vf
+            metrics["vf_loss"] = vf.item()
+        if mb.ref_log_probs is not None:
+            kl = aggregate(kl_penalty(log_probs, mb.ref_log_probs, r.kl_estimator), mb.loss_mask,
+                           p.loss_agg_mode)
+            loss = loss + r.kl_coef * kl
+            metrics["kl"] = kl.item()
+        if r.entropy_coef > 0:
+            entropy = aggregate(token_entropy(logits), mb.loss_mask, p.loss_agg_mode)
+            loss = loss - r.entropy_coef * entropy
+            metrics["entropy"] = entropy.item()
+        return loss, metrics
+
+    @torch.no_grad()
+    def generate(self, prompts: TrainingBatch, step: int, rows: list[int]) -> dict:
+        """Sample completions of this replica's prompt rows with the current policy (see
+        `rl.sample`); row j's randomness comes from `rl.row_seed(train.seed, step, rows[j])`,
+        `rows` being the global row indices, so a row samples the same on any replica and at any
+        DP size. Returns `rl.sample`'s dict of [B, S] tensors, plus `values` (float32 [B, S],
+        the value head's estimates, GAE) or None."""
+        from rl import EOS_ID, PAD_ID, row_seed, sample
+
+        r, t = self.rl, self.cfg.train
+        if r is None:
+            raise RuntimeError("generate needs rl.enabled=true")
+
+        def logits_fn(ids, mask):
+            return self._forward(self.module, TrainingBatch(ids, mask, None, None))[0]
+
+        def on_token():
+            self.progress += 1
+
+        out = sample(logits_fn, prompts.input_ids, prompts.attention_mask,
+                     [row_seed(t.seed, step, row) for row in rows], r.max_new_tokens,
+                     EOS_ID, PAD_ID, temperature=1.0, top_p=r.top_p, on_token=on_token)
+        out["values"] = None
+        if self.module.value_head is not None:
+            out["values"] = self._forward(self.module, TrainingBatch(
+                out["input_ids"], out["attention_mask"], None, None))[1]
+        return out
 
     def train_step(self, batch: TrainingBatch, step: int) -> dict:
         """One PPO step on this replica's shard of the global batch.
@@ -131,10 +234,7 @@ class TorchEngine:
             raise RuntimeError("train_step called before connect(): no process group generation")
         t, p = self.cfg.train, self.cfg.ppo
         micro = t.micro_batch_size
-        if batch.old_log_probs is None:
-            with torch.no_grad():
-                batch = batch.with_old_log_probs(torch.cat(
-                    [self._log_probs(self.model, mb) for mb in batch.chunk(len(batch) // micro)]))
+        batch = self._with_behaviour(batch)
         minis = batch.chunk(t.global_batch_size // t.mini_batch_size)
         losses, norms, metrics = [], [], {}
         for mini in minis:
@@ -146,21 +246,19 @@ class TorchEngine:
                 if sync:
                     self.fault_point("before_allreduce")
                 with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                    loss, metrics = policy_loss(
-                        self._log_probs(self.ddp, mb), mb.old_log_probs, mb.advantages,
-                        mb.loss_mask, p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c,
-                        p.loss_agg_mode)
+                    loss, metrics = self._loss(mb)
                     (loss / len(micros)).backward()
                 mini_loss += loss.item() / len(micros)
                 self.progress += 1
                 time.sleep(self.delay_s)
             if t.grad_clip > 0:
-                norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip).item())
+                norms.append(torch.nn.utils.clip_grad_norm_(self.module.parameters(), t.grad_clip).item())
             self.optimizer.step()
             self.scheduler.step()
             self.fault_point("after_optimizer_step")
             losses.append(mini_loss)
         self.step, self._dirty, self.delay_s = step, False, 0.0
+        self.rollout["samples"] += t.global_batch_size
         return {"loss": sum(losses) / len(losses), "mini_losses": losses,
                 "grad_norm": max(norms) if norms else 0.0,
                 "lr": self.scheduler.get_last_lr()[0], **metrics}
@@ -169,16 +267,25 @@ class TorchEngine:
     def _train_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd,
-                "scheduler": self.scheduler.state_dict(), "step": self.step}
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd,
+                 "scheduler": self.scheduler.state_dict(), "step": self.step}
+        if self.rl is not None:  # value head: inside `model`; reference policy + rollout here
+            state["rollout"] = dict(self.rollout)
+            if self.ref_model is not None:
+                state["reference"] = self.ref_model.state_dict()
+        return state
 
     def _set_train_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "rollout" in state:
+            self.rollout = dict(state["rollout"])
+        if "reference" in state:
+            self.ref_model.load_state_dict(state["reference"])
         self.step, self._dirty = int(state["step"]), False
 
     def save_checkpoint(self, ckpt, step: int, dims: ParallelDims, rank: int,
@@ -232,6 +339,15 @@ class TorchEngine:
             return False
         self._dirty = False
         return True
+
+    def host_state(self) -> dict:
+        """A host-memory copy of the live training state (what `snapshot` keeps), to send to a
+        SnapshotHolder; later steps do not change it."""
+        return copy.deepcopy(self._train_state())
+
+    def load_state(self, state: dict) -> None:
+        """Make `state` (from `host_state`, possibly of another process) the live state."""
+        self._set_train_state(copy.deepcopy(state))
 
     def broadcast_from(self, src_rank: int) -> None:
         """Make this rank's training state equal to `src_rank`'s (a member of the same DP group):

@@ -1,6 +1,11 @@
 """The driver loop: batch -> MeshDispatch -> `train_step` on every rank -> results -> checkpoint,
 and recovery when a `WorkerFailure` comes back.
 
+With `rl.enabled` the batch is experience: prompts of the step -> `generate` on every DP
+replica -> rewards and advantages on the driver (rl.Rollouts) -> `train_step`. The rollout is
+part of the step: a step re-run after recovery samples the same completions again (sampling is a
+pure function of the committed weights and (seed, step, row)).
+
 `committed_step` is the last step every rank finished; a step in flight when a failure hits is
 re-run after recovery with the same data (data are a pure function of (seed, step, dp rank)).
 """
@@ -27,6 +32,8 @@ class Trainer:
     """Drives one run over a `MegatronActorGroup`.
 
     Attributes: `losses` (step -> mean over DP replicas of the replica's PPO loss, float),
+    `rewards` (RL: step -> mean reward of the step's samples), `replayed_rewards`,
+    `rollout_stats` (RL: step -> reward, exact, response_len),
     `replayed` (step -> loss of each re-run of a step that had been committed before),
     `recoveries` (list of RecoveryTimeline), `committed_step`, `checkpoints` (committed steps).
     """
@@ -40,6 +47,14 @@ class Trainer:
         self.committed_step = 0
         self.losses: dict[int, float] = {}
         self.replayed: dict[int, list[float]] = {}
+        self.rewards: dict[int, float] = {}
+        self.replayed_rewards: dict[int, list[float]] = {}
+        self.rollout_stats: dict[int, dict] = {}
+        self._stats: dict = {}  # rollout stats of the step in flight
+        self.rollouts = None
+        if cfg.rl.enabled:
+            from rl import Rollouts
+            self.rollouts = Rollouts(cfg)
         self.recoveries: list[RecoveryTimeline] = []
         self.checkpoints: list[int] = []
         self.failed_saves: list[int] = []   # steps whose save hit a storage error
@@ -79,10 +94,21 @@ class Trainer:
             else:
                 ray.get(self.group.workers[ev["rank"]].handle.arm_fault.remote(ev["kind"], ev["point"]))
 
+    def experience(self, step: int):
+        """RL: the step's prompts, sampled by every DP replica (`generate`, interleaved rows as
+        `MeshDispatch` splits them), scored and turned into a TrainingBatch with advantages.
+        Sets `self._stats` (reward, exact, response_len). Raises WorkerFailure."""
+        prompts = self.rollouts.prompts(step)
+        parts = self.group.call("generate", step, self.rollouts.prompt_batch(prompts),
+                                dispatch="mesh", timeout=self.step_deadline())
+        batch, self._stats = self.rollouts.experience(prompts, parts)
+        return batch
+
     def _step(self, step: int) -> float:
         self._arm_chaos(step)
         t0 = time.perf_counter()
-        results = self.group.call("train_step", step, self.batch(step), dispatch="mesh",
+        batch = self.batch(step) if self.rollouts is None else self.experience(step)
+        results = self.group.call("train_step", step, batch, dispatch="mesh",
                                   timeout=self.step_deadline())
         self.step_times.append(time.perf_counter() - t0)
         return sum(r["loss"] for r in results) / len(results)
@@ -111,17 +137,22 @@ class Trainer:
                 after_step(self, step)
 
     def _commit_step(self, step: int, loss: float) -> None:
+        reward = self._stats.get("reward")
         if step in self.losses:
             self.replayed.setdefault(step, []).append(loss)
+            if reward is not None:
+                self.replayed_rewards.setdefault(step, []).append(reward)
         else:
             self.losses[step] = loss
+            if reward is not None:
+                self.rewards[step], self.rollout_stats[step] = reward, dict(self._stats)
         self.committed_step = step
         if self._resume_t is not None:
             self.recoveries[-1].first_step_s = time.perf_counter() - self._resume_t
             self.recoveries[-1].append_jsonl(self.run_dir / "recoveries.jsonl")
             self.metrics.on_recovery(self.recoveries[-1])
             self._resume_t = None
-        self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool))
+        self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool), reward)
 
     def save(self, step: int) -> None:
         """Every rank writes its shards; the driver commits the manifest last. With

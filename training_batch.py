@@ -21,6 +21,12 @@ class TrainingBatch:
     advantages: float32 [B, S].
     old_log_probs: float32 [B, S] or None (log p(input_ids[:, t] | input_ids[:, :t]) under
         the behaviour policy, column 0 = 0); None until the old policy has been evaluated.
+    returns: float32 [B, S] or None: value targets (GAE lambda-returns, rl.py); None without
+        a value head.
+    old_values: float32 [B, S] or None: the value head's estimates at rollout time (for value
+        clipping), aligned like old_log_probs.
+    ref_log_probs: float32 [B, S] or None: log-probs under the frozen reference policy (KL
+        penalty); computed by the engine when needed.
     """
 
     input_ids: Tensor
@@ -28,6 +34,9 @@ class TrainingBatch:
     loss_mask: Tensor
     advantages: Tensor
     old_log_probs: Tensor | None = None
+    returns: Tensor | None = None
+    old_values: Tensor | None = None
+    ref_log_probs: Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -88,6 +97,9 @@ class TrainingBatch:
             "loss_mask": torch.float32,
             "advantages": torch.float32,
             "old_log_probs": torch.float32,
+            "returns": torch.float32,
+            "old_values": torch.float32,
+            "ref_log_probs": torch.float32,
         }
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}")
