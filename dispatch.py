@@ -41,8 +41,11 @@ class PassThroughDispatch(Dispatch):
 class MeshDispatch(Dispatch):
     """Data-parallel fan-out over the (tp, cp, dp, pp) mesh.
 
-    split: every `TrainingBatch` argument (positional or keyword) is chunked into dims.dp
-    equal parts along B; every rank of DP replica d (all its tp, cp, pp ranks) gets chunk d.
+    split: every `TrainingBatch` argument (positional or keyword) is cut into dims.dp
+    interleaved parts along B: every rank of DP replica d (all its tp, cp, pp ranks) gets rows
+    d, d+dp, d+2dp, ... Interleaved, not contiguous, so that mini-batch k cut from each rank's
+    local rows in order is global rows [k*m, (k+1)*m) (m = mini-batch size) at any dp: the
+    optimizer updates do not depend on the DP size (shrinking DP, resharding a checkpoint).
     Other arguments go to every rank unchanged.
     collect: one result per DP replica, in dp order, taken from the rank with tp=0, cp=0 on
     the last pipeline stage (where the loss is computed).
@@ -58,7 +61,7 @@ class MeshDispatch(Dispatch):
                     f"batch of {len(value)} sequences cannot be split evenly over dp={dims.dp} "
                     f"data-parallel replicas; use a batch size that is a multiple of {dims.dp}"
                 )
-            return value.chunk(dims.dp)
+            return [value.strided(d, dims.dp) for d in range(dims.dp)]
 
         per_arg = [chunks(a) for a in args]
         per_kwarg = {k: chunks(v) for k, v in kwargs.items()}

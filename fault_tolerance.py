@@ -8,9 +8,11 @@ Protocol (one failure or many; see README "Recovery protocol"):
 3. Replace: a spare from the pool takes each failed rank, preferring a node other than the
    failed one and a device no surviving rank uses. No spare left: `RecoveryError`.
 4. Rebuild: a new membership generation (fresh store prefix) is formed.
-5. Restore, cheapest source first: peers (survivors roll back to their host-memory snapshot of
-   the committed step, then every DP group broadcasts from a survivor), else the newest
-   verified checkpoint (all ranks load it; the steps after it are replayed).
+5. Restore, cheapest source first: (a) peers (survivors roll back to their host-memory snapshot
+   of the committed step, then every DP group broadcasts from a survivor); (b) in-memory
+   snapshots held by `SnapshotHolder` actors on other nodes (needed when a whole DP replica is
+   gone or the optimizer state is sharded); (c) the newest verified checkpoint (all ranks load
+   it; the steps after it are replayed).
 6. Resume; the caller records `first_step_s` when the next step completes.
 A failure during any phase restarts the protocol with the larger set of failed ranks.
 """
@@ -151,11 +153,13 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
     ActorSlots that were in the last committed step and are still members."""
     dims, gen = group.dims, group.generation
     survivors = {r for r, s in enumerate(group.workers) if any(s is v for v in survivor_slots)}
+    clean = set()  # ranks holding the committed step's state after rolling back locally
+    if mode != "checkpoint":
+        clean = {r for r, ok in zip(sorted(survivors), ray.get(
+            [group.workers[r].handle.rollback.remote(gen, committed) for r in sorted(survivors)])) if ok}
     if mode in ("auto", "peer"):
         dp_groups = dims.group_ranks("dp")
-        ok = all(ray.get([group.workers[r].handle.rollback.remote(gen, committed)
-                          for r in sorted(survivors)]))
-        if ok and all(set(g) & survivors for g in dp_groups):
+        if clean == survivors and all(set(g) & survivors for g in dp_groups):
             if committed > 0:
                 # Only the replaced ranks need the state: each DP group with a new member makes
                 # a broadcast among its source survivor and its new members; the other ranks
@@ -178,7 +182,16 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
         if mode == "peer":
             raise RecoveryError("fault_tolerance.restore=peer but a whole DP group was lost or a "
                                 "survivor holds no snapshot of the committed step; use restore=auto")
-        timeline.notes.append("peer restore impossible; using checkpoint")
+        timeline.notes.append("peer restore impossible")
+    if mode in ("auto", "memory") and group.holders:
+        step = _restore_from_memory(group, committed, clean, max(ckpt.committed_steps(), default=0))
+        if step is not None:
+            timeline.restore_source = "memory" if step == committed else f"memory step {step}"
+            return step
+        if mode == "memory":
+            raise RecoveryError("fault_tolerance.restore=memory but no in-memory snapshot of a step "
+                                "newer than the newest checkpoint is held for every rank; use restore=auto")
+        timeline.notes.append("in-memory restore impossible")
     manifest = ckpt.latest_verified()
     if manifest is not None:
         check_compatible(group.cfg, manifest)  # ConfigError: stop, don't retry
@@ -190,6 +203,28 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
     timeline.restore_source = f"checkpoint step {manifest.step}"
     return min(group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers],
                           group.cfg.fault_tolerance.step_timeout_s))
+
+
+def _restore_from_memory(group: MegatronActorGroup, committed: int, clean: set[int],
+                         floor: int) -> int | None:
+    """Restore from the SnapshotHolders: the committed step for the ranks not in `clean`, or,
+    when some lack it, the newest step below it that every rank's snapshot has, for every rank
+    (not older than `floor`, the newest checkpoint's step). Returns the step, None if none fits."""
+    held = group.held_snapshots()
+    world = range(group.dims.world_size)
+    has = [held.get((str(group.dims), r), set()) for r in world]
+    need = [r for r in world if r not in clean]
+    if all(committed in has[r] for r in need):
+        step = committed
+    else:
+        step = max((s for s in set.intersection(*has) if floor <= s < committed), default=None)
+        need = list(world)
+    if step is None:
+        return None
+    holders = list(group.holders.values())
+    ok = group.wait([group.workers[r].handle.restore_snapshot.remote(group.generation, step, holders)
+                     for r in need], group.cfg.fault_tolerance.step_timeout_s, need)
+    return step if all(ok) else None
 
 
 def recover(group: MegatronActorGroup, failure: WorkerFailure, ckpt: CheckpointManager,

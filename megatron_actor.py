@@ -15,6 +15,7 @@ results of an aborted generation even when no error came (an aborted NCCL collec
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import signal
@@ -37,6 +38,67 @@ CONTROL = "control"
 
 class StaleGenerationError(RuntimeError):
     """A compute call belongs to a process-group generation this actor is no longer in."""
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process, each in its own thread, then drop them from
+    torch's registry (`_abort_process_group`, whose own aborts are then no-ops).
+
+    Why threads: torch aborts the groups one after another (inside one ncclGroupStart/End), and
+    each NCCL communicator abort took ~0.53 s on H200 (NCCL 2.28, torch 2.11); with a collective
+    blocked on a killed peer and 17 groups (Megatron makes about that many) the sequential abort
+    had not returned after 25 s, while the threaded one returned in 0.87-0.96 s and freed the
+    stuck collective (bench/abort_probe.py, bench/results/gpu/abort_probe_nvidia-h200-x2_2026-11-29.json)."""
+    from torch.distributed.distributed_c10d import _abort_process_group, _world
+
+    threads = [threading.Thread(target=pg.abort, daemon=True) for pg in list(_world.pg_names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _abort_process_group()
+
+
+def close_open_nccl_groups() -> None:
+    """Close NCCL group calls left open on the calling thread. torch's `_coalescing_manager`
+    (behind `batch_isend_irecv`, which Megatron's pipeline p2p uses) opens an ncclGroupStart and
+    has no `finally`: when a send or receive raises inside it, as one does on a communicator that
+    `abort` aborted under a running step, the group stays open on the compute thread, and the
+    next communicator made there (the next generation's) would be deferred to a group end that
+    never comes. ncclGroupEnd on a thread with no open group fails: that ends the loop."""
+    import torch.distributed as dist
+
+    nccl = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1)  # makes no communicator
+    for _ in range(8):
+        try:
+            nccl._group_end()
+        except Exception:  # noqa: BLE001 - 'invalid usage': no group was open
+            return
+
+
+@ray.remote(num_cpus=0)
+class SnapshotHolder:
+    """Keeps in-memory snapshots of ranks on other nodes: per (layout, rank), the host copies
+    of that rank's training state (model + optimizer shard, engine `host_state()`) of the
+    newest `keep` steps. Ranks send them asynchronously after a step (MegatronActor.train_step);
+    a replacement fetches its rank's copy (`get`) when no DP peer holds the state. Host memory:
+    `keep` x the sum of the state sizes of the ranks it serves."""
+
+    def __init__(self, keep: int = 2):
+        self.keep, self.snaps = keep, {}
+
+    def put(self, key: tuple, step: int, state: dict) -> None:
+        steps = self.snaps.setdefault(key, {})
+        steps[step] = state
+        for old in sorted(steps)[:-self.keep]:
+            del steps[old]
+
+    def get(self, key: tuple, step: int) -> dict | None:
+        return self.snaps.get(key, {}).get(step)
+
+    def steps(self) -> dict:
+        """(layout, rank) -> steps held, oldest first."""
+        return {k: sorted(v) for k, v in self.snaps.items()}
 
 
 class InjectedFault(RuntimeError):
@@ -62,6 +124,7 @@ class MegatronActor:
         self._abort_epoch = 0             # bumped by abort(): cancels a join in progress
         self._store = None                # ((host, port), TCPStore client of the driver's store)
         self._pending_save = None         # futures of an async checkpoint write
+        self._holder = None               # SnapshotHolder this rank sends its snapshots to
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     def fault_point(self, point: str) -> None:
@@ -108,13 +171,18 @@ class MegatronActor:
         """Abort (not destroy) this actor's communicators: non-blocking, and it frees a compute
         thread stuck in a collective whose peer died. Returns seconds taken."""
         import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _abort_process_group
 
         t0 = time.perf_counter()
         self.generation = None
         self._abort_epoch += 1
         if dist.is_initialized():
-            _abort_process_group()
+            # An abort that does not return gets this actor replaced; leave the stacks of every
+            # thread in its log so the cause can be read afterwards.
+            faulthandler.dump_traceback_later(self.cfg.fault_tolerance.health_timeout_s / 2)
+            try:
+                abort_process_groups()
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         return time.perf_counter() - t0
 
     # -- compute -----------------------------------------------------------------------------
@@ -135,9 +203,11 @@ class MegatronActor:
         """A compute-thread call that returns at once: answers only if that thread is free."""
         return True
 
-    def join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int) -> float:
+    def join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int,
+             holder=None) -> float:
         """Join process-group generation `generation` as `rank` of `dims.world_size` through the
-        driver's store at host:port (prefix `gen{generation}`). Returns seconds."""
+        driver's store at host:port (prefix `gen{generation}`); `holder`: the SnapshotHolder to
+        send in-memory snapshots to (None: off). Returns seconds."""
         import torch
         import torch.distributed as dist
 
@@ -145,8 +215,11 @@ class MegatronActor:
         epoch = self._abort_epoch
         self.fault_point("during_recovery")
         self.engine.disconnect()
-        if dist.is_initialized():  # only after a clean shutdown; a failure path aborted it
-            dist.destroy_process_group()
+        if dist.is_initialized():  # a generation whose forming was cancelled by an abort
+            abort_process_groups()
+        cuda = self.cfg.cluster.device == "cuda"
+        if cuda:
+            close_open_nccl_groups()
         ft = self.cfg.fault_tolerance
         if self._store is None or self._store[0] != (host, port):
             self._store = ((host, port), dist.TCPStore(
@@ -167,13 +240,12 @@ class MegatronActor:
                 raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
                                    f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s")
             time.sleep(0.01)
-        cuda = self.cfg.cluster.device == "cuda"
         dist.init_process_group("nccl" if cuda else "gloo", store=store,
                                 rank=rank, world_size=dims.world_size,
                                 timeout=datetime.timedelta(seconds=ft.step_timeout_s),
                                 device_id=torch.device("cuda", 0) if cuda else None)
         self.engine.connect(dims, rank)
-        self.generation, self.rank, self.dims = generation, rank, dims
+        self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
         return time.perf_counter() - t0
 
     def _check(self, generation: int) -> None:
@@ -187,7 +259,27 @@ class MegatronActor:
         self._check(generation)
         self.engine.snapshot()
         self.fault_point("step_start")
-        return self.engine.train_step(batch, step)
+        result = self.engine.train_step(batch, step)
+        k = self.cfg.fault_tolerance.memory_snapshot_interval
+        if self._holder is not None and step % k == 0:
+            # The host copy is taken here (the next step changes the live tensors); serialising
+            # it to the holder runs in the background while training goes on.
+            state = self.engine.host_state()
+            threading.Thread(target=self._holder.put.remote, daemon=True,
+                             args=((str(self.dims), self.rank), step, state)).start()
+        return result
+
+    def restore_snapshot(self, generation: int, step: int, holders: list) -> bool:
+        """Load this rank's in-memory snapshot of committed step `step` from the first of
+        `holders` (SnapshotHolder handles) that has it. False when none has."""
+        self._check(generation)
+        key = (str(self.dims), self.rank)
+        for holder in holders:
+            state = ray.get(holder.get.remote(key, step))
+            if state is not None:
+                self.engine.load_state(state)
+                return True
+        return False
 
     def generate(self, generation: int, step: int, prompts) -> dict:
         """RL rollout of step `step`: sample completions of this DP replica's prompt rows (a
@@ -411,6 +503,14 @@ class MegatronActorGroup:
                                    timeout=datetime.timedelta(seconds=cfg.fault_tolerance.step_timeout_s))
         self.store_port = self.store.port
         self.generation = 0
+        # In-memory snapshots: one holder per node of the placement group; each rank sends its
+        # copies to the holder of another node, so they outlive the rank's node.
+        self.holders: dict[str, object] = {}
+        if cfg.fault_tolerance.memory_snapshot_interval > 0:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            self.holders = {node: SnapshotHolder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node, soft=True)).remote() for node in sorted({s.node_id for s in slots})}
         self.form_generation()
 
     @property
@@ -429,10 +529,33 @@ class MegatronActorGroup:
         Returns seconds. Raises WorkerFailure if a member dies while joining."""
         self.generation += 1
         t0 = time.perf_counter()
-        refs = [s.handle.join.remote(self.generation, r, self.dims, self.store_host, self.store_port)
+        refs = [s.handle.join.remote(self.generation, r, self.dims, self.store_host, self.store_port,
+                                     self.holder_for(s.node_id))
                 for r, s in enumerate(self.workers)]
         self.wait(refs, self.cfg.fault_tolerance.step_timeout_s)
         return time.perf_counter() - t0
+
+    def holder_for(self, node_id: str):
+        """The SnapshotHolder a rank on `node_id` sends its snapshots to: the next node's in
+        sorted order (its own node's only when there is one node); None when snapshots are off."""
+        if not self.holders:
+            return None
+        nodes = sorted(self.holders)
+        return self.holders[nodes[(nodes.index(node_id) + 1) % len(nodes)] if node_id in nodes else nodes[0]]
+
+    def held_snapshots(self) -> dict[tuple, set[int]]:
+        """(layout, rank) -> steps held by some live holder. Holders that died (with their
+        node) are forgotten."""
+        held: dict[tuple, set[int]] = {}
+        for node, holder in list(self.holders.items()):
+            try:
+                steps = ray.get(holder.steps.remote(), timeout=self.cfg.fault_tolerance.health_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                del self.holders[node]
+                continue
+            for key, s in steps.items():
+                held.setdefault(tuple(key), set()).update(s)
+        return held
 
     def call(self, method: str, *args, dispatch: str = "pass_through", timeout: float | None = None):
         """Call `method(generation, *args)` on every worker as the named dispatch splits it, wait
@@ -474,7 +597,9 @@ class MegatronActorGroup:
                     if dead:
                         raise WorkerFailure(dead, "crash", "actor(s) died") from None
                     if not isinstance(e.cause, (TimeoutError, StaleGenerationError)):
-                        raise WorkerFailure({rank_of[i]}, "exception", f"rank {rank_of[i]}: {str(e)[:300]}") from None
+                        log.debug("rank %d raised: %s", rank_of[i], e)
+                        raise WorkerFailure({rank_of[i]}, "exception",
+                                            f"rank {rank_of[i]}: {type(e.cause).__name__}: {str(e.cause)[:500]}") from None
                     # This rank gave up waiting for a peer: judge the ranks still pending soon.
                     results[i] = e
                     deadline = min(deadline, time.monotonic() + self.cfg.fault_tolerance.health_timeout_s)
@@ -648,6 +773,6 @@ class MegatronActorGroup:
         """Kill every actor (spares and refills too) and release the placement group."""
         for s in self.workers + self.pool.spares:
             ray.kill(s.handle, no_restart=True)
-        for handle in self._refills.values():
+        for handle in [*self._refills.values(), *self.holders.values()]:
             ray.kill(handle, no_restart=True)
         remove_placement_group(self.placement_group)

@@ -370,6 +370,16 @@ class MegatronEngine:
         into.update(sched_steps=state["sched_steps"], step=state["step"])
         return into
 
+    def host_state(self) -> dict:
+        """A host-memory copy of this rank's live training state (model params and its
+        optimizer shard), to send to a SnapshotHolder; fresh buffers, so later copies do not
+        overwrite one still being sent."""
+        return self._host_copy(self._train_state(), pin=False)
+
+    def load_state(self, state: dict) -> None:
+        """Make `state` (from `host_state` of the same rank position) the live state."""
+        self._set_train_state(state)
+
     def reset(self) -> None:
         """Return to the state of step 0: the seeded initial weights, zero Adam state, the
         schedule's start. Before the first `connect` there is nothing to reset."""

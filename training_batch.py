@@ -50,6 +50,13 @@ class TrainingBatch:
             }
         )
 
+    def strided(self, i: int, n: int) -> TrainingBatch:
+        """Rows i, i+n, i+2n, ... (part i of n interleaved parts). Raises ValueError unless
+        0 <= i < n and B % n == 0."""
+        if not 0 <= i < n or len(self) % n != 0:
+            raise ValueError(f"cannot take part {i} of {n} interleaved parts of a batch of {len(self)} sequences")
+        return self._map(lambda x: x[i::n].contiguous())
+
     def chunk(self, n: int) -> list[TrainingBatch]:
         """Split into n equal parts along B, in order. Raises ValueError if n < 1 or B % n != 0."""
         if n < 1 or len(self) % n != 0:

@@ -32,16 +32,26 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_mini_batches_do_not_depend_on_dp(dp):
+    """Mini-batch k cut from every replica's local rows (as the engines do) is the same set of
+    global rows at every DP size, so shrinking DP does not change the optimizer updates."""
+    b, minis = 16, 2
+    parts = MeshDispatch.split(ParallelDims(tp=1, pp=1, cp=1, dp=dp), (numbered_batch(b),), {})
+    for k in range(minis):
+        rows = sorted(r for args, _ in parts for r in args[0].chunk(minis)[k].input_ids[:, 0].tolist())
+        assert rows == list(range(k * b // minis, (k + 1) * b // minis))
+
+
 @pytest.mark.parametrize("dims", LAYOUTS, ids=str)
-def test_mesh_split_gives_each_replica_its_chunk(dims):
+def test_mesh_split_gives_each_replica_its_rows(dims):
     b = 8
     batch, extra, flag = numbered_batch(b), numbered_batch(b), object()
     parts = MeshDispatch.split(dims, (batch, flag), {"other": extra, "lr": 0.5})
     assert len(parts) == dims.world_size
-    per = b // dims.dp
     for rank, (args, kwargs) in enumerate(parts):
         d = (rank // (dims.tp * dims.cp)) % dims.dp  # Megatron: tp fastest, then cp, dp, pp
-        expected = list(range(d * per, (d + 1) * per))
+        expected = list(range(d, b, dims.dp))
         assert args[0].input_ids[:, 0].tolist() == expected
         assert kwargs["other"].input_ids[:, 0].tolist() == expected
         assert args[1] is flag and kwargs["lr"] == 0.5
@@ -58,7 +68,7 @@ def test_mesh_collect_takes_last_stage_tp0_cp0_per_replica(dims):
 def test_mesh_explicit_layout():
     dims = ParallelDims(tp=2, pp=2, cp=1, dp=2)
     parts = MeshDispatch.split(dims, (numbered_batch(4),), {})
-    assert [p[0][0].input_ids[0, 0].item() for p in parts] == [0, 0, 2, 2, 0, 0, 2, 2]
+    assert [p[0][0].input_ids[0, 0].item() for p in parts] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert MeshDispatch.collect(dims, list(range(8))) == [4, 6]
 
 
@@ -127,10 +137,10 @@ def test_dispatch_remote():
     handles = [FakeHandle(r) for r in range(4)]
     refs = dispatch_remote(handles, "train_step", dims, "mesh", numbered_batch(4), step=7)
     assert [(r, m, a[0].input_ids[:, 0].tolist(), kw) for r, m, a, kw in refs] == [
-        (0, "train_step", [0, 1], {"step": 7}),
-        (1, "train_step", [0, 1], {"step": 7}),
-        (2, "train_step", [2, 3], {"step": 7}),
-        (3, "train_step", [2, 3], {"step": 7}),
+        (0, "train_step", [0, 2], {"step": 7}),
+        (1, "train_step", [0, 2], {"step": 7}),
+        (2, "train_step", [1, 3], {"step": 7}),
+        (3, "train_step", [1, 3], {"step": 7}),
     ]
     refs = dispatch_remote(handles, "ping", dims, PassThroughDispatch, "x")
     assert refs == [(r, "ping", ("x",), {}) for r in range(4)]

@@ -5,6 +5,7 @@ replaced by a pre-warmed spare, groups rebuilt, state restored (from peers, or f
 committed checkpoint with replay), and the per-step losses equal a no-failure run bitwise.
 """
 import dataclasses
+import time
 
 import pytest
 import ray
@@ -20,7 +21,7 @@ def make_cfg(tmp_path, *overrides):
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", *overrides]), num_gpus=0)
 
 
-def run(cfg, kill_rank=None, half_written_step=None):
+def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=()):
     group = MegatronActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
@@ -29,8 +30,14 @@ def run(cfg, kill_rank=None, half_written_step=None):
         trainer.train(2)
         if half_written_step is not None:  # every rank writes its shards; the driver never commits
             group.call("save_checkpoint", half_written_step)
-        if kill_rank is not None:
-            ray.kill(group.workers[kill_rank].handle, no_restart=True)
+        if kill_ranks:  # wait until the holders have every rank's snapshot of step 2
+            key = lambda r: (str(group.dims), r)  # noqa: E731
+            deadline = time.monotonic() + 30
+            while not all(2 in group.held_snapshots().get(key(r), ()) for r in range(group.dims.world_size)):
+                assert time.monotonic() < deadline, group.held_snapshots()
+                time.sleep(0.05)
+        for r in [kill_rank] if kill_rank is not None else kill_ranks:
+            ray.kill(group.workers[r].handle, no_restart=True)
         trainer.train(4)
         digests = ray.get([s.handle.state_digest.remote() for s in group.workers])
         return trainer, digests, len(group.pool)
@@ -52,6 +59,17 @@ def test_peer_restore_matches_bitwise(reference, tmp_path):
     assert (tl.kind, tl.failed_ranks, tl.restore_source, tl.steps_lost) == ("crash", [1], "peer", 0)
     assert spares == 1
     assert (tmp_path / "recoveries.jsonl").read_text().count("\n") == 1
+
+
+def test_memory_restore_when_every_rank_is_lost(reference, tmp_path):
+    """Both ranks (every DP replica) are killed: no peer holds the state, the in-memory
+    snapshots of step 2 held by the SnapshotHolder are restored: 0 steps lost, bitwise equal."""
+    trainer, digests, spares = run(make_cfg(tmp_path, "fault_tolerance.memory_snapshot_interval=1"),
+                                   kill_ranks=(0, 1))
+    (tl,) = trainer.recoveries
+    assert (tl.failed_ranks, tl.restore_source, tl.restored_step, tl.steps_lost) == ([0, 1], "memory", 2, 0)
+    assert trainer.losses == reference[0] and not trainer.replayed
+    assert digests == reference[1]
 
 
 def test_checkpoint_restore_skips_half_written_and_replays(reference, tmp_path):

@@ -19,8 +19,9 @@ def make_cfg(tmp_path, *overrides):
 
 
 def _resources(handle) -> dict:
+    """OS threads (native ones too: gloo/NCCL workers, Ray's pools) and open fds of an actor."""
     return ray.get(handle.__ray_call__.remote(lambda self: {
-        "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd"))}))
+        "threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}))
 
 
 def test_twenty_generations_leak_no_threads_or_sockets(ray_session, tmp_path):

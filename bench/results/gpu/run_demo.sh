@@ -3,14 +3,14 @@
 # killed and replaced by spares) and keep its evidence: NAME.cmd, NAME.log, NAME.json in DEST.
 # Usage (repo root, GPU machine): bash bench/results/gpu/run_demo.sh NAME small|medium|1b DEST [main.py args]
 # Workers and spares share the GPUs (gpus_per_actor 0.5: 2 workers + 2 spares on 2 GPUs).
-# health_timeout_s 30: on 2026-11-29 (tp=2, default 5 s) a survivor's NCCL abort did not answer
-# within 5 s (Megatron makes ~15 communicators per rank), so the healthy rank was replaced too.
+# health_timeout_s 10: a survivor's abort of Megatron's ~17 NCCL communicators takes ~1 s since
+# they are aborted in parallel (megatron_actor.abort_process_groups); sequentially it took > 30 s.
 set -o pipefail
 name=$1 size=$2 dest=$3
 shift 3
 common="--set cluster.num_workers=2 --set cluster.num_spares=2 --set cluster.gpus_per_actor=0.5
  --set cluster.cpus_per_actor=1 --set fault_tolerance.min_step_timeout_s=60
- --set fault_tolerance.health_timeout_s=30
+ --set fault_tolerance.health_timeout_s=10
  --set checkpoint.uri=/tmp/gpu_demo/$name/checkpoints --set run_dir=/tmp/gpu_demo/$name"
 case $size in
   small) model="--set model.num_layers=4 --set model.hidden_size=256 --set model.num_heads=8

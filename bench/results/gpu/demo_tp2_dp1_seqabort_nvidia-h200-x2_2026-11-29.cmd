@@ -1,0 +1,4 @@
+# device: nvidia-h200-x2_2026-11-29 (run tool, carry .gpu); from the repo root:
+source .gpu/install.sh .gpu && DEMO_TIMEOUT=88 bash bench/results/gpu/run_demo.sh demo_tp2_dp1 small $OUT --set parallel.tp=2 --kill-ranks 1
+# which ran:
+python3 main.py demo --summary /root/out/r/demo_tp2_dp1.json --set cluster.num_workers=2 --set cluster.num_spares=2 --set cluster.gpus_per_actor=0.5 --set cluster.cpus_per_actor=1 --set fault_tolerance.min_step_timeout_s=60 --set checkpoint.uri=/tmp/gpu_demo/demo_tp2_dp1/checkpoints --set run_dir=/tmp/gpu_demo/demo_tp2_dp1 --set model.num_layers=4 --set model.hidden_size=256 --set model.num_heads=8 --set model.ffn_hidden_size=512 --set model.vocab_size=1000 --set model.max_seq_len=128 --set train.seq_len=128 --set train.global_batch_size=8 --set train.mini_batch_size=4 --set train.micro_batch_size=1 --set parallel.tp=2 --kill-ranks 1
