@@ -237,13 +237,18 @@ def cmd_train(cfg: Config, args) -> int:
             trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar))
             trainer.train(cfg.train.steps)
         for step in sorted(trainer.losses):
-            print(f"step {step:>5}  loss {trainer.losses[step]:.6f}")
+            reward = f"  reward {trainer.rewards[step]:.4f}" if step in trainer.rewards else ""
+            print(f"step {step:>5}  loss {trainer.losses[step]:.6f}{reward}")
         print(f"recoveries: {len(trainer.recoveries)}; spares left: {len(group.pool)}; "
               f"dp now {group.dims.dp}")
         if trainer.recoveries:
             print(trainer.report())
         write_plots(cfg, {"loss": trainer.losses}, [t.to_dict() for t in trainer.recoveries],
                     trainer.replayed)
+        if trainer.rewards:
+            from pathlib import Path
+            (Path(cfg.run_dir) / "rewards.json").write_text(json.dumps(
+                {"rewards": trainer.rewards, "rollout_stats": trainer.rollout_stats}, indent=1))
     finally:
         group.shutdown()
     return 0
