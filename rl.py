@@ -244,7 +244,6 @@ class PolicyValue(nn.Module):
 def unstride(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Inverse of `MeshDispatch.split`'s interleaving: parts[d][k] [b, ...] is global row
     k * dp + d. Returns dict of [b * dp, ...] tensors in global row order."""
-    dp = len(parts)
     return {k: torch.stack([p[k] for p in parts], dim=1).reshape(-1, *parts[0][k].shape[1:])
             for k in parts[0] if parts[0][k] is not None}
 

@@ -9,7 +9,8 @@ import torch
 
 from config import ConfigError, load_config, resolve
 from ppo import gae_advantages, group_advantages, kl_penalty, token_entropy, value_loss, whiten
-from rl import EOS_ID, PAD_ID, Prompt, Rollouts, digit_task, make_task, register_task, row_seed, sample, top_p_filter, unstride
+from rl import (EOS_ID, PAD_ID, Prompt, Rollouts, Task, Tokenizer, digit_task, make_task, register_task,
+                row_seed, sample, top_p_filter, unstride)
 
 V = 8
 
@@ -104,21 +105,20 @@ def test_task_rewards_on_hand_made_cases():
     assert exact.reward(p, tok.encode("321") + [EOS_ID]) == 1.0
     add = digit_task("add", digits=2)
     q = add.prompt(random.Random(0))
-    a, b = tok.decode(q.tokens[1:])[:-1].__iter__(), None
-    text = "".join(tok.decode(q.tokens[1:-1]))
-    assert int(q.answer) == int(text.split("+")[0]) + int(text.split("+")[1])
+    x, y = "".join(tok.decode(q.tokens[1:-1])).split("+")
+    assert len(x) == len(y) == 2 and int(q.answer) == int(x) + int(y)
     assert add.reward(q, tok.encode(q.answer) + [EOS_ID]) == 1.0
     copy = make_task("copy", {"digits": 2})
     c = copy.prompt(random.Random(3))
     assert c.answer == "".join(tok.decode(c.tokens[1:3])) and len(c.tokens) <= copy.max_prompt_len
-    del a, b
 
 
 def test_user_task_registry():
     def parity(**_):
-        tok = digit_task().tokenizer
-        return type(digit_task())(tok, lambda rng: Prompt([tok.bos_id, tok.ids[str(rng.randrange(10))]]),
-                                  lambda p, r: float(r[:1] == [tok.ids[str(int(tok.vocab[p.tokens[1]]) % 2)]]), 2)
+        """'<bos> d' -> 'd mod 2'."""
+        tok = Tokenizer(list("0123456789"))
+        return Task(tok, lambda rng: Prompt([tok.bos_id, tok.ids[str(rng.randrange(10))]]),
+                    lambda p, r: float(r[:1] == [tok.ids[str(int(tok.vocab[p.tokens[1]]) % 2)]]), 2)
     register_task("parity-test", parity)
     task = make_task("parity-test")
     assert task.reward(Prompt([1, task.tokenizer.ids["7"]]), [task.tokenizer.ids["1"]]) == 1.0
@@ -172,8 +172,9 @@ def test_kl_entropy_value_terms():
     assert torch.allclose(kl_penalty(lp, ref, "k3"), (r.exp() - r - 1)[None])
     with pytest.raises(ValueError, match="kl_estimator"):
         kl_penalty(lp, ref, "k2")
-    ent = token_entropy(torch.zeros(1, 3, 4))
-    assert torch.allclose(ent, torch.tensor([[0.0, 4 ** 0 * torch.log(torch.tensor(4.0)), torch.log(torch.tensor(4.0))]]))
+    ent = token_entropy(torch.zeros(1, 3, 4))  # uniform over 4 tokens: log 4; column 0 = 0
+    log4 = torch.log(torch.tensor(4.0)).item()
+    assert torch.allclose(ent, torch.tensor([[0.0, log4, log4]]))
     m = torch.ones(1, 2)
     v, old, ret = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[2.0, 1.0]])
     # token 0: unclipped (1-2)^2 = 1, clipped (0.2-2)^2 = 3.24 -> 3.24; token 1: 1 -> mean 0.5*(3.24+1)/2
@@ -233,9 +234,9 @@ def test_prompts_are_a_pure_function_of_seed_and_step():
 
 # -- real Ray actors ---------------------------------------------------------------------------
 
-def make_cfg(tmp_path, *overrides):
+def make_cfg(tmp_path, *overrides, spares=0):
     return resolve(load_config("config.yaml", [
-        "cluster.num_workers=2", "cluster.num_spares=2", "checkpoint.interval=0",
+        "cluster.num_workers=2", f"cluster.num_spares={spares}", "checkpoint.interval=0",
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", *RL, *overrides]), num_gpus=0)
 
 
@@ -278,7 +279,8 @@ def test_recovered_run_samples_and_trains_as_uninterrupted(reference, tmp_path, 
     ref, ref_digests = reference
     trainer, digests = run(make_cfg(tmp_path, *FULL, "checkpoint.interval=2",
                                     f"fault_tolerance.restore={restore}",
-                                    "chaos.events=[{step: 4, rank: 1, kind: kill, point: step_start}]"), 5)
+                                    "chaos.events=[{step: 4, rank: 1, kind: kill, point: step_start}]",
+                                    spares=1), 5)
     (tl,) = trainer.recoveries
     assert tl.restore_source == ("peer" if restore == "peer" else "checkpoint step 2")
     assert trainer.rewards == ref.rewards and trainer.losses == ref.losses
