@@ -80,6 +80,31 @@ def test_sampling_is_per_row_pure():
     assert row_seed(1, 7, 0) != row_seed(1, 8, 0) != row_seed(2, 7, 0)
 
 
+def test_real_model_samples_the_same_at_any_dp():
+    """Through the preset's HF model: each DP replica sampling its interleaved rows gives
+    bitwise the completions and log-probs of one replica sampling all rows (dp = 1, 2, 4, 8)."""
+    from torch_engine import build_hf_model
+
+    cfg = resolve(load_config("configs/ppo_cpu.yaml"), num_gpus=0)
+    model = build_hf_model(cfg).eval()
+    ro = Rollouts(cfg)
+    batch = ro.prompt_batch(ro.prompts(5))
+    n = len(batch)
+
+    def draw(d, dp):
+        return sample(lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits,
+                      batch.input_ids[d::dp], batch.attention_mask[d::dp],
+                      [row_seed(cfg.train.seed, 5, i) for i in range(d, n, dp)],
+                      cfg.rl.max_new_tokens, EOS_ID, PAD_ID)
+
+    full = draw(0, 1)
+    for dp in (2, 4, 8):
+        parts = [draw(d, dp) for d in range(dp)]
+        merged = unstride(parts)
+        for key in ("input_ids", "log_probs", "loss_mask"):
+            assert torch.equal(merged[key], full[key]), (dp, key)
+
+
 def test_top_p_keeps_the_nucleus():
     probs = torch.tensor([[0.1, 0.5, 0.3, 0.1]])
     sorted_p, order = top_p_filter(probs, 0.7)

@@ -7,7 +7,10 @@ updates. The run with failures recovers from spares (peer restore) and re-runs t
 flight, rollout included; sampling is a pure function of (seed, step, row) and the weights, so
 its rewards and losses must equal the run without failure at every step, bitwise.
 
-Usage: python bench/ppo.py [--config configs/ppo_cpu.yaml] [--set a.b=v ...]
+Not `bench/ppo.py`: tests put bench/ on sys.path, where that name would shadow the top-level
+`ppo` module.
+
+Usage: python bench/ppo_cpu.py [--config configs/ppo_cpu.yaml] [--set a.b=v ...]
 Prints a table and writes bench/results/ppo_cpu.json: {"reward_start", "reward_end" (means over
 the first / last `--window` steps), "steps", "failures", "curve_equal_to_no_failure",
 "curves": {"no_failure", "with_failures"}, "losses_equal", "recoveries", "seconds", "config"}
