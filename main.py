@@ -1,4 +1,4 @@
-"""Fault-tolerant training on Ray: `python main.py {demo,train} [options]`.
+"""Fault-tolerant training on Ray: `python main.py {demo,train,plan} [options]`.
 
 demo  : reference run without failure, then the same steps with one whole DP replica killed
         (train a step, checkpoint, train a step, kill, detect, recover from spares, replay,
@@ -19,6 +19,7 @@ import logging
 import math
 import sys
 import time
+from pathlib import Path
 
 from config import Config, ConfigError, load_config, resolve
 
@@ -102,7 +103,6 @@ def print_dry_run(cfg: Config) -> None:
 
 def write_plots(cfg: Config, series: dict, recoveries: list[dict], replayed: dict) -> None:
     """loss.png and recoveries.png in `run_dir` (see plots.py)."""
-    from pathlib import Path
 
     from plots import plot_loss, plot_recoveries
 
@@ -188,7 +188,6 @@ def cmd_demo(cfg: Config, args) -> int:
     ok = print_report(ref, run, cfg)
     write_plots(cfg, {"with failure": run["losses"], "reference": ref["losses"]},
                 run["recoveries"], run["replayed"])
-    from pathlib import Path
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "demo.json").write_text(json.dumps({"reference": ref, "run": run, "match": ok}, indent=1))
     if args.summary:
@@ -246,7 +245,6 @@ def cmd_train(cfg: Config, args) -> int:
         write_plots(cfg, {"loss": trainer.losses}, [t.to_dict() for t in trainer.recoveries],
                     trainer.replayed)
         if trainer.rewards:
-            from pathlib import Path
             (Path(cfg.run_dir) / "rewards.json").write_text(json.dumps(
                 {"rewards": trainer.rewards, "rollout_stats": trainer.rollout_stats}, indent=1))
     finally:
@@ -295,7 +293,19 @@ def build_parser() -> argparse.ArgumentParser:
                      description="Train `train.steps` steps, detecting failures and recovering from spares; "
                                  "a progress bar (step, loss, tokens/s, recoveries, spares) on a terminal; "
                                  "loss.png and recoveries.png in run_dir at the end.")
+    # Listed here for --help; its arguments go to bench/plan.py untouched (see main()).
+    modes.add_parser("plan", add_help=False, help="capacity planner: spares and checkpoint interval "
+                     "for 1,000-100,000 GPUs (bench/plan.py; `main.py plan --help`)")
     return p
+
+
+def cmd_plan(plan_args: list[str]) -> int:
+    """`main.py plan ARGS`: the capacity planner of bench/plan.py with ARGS (its own --help)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    import plan
+
+    plan.main(plan_args)
+    return 0
 
 
 def setup_logging(args) -> None:
@@ -309,6 +319,9 @@ def setup_logging(args) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        return cmd_plan(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args)
     try:

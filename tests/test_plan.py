@@ -99,3 +99,16 @@ def test_young_interval_is_the_simulated_optimum_for_restart():
     best = grid[g.index(max(g))]
     assert 0.5 * young_interval(delta, mtbf) <= best <= 2 * young_interval(delta, mtbf)
     assert g[3] >= max(g) - 0.005
+
+
+def test_main_plan_mode_runs_the_planner(tmp_path):
+    """`python main.py plan ARGS` forwards ARGS to bench/plan.py and writes its JSON and PNG."""
+    import json
+
+    from main import main
+
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--gpus", "1000", "--days", "2", "--traces", "1",
+                 "--out", str(out), "--png", str(png)]) == 0
+    rows = json.loads(out.read_text())
+    assert png.stat().st_size > 0 and "1000" in json.dumps(rows)
