@@ -1,5 +1,6 @@
 """Scenarios reported by people running such systems, restated as tests (real Ray actors, real
 gloo groups, real processes killed and stopped)."""
+import gc
 import os
 import signal
 import threading
@@ -74,3 +75,36 @@ def test_killed_mid_checkpoint_write_uses_previous_checkpoint(ray_session, tmp_p
     assert tl.restore_source == "checkpoint step 1" and 2 in trainer.replayed
     assert trainer.replayed[2] == [trainer.losses[2]]
     assert trainer.checkpoints == [1, 2, 3]  # step 2 committed only after its replay
+
+
+def test_new_group_forms_while_old_store_port_is_in_time_wait_or_taken(ray_session, tmp_path):
+    """The driver's rendezvous store binds port 0 (the OS picks a free one) and every generation
+    uses a prefix of that one store, so no fixed port is ever re-bound. Here a run ends (its
+    store's connections go to TIME_WAIT), another program takes that exact port, and a new run
+    forms its generation and trains at once."""
+    import socket
+
+    cfg = make_cfg(tmp_path, "cluster.num_spares=0", "checkpoint.interval=0")
+    first = MegatronActorGroup(cfg)
+    try:
+        Trainer(cfg, first).train(1)
+        old_port = first.store_port
+    finally:
+        first.shutdown()
+    del first  # the store closes; its accepted connections are in TIME_WAIT
+    gc.collect()
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # binds despite TIME_WAIT
+    try:
+        squatter.bind(("", old_port))  # another program now listens on the old port
+        squatter.listen()
+        second = MegatronActorGroup(cfg)
+        try:
+            trainer = Trainer(cfg, second)
+            trainer.train(2)
+            assert second.store_port != old_port and second.generation == 1
+            assert not trainer.recoveries and len(trainer.losses) == 2
+        finally:
+            second.shutdown()
+    finally:
+        squatter.close()
