@@ -36,6 +36,8 @@ def test_overrides_are_typed():
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
     ("fault_tolerance.restore=magic", "fault_tolerance.restore"),
     ("fault_tolerance.step_timeout_s=-1", "fault_tolerance.step_timeout_s"),
+    ("fault_tolerance.memory_snapshot_interval=-1", "fault_tolerance.memory_snapshot_interval"),
+    ("fault_tolerance.restore=memory", "fault_tolerance.restore"),  # needs memory snapshots on
 ])
 def test_invalid_value_names_field(override, field):
     with pytest.raises(ConfigError) as e:
