@@ -101,14 +101,19 @@ def print_dry_run(cfg: Config) -> None:
                   f"the placement group will not fit; lower cluster.num_spares or cluster.gpus_per_actor")
 
 
-def write_plots(cfg: Config, series: dict, recoveries: list[dict], replayed: dict) -> None:
-    """loss.png and recoveries.png in `run_dir` (see plots.py)."""
-
+def write_plots(cfg: Config, series: dict, recoveries: list[dict], replayed: dict,
+                rewards: tuple[dict, dict] | None = None) -> None:
+    """loss.png, recoveries.png and, with `rewards` ({step: reward}, {step: replayed rewards}),
+    reward.png in `run_dir` (see plots.py)."""
     from plots import plot_loss, plot_recoveries
 
     run_dir = Path(cfg.run_dir)
-    for path in (plot_loss(run_dir / "loss.png", series, recoveries, replayed),
-                 plot_recoveries(run_dir / "recoveries.png", recoveries)):
+    paths = [plot_loss(run_dir / "loss.png", series, recoveries, replayed),
+             plot_recoveries(run_dir / "recoveries.png", recoveries)]
+    if rewards:
+        paths.append(plot_loss(run_dir / "reward.png", {"mean reward": rewards[0]}, recoveries,
+                               rewards[1], quantity="reward"))
+    for path in paths:
         log.info("event=plot path=%s", path)
 
 
@@ -243,7 +248,7 @@ def cmd_train(cfg: Config, args) -> int:
         if trainer.recoveries:
             print(trainer.report())
         write_plots(cfg, {"loss": trainer.losses}, [t.to_dict() for t in trainer.recoveries],
-                    trainer.replayed)
+                    trainer.replayed, (trainer.rewards, trainer.replayed_rewards) if trainer.rewards else None)
         if trainer.rewards:
             (Path(cfg.run_dir) / "rewards.json").write_text(json.dumps(
                 {"rewards": trainer.rewards, "rollout_stats": trainer.rollout_stats}, indent=1))

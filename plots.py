@@ -2,7 +2,7 @@
 
 - `loss.png`: loss over steps, one line per series (the demo draws its reference run too),
   replays of committed steps as dots, and each recovery as a dashed vertical line at the step
-  that was in flight when the failure hit.
+  that was in flight when the failure hit. `reward.png` (RL runs): the same for mean reward.
 - `recoveries.png`: one stacked horizontal bar per recovery, one segment per phase (seconds).
 """
 from __future__ import annotations
@@ -21,9 +21,10 @@ PHASES = RecoveryTimeline.PHASES
 
 
 def plot_loss(path: str | Path, series: dict[str, dict[int, float]], recoveries: list[dict],
-              replayed: dict[int, list[float]] | None = None) -> Path:
-    """Write the loss plot to `path`. `series`: name -> {step: loss}; `recoveries`: timelines as
-    dicts (`RecoveryTimeline.to_dict()`); `replayed`: step -> losses of re-runs. Returns `path`."""
+              replayed: dict[int, list[float]] | None = None, quantity: str = "loss") -> Path:
+    """Write the per-step plot of `quantity` (loss, reward) to `path`. `series`: name ->
+    {step: value}; `recoveries`: timelines as dicts (`RecoveryTimeline.to_dict()`); `replayed`:
+    step -> values of re-runs. Returns `path`."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for (name, losses), style in zip(series.items(), ("-", "--", ":", "-.")):
         steps = sorted(losses)
@@ -40,8 +41,8 @@ def plot_loss(path: str | Path, series: dict[str, dict[int, float]], recoveries:
                     xytext=(3, -3), textcoords="offset points", va="top", fontsize=8, color="red")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("loss per step (dashed: recovery before the step was re-run)")
+    ax.set_ylabel(quantity)
+    ax.set_title(f"{quantity} per step (dashed: recovery before the step was re-run)")
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)

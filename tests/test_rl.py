@@ -278,10 +278,17 @@ def run(cfg, steps):
         group.shutdown()
 
 
-def test_reward_rises(ray_session, tmp_path):
-    trainer, _ = run(make_cfg(tmp_path), 40)
-    r = [trainer.rewards[s] for s in sorted(trainer.rewards)]
-    assert len(r) == 40
+def test_reward_rises_in_main_train(ray_session, tmp_path):
+    """`main.py train` with RL on: 40 steps, mean reward rises; rewards.json and reward.png."""
+    import argparse
+    import json
+
+    import main
+
+    assert main.cmd_train(make_cfg(tmp_path, "train.steps=40"), argparse.Namespace(quiet=True)) == 0
+    rewards = json.loads((tmp_path / "rewards.json").read_text())["rewards"]
+    r = [rewards[s] for s in sorted(rewards, key=int)]
+    assert len(r) == 40 and (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     first, last = sum(r[:5]) / 5, sum(r[-5:]) / 5
     assert last > first + 0.3, r
 
