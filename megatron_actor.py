@@ -511,6 +511,7 @@ class MegatronActorGroup:
 
             self.holders = {node: SnapshotHolder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node, soft=True)).remote() for node in sorted({s.node_id for s in slots})}
+            ray.get([h.steps.remote() for h in self.holders.values()])  # started before any step
         self.form_generation()
 
     @property
@@ -545,13 +546,17 @@ class MegatronActorGroup:
 
     def held_snapshots(self) -> dict[tuple, set[int]]:
         """(layout, rank) -> steps held by some live holder. Holders that died (with their
-        node) are forgotten."""
+        node) are forgotten; one that does not answer within health_timeout_s is skipped."""
         held: dict[tuple, set[int]] = {}
-        for node, holder in list(self.holders.items()):
+        refs = {node: holder.steps.remote() for node, holder in self.holders.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+        for node, ref in refs.items():
             try:
-                steps = ray.get(holder.steps.remote(), timeout=self.cfg.fault_tolerance.health_timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                steps = ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
                 del self.holders[node]
+                continue
+            except ray.exceptions.GetTimeoutError:
                 continue
             for key, s in steps.items():
                 held.setdefault(tuple(key), set()).update(s)

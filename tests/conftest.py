@@ -37,3 +37,15 @@ def ray_session(s3_server, gcs_server):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def wait_for_snapshots(group, step: int, timeout_s: float = 30.0) -> None:
+    """Block until the SnapshotHolders hold every rank's in-memory snapshot of `step` (they are
+    sent in the background after the step, so a kill right after it could race them)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not all(step in group.held_snapshots().get((str(group.dims), r), ())
+                  for r in range(group.dims.world_size)):
+        assert time.monotonic() < deadline, f"snapshots of step {step} not held: {group.held_snapshots()}"
+        time.sleep(0.05)

@@ -7,6 +7,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from conftest import wait_for_snapshots
 from config import load_config, resolve
 from megatron_actor import MegatronActorGroup
 from trainer import Trainer
@@ -25,22 +26,37 @@ def cluster():
     c.shutdown()
 
 
-def make_cfg(tmp_path, spares):
+def make_cfg(tmp_path, spares, *overrides):
     return resolve(load_config("config.yaml", [
         "cluster.num_nodes=3", "cluster.num_workers=2", f"cluster.num_spares={spares}",
         "cluster.cpus_per_actor=0.5", "train.steps=4", "fault_tolerance.health_timeout_s=2",
-        f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt"]), num_gpus=0)
+        f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", *overrides]), num_gpus=0)
 
 
-def test_node_removed_mid_run_recovers_on_other_node(cluster, tmp_path):
-    c, nodes = cluster
-    ref_group = MegatronActorGroup(make_cfg(tmp_path / "ref", 0))
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    ref_group = MegatronActorGroup(make_cfg(tmp_path_factory.mktemp("ref"), 0))
     try:
         ref = Trainer(ref_group.cfg, ref_group)
         ref.train(4)
+        return ref.losses
     finally:
         ref_group.shutdown()
 
+
+def three_live_nodes(cluster) -> list:
+    """The cluster's worker nodes, topped up to 3 (an earlier test may have removed one)."""
+    c, nodes = cluster
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    nodes[:] = [n for n in nodes if n.node_id in alive]
+    while len(nodes) < 3:
+        nodes.append(c.add_node(num_cpus=2))
+    c.wait_for_nodes()
+    return nodes
+
+
+def test_node_removed_mid_run_recovers_on_other_node(cluster, reference, tmp_path):
+    c, nodes = cluster[0], three_live_nodes(cluster)
     cfg = make_cfg(tmp_path / "run", 4)
     group = MegatronActorGroup(cfg)
     try:
@@ -54,6 +70,27 @@ def test_node_removed_mid_run_recovers_on_other_node(cluster, tmp_path):
         (tl,) = trainer.recoveries
         assert tl.kind == "crash" and 1 in tl.failed_ranks and tl.failed_nodes[0] == victim
         assert all(s.node_id != victim for s in group.workers)
-        assert trainer.losses == ref.losses
+        assert trainer.losses == reference
+    finally:
+        group.shutdown()
+
+
+def test_memory_snapshots_outlive_the_node_of_their_rank(cluster, reference, tmp_path):
+    """Each rank's in-memory snapshots live in the holder of another node: when rank 1's node
+    is removed, rank 1's replacement loads its step-2 snapshot (0 steps lost) from there."""
+    c, nodes = cluster[0], three_live_nodes(cluster)
+    cfg = make_cfg(tmp_path, 4, "fault_tolerance.memory_snapshot_interval=1", "fault_tolerance.restore=memory")
+    group = MegatronActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(2)
+        wait_for_snapshots(group, 2)
+        victim = group.workers[1].node_id
+        assert len(group.holders) == 3 and group.holder_for(victim) is not group.holders[victim]
+        c.remove_node(next(n for n in nodes if n.node_id == victim))
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.restored_step, tl.steps_lost) == ("memory", 2, 0)
+        assert trainer.losses == reference
     finally:
         group.shutdown()

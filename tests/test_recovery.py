@@ -5,11 +5,11 @@ replaced by a pre-warmed spare, groups rebuilt, state restored (from peers, or f
 committed checkpoint with replay), and the per-step losses equal a no-failure run bitwise.
 """
 import dataclasses
-import time
 
 import pytest
 import ray
 
+from conftest import wait_for_snapshots
 from config import load_config, resolve
 from megatron_actor import MegatronActorGroup
 from trainer import Trainer
@@ -30,12 +30,8 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=()):
         trainer.train(2)
         if half_written_step is not None:  # every rank writes its shards; the driver never commits
             group.call("save_checkpoint", half_written_step)
-        if kill_ranks:  # wait until the holders have every rank's snapshot of step 2
-            key = lambda r: (str(group.dims), r)  # noqa: E731
-            deadline = time.monotonic() + 30
-            while not all(2 in group.held_snapshots().get(key(r), ()) for r in range(group.dims.world_size)):
-                assert time.monotonic() < deadline, group.held_snapshots()
-                time.sleep(0.05)
+        if kill_ranks:
+            wait_for_snapshots(group, 2)
         for r in [kill_rank] if kill_rank is not None else kill_ranks:
             ray.kill(group.workers[r].handle, no_restart=True)
         trainer.train(4)
