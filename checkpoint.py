@@ -12,8 +12,10 @@ Protocol
      dead peer can never block a save. The call returns the files it wrote (size, sha256).
   2. The driver gathers those ``FileEntry`` lists (over Ray) and calls ``commit``: every file must
      exist with its size, then ``manifest.json`` is written, then ``latest``, then retention.
-  3. Restore: the driver picks ``latest_verified()``; each owner calls
-     ``load_shard(step, name, state_dict, manifest)``, which re-checks its files' sha256 first.
+  3. Restore: the newest committed step whose files all verify is picked (``latest_verified()``
+     on one process, or ``verify_files`` on a share of the manifest per rank, in parallel, as
+     the recovery protocol does); each owner calls ``load_shard(step, name, state_dict,
+     manifest)``, which re-checks its files' sha256 first.
 
 Failure cases
   - An owner dies mid-save, or the driver never commits: the step directory has no manifest, so
@@ -330,6 +332,13 @@ class CheckpointManager:
             manifest = self.read_manifest(step)
         except _NotCommitted as exc:
             return None, [str(exc)]
+        return manifest, self.verify_files(step, manifest.files)
+
+    def verify_files(self, step: int, files: list[FileEntry]) -> list[str]:
+        """Problems of ``files`` (entries of step ``step``'s manifest): missing, size or sha256
+        mismatch; empty list = good. Reads every byte of them, 8 files at a time. Several
+        processes can each verify a part of a manifest in parallel. Raises CheckpointError only
+        when storage fails past the retry limits."""
         step_path = self._step_path(step)
         sizes = self._retry(f"listing {self.step_uri(step)}", self._sizes, step_path)
 
@@ -343,8 +352,7 @@ class CheckpointManager:
             return None if digest == f.sha256 else f"{f.path}: sha256 mismatch"
 
         with concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="ckpt-verify") as pool:
-            problems = [p for p in pool.map(check, manifest.files) if p]
-        return manifest, problems
+            return [p for p in pool.map(check, files) if p]
 
     def latest_verified(self) -> Manifest | None:
         """Newest committed checkpoint whose files all verify; logs a warning naming each newer

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import ray
 
-from checkpoint import CheckpointManager
+from checkpoint import CheckpointError, CheckpointManager
 from config import check_compatible
 from megatron_actor import ActorSlot, MegatronActorGroup, WorkerFailure
 
@@ -192,7 +192,7 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
             raise RecoveryError("fault_tolerance.restore=memory but no in-memory snapshot of a step "
                                 "newer than the newest checkpoint is held for every rank; use restore=auto")
         timeline.notes.append("in-memory restore impossible")
-    manifest = ckpt.latest_verified()
+    manifest = _newest_verified_by_ranks(group, ckpt)
     if manifest is not None:
         check_compatible(group.cfg, manifest)  # ConfigError: stop, don't retry
     if manifest is None:
@@ -203,6 +203,27 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
     timeline.restore_source = f"checkpoint step {manifest.step}"
     return min(group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers],
                           group.cfg.fault_tolerance.step_timeout_s))
+
+
+def _newest_verified_by_ranks(group: MegatronActorGroup, ckpt: CheckpointManager):
+    """The newest committed checkpoint whose files all verify (sizes, sha256), every rank
+    reading its share of the files in parallel (the driver reads only manifests); a step with
+    problems is skipped with a warning naming them. None if there is none. Raises
+    CheckpointError when storage is down past the retry budget (an outage is not "no
+    checkpoint")."""
+    world = group.dims.world_size
+    for step in reversed(ckpt.committed_steps()):
+        manifest = ckpt.read_manifest(step)
+        results = group.wait([s.handle.verify_checkpoint.remote(group.generation, manifest, r, world)
+                              for r, s in enumerate(group.workers)],
+                             group.cfg.fault_tolerance.step_timeout_s)
+        if errors := [f"rank {r}: {e}" for r, e in enumerate(results) if isinstance(e, str)]:
+            raise CheckpointError("; ".join(errors))
+        problems = [p for ps in results for p in ps]
+        if not problems:
+            return manifest
+        log.warning("skipping checkpoint %s: %s", ckpt.step_uri(step), "; ".join(problems))
+    return None
 
 
 def _restore_from_memory(group: MegatronActorGroup, committed: int, clean: set[int],

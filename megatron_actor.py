@@ -315,6 +315,16 @@ class MegatronActor:
         except CheckpointError as e:
             return str(e)
 
+    def verify_checkpoint(self, generation: int, manifest: Manifest, part: int, parts: int) -> list[str] | str:
+        """Check part `part` of `parts` of the manifest's files (every `parts`-th file from
+        `part`: sizes, sha256; the ranks share the reading). Returns the problems found, or the
+        message of a storage error (storage down past the retry budget: not a bad checkpoint)."""
+        self._check(generation)
+        try:
+            return self.ckpt.verify_files(manifest.step, manifest.files[part::parts])
+        except CheckpointError as e:
+            return str(e)
+
     def load_checkpoint(self, generation: int, manifest: Manifest) -> int:
         """Load this rank's state from a committed, verified checkpoint; returns its step."""
         self._check(generation)

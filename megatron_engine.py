@@ -495,7 +495,7 @@ class MegatronEngine:
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Collective over all ranks: load the committed checkpoint `manifest` (already verified
-        by the driver's `latest_verified`) into this rank's shards; the saved layout may differ
+        by the ranks, `MegatronActor.verify_checkpoint`) into this rank's shards; the saved layout may differ
         in DP and TP size (dist_checkpointing reshards). RNG states are restored only when the
         layout is the same (rank r gets rank r's); otherwise each rank keeps its own."""
         from megatron.core import dist_checkpointing

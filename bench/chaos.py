@@ -111,6 +111,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     env = {"AWS_ENDPOINT_URL": s3.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "PYTHONPATH": str(ROOT), "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for _ in range(nodes):
@@ -192,6 +193,11 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
         ray.shutdown()
         cluster.shutdown()
         s3.stop()
+        for k, v in saved.items():  # callers (tests) keep their own storage endpoints
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv=None) -> dict:
