@@ -301,7 +301,11 @@ class CheckpointManager:
     # ---------------------------------------------------------------- inspect
     def committed_steps(self) -> list[int]:
         """Ascending steps whose manifest.json exists and parses (contents are not verified)."""
-        return [s for s in self._step_dirs() if self._manifest_or_none(s) is not None]
+        return [m.step for m in self.committed_manifests()]
+
+    def committed_manifests(self) -> list[Manifest]:
+        """Manifests of the committed steps, ascending (one read each; files not verified)."""
+        return [m for s in self._step_dirs() if (m := self._manifest_or_none(s)) is not None]
 
     def read_manifest(self, step: int) -> Manifest:
         """The manifest of ``step``. Raises CheckpointError if it is missing (step not

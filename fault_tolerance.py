@@ -183,8 +183,9 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
             raise RecoveryError("fault_tolerance.restore=peer but a whole DP group was lost or a "
                                 "survivor holds no snapshot of the committed step; use restore=auto")
         timeline.notes.append("peer restore impossible")
+    manifests = ckpt.committed_manifests()
     if mode in ("auto", "memory") and group.holders:
-        step = _restore_from_memory(group, committed, clean, max(ckpt.committed_steps(), default=0))
+        step = _restore_from_memory(group, committed, clean, manifests[-1].step if manifests else 0)
         if step is not None:
             timeline.restore_source = "memory" if step == committed else f"memory step {step}"
             return step
@@ -192,7 +193,7 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
             raise RecoveryError("fault_tolerance.restore=memory but no in-memory snapshot of a step "
                                 "newer than the newest checkpoint is held for every rank; use restore=auto")
         timeline.notes.append("in-memory restore impossible")
-    manifest = _newest_verified_by_ranks(group, ckpt)
+    manifest = _newest_verified_by_ranks(group, ckpt, manifests)
     if manifest is not None:
         check_compatible(group.cfg, manifest)  # ConfigError: stop, don't retry
     if manifest is None:
@@ -205,15 +206,14 @@ def _restore(group: MegatronActorGroup, ckpt: CheckpointManager, committed: int,
                           group.cfg.fault_tolerance.step_timeout_s))
 
 
-def _newest_verified_by_ranks(group: MegatronActorGroup, ckpt: CheckpointManager):
-    """The newest committed checkpoint whose files all verify (sizes, sha256), every rank
+def _newest_verified_by_ranks(group: MegatronActorGroup, ckpt: CheckpointManager, manifests: list):
+    """The newest of the committed `manifests` whose files all verify (sizes, sha256), every rank
     reading its share of the files in parallel (the driver reads only manifests); a step with
     problems is skipped with a warning naming them. None if there is none. Raises
     CheckpointError when storage is down past the retry budget (an outage is not "no
     checkpoint")."""
     world = group.dims.world_size
-    for step in reversed(ckpt.committed_steps()):
-        manifest = ckpt.read_manifest(step)
+    for manifest in reversed(manifests):
         results = group.wait([s.handle.verify_checkpoint.remote(group.generation, manifest, r, world)
                               for r, s in enumerate(group.workers)],
                              group.cfg.fault_tolerance.step_timeout_s)
@@ -222,7 +222,7 @@ def _newest_verified_by_ranks(group: MegatronActorGroup, ckpt: CheckpointManager
         problems = [p for ps in results for p in ps]
         if not problems:
             return manifest
-        log.warning("skipping checkpoint %s: %s", ckpt.step_uri(step), "; ".join(problems))
+        log.warning("skipping checkpoint %s: %s", ckpt.step_uri(manifest.step), "; ".join(problems))
     return None
 
 

@@ -46,7 +46,7 @@ def abort_process_groups() -> None:
 
     Why threads: torch aborts the groups one after another (inside one ncclGroupStart/End), and
     each NCCL communicator abort took ~0.53 s on H200 (NCCL 2.28, torch 2.11); with a collective
-    blocked on a killed peer and 17 groups (Megatron makes about that many) the sequential abort
+    blocked on a killed peer and 17 groups (the default + 16; Megatron makes many, not counted) the sequential abort
     had not returned after 25 s, while the threaded one returned in 0.87-0.96 s and freed the
     stuck collective (bench/abort_probe.py, bench/results/gpu/abort_probe_nvidia-h200-x2_2026-11-29.json)."""
     from torch.distributed.distributed_c10d import _abort_process_group, _world

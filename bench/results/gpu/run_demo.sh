@@ -3,7 +3,7 @@
 # killed and replaced by spares) and keep its evidence: NAME.cmd, NAME.log, NAME.json in DEST.
 # Usage (repo root, GPU machine): bash bench/results/gpu/run_demo.sh NAME small|medium|1b DEST [main.py args]
 # Workers and spares share the GPUs (gpus_per_actor 0.5: 2 workers + 2 spares on 2 GPUs).
-# health_timeout_s 10: a survivor's abort of Megatron's ~17 NCCL communicators takes ~1 s since
+# health_timeout_s 10: a survivor's abort of Megatron's NCCL communicators took ~1 s (2026-11-29) since
 # they are aborted in parallel (megatron_actor.abort_process_groups); sequentially it took > 30 s.
 set -o pipefail
 name=$1 size=$2 dest=$3
