@@ -79,7 +79,10 @@ def test_memory_snapshots_outlive_the_node_of_their_rank(cluster, reference, tmp
     """Each rank's in-memory snapshots live in the holder of another node: when rank 1's node
     is removed, rank 1's replacement loads its step-2 snapshot (0 steps lost) from there."""
     c, nodes = cluster[0], three_live_nodes(cluster)
-    cfg = make_cfg(tmp_path, 4, "fault_tolerance.memory_snapshot_interval=1", "fault_tolerance.restore=memory")
+    # health_timeout_s 5 (not 2): it also bounds the query of the holders during recovery, and
+    # right after a node removal a loaded 2-core CI machine answered slower than 2 s once.
+    cfg = make_cfg(tmp_path, 4, "fault_tolerance.memory_snapshot_interval=1", "fault_tolerance.restore=memory",
+                   "fault_tolerance.health_timeout_s=5")
     group = MegatronActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
