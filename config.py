@@ -264,6 +264,8 @@ def validate(cfg: Config) -> None:
              f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     _require(m.hf_path is None or Path(m.hf_path).is_dir(), "model.hf_path",
              f"{m.hf_path!r} is not a local directory (no hub downloads at run time)")
+    if m.hf_path is not None:
+        _validate_hf_path(m)
     _require(t.steps >= 1, "train.steps", "must be >= 1")
     _require(2 <= t.seq_len <= m.max_seq_len, "train.seq_len",
              f"must be in [2, model.max_seq_len={m.max_seq_len}]")
@@ -351,6 +353,24 @@ def _validate_rl(cfg: Config) -> None:
     _require(task.max_prompt_len + r.max_new_tokens <= t.seq_len, "train.seq_len",
              f"{t.seq_len} cannot hold a prompt of up to {task.max_prompt_len} tokens plus "
              f"rl.max_new_tokens={r.max_new_tokens}; raise train.seq_len or lower rl.max_new_tokens")
+
+
+def _validate_hf_path(m: ModelConfig) -> None:
+    """model.hf_path is a Hugging Face model directory (config.json) whose vocabulary holds
+    every token id the run feeds it (ids are drawn below model.vocab_size). Its architecture
+    is checked by the engine that loads it (megatron_engine.hf_bridge)."""
+    import json
+
+    path = Path(m.hf_path) / "config.json"
+    _require(path.is_file(), "model.hf_path",
+             f"{m.hf_path!r} has no config.json (not a Hugging Face model directory)")
+    try:
+        hf_vocab = json.loads(path.read_text()).get("vocab_size")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_path: cannot read {str(path)!r}: {e}") from None
+    _require(not isinstance(hf_vocab, int) or m.vocab_size <= hf_vocab, "model.vocab_size",
+             f"{m.vocab_size} is larger than the {hf_vocab} tokens of model.hf_path "
+             f"(token ids must exist in its embedding; set model.vocab_size <= {hf_vocab})")
 
 
 def _validate_megatron(cfg: Config, dims: ParallelDims) -> None:
