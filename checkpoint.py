@@ -165,14 +165,49 @@ class CheckpointManager:
         if self._local:
             target = f"{self._step_path(step)}/{name}"
             self._retry(what, _dcp_save_fresh, state_dict, target, True)
-            return _hash_local_dir(target, name)
+            return self.put_files(step, target, name, sorted(os.listdir(target)))
         with tempfile.TemporaryDirectory(prefix="ckpt-stage-") as stage:
-            _wrap(what, _dcp_save_fresh, state_dict, stage, False)
-            entries = _hash_local_dir(stage, name)
-            local = [os.path.join(stage, e.path.split("/", 1)[1]) for e in entries]
-            remote = [f"{self._step_path(step)}/{e.path}" for e in entries]
-            self._retry(what, self.fs.put, local, remote)
+            as_checkpoint_error(what, _dcp_save_fresh, state_dict, stage, False)
+            return self.put_files(step, stage, name, sorted(os.listdir(stage)))
+
+    def local_dir(self, step: int, name: str) -> str | None:
+        """The directory of shard ``name`` of ``step`` on this machine's file system for a local
+        URI (a writer writes there in place), or None for object storage (stage, then ``put_files``)."""
+        return f"{self._step_path(step)}/{name}" if self._local else None
+
+    def put_files(self, step: int, local_dir: str, name: str, names: list[str]) -> list[FileEntry]:
+        """Hash the files ``names`` of ``local_dir`` and, for object storage, upload them to shard
+        ``name`` of ``step`` (concurrent transfers, s3fs multipart for large files). For a local
+        URI ``local_dir`` must be ``local_dir(step, name)`` (files written in place). Returns
+        their FileEntry list (paths relative to the step directory) for ``commit``. Raises
+        CheckpointError on storage failure past the retry limits."""
+        _check_name(name)
+        entries = [FileEntry(f"{name}/{n}", os.path.getsize(p), _sha256_local(p))
+                   for n in names if os.path.isfile(p := os.path.join(local_dir, n))]
+        if self._local:
+            if os.path.realpath(local_dir) != os.path.realpath(self.local_dir(step, name)):
+                raise ValueError(f"{local_dir} is not {self.local_dir(step, name)}: write local shards in place")
+            return entries
+        local = [os.path.join(local_dir, e.path.split("/", 1)[1]) for e in entries]
+        remote = [f"{self._step_path(step)}/{e.path}" for e in entries]
+        self._retry(f"uploading shard {name!r} to {self.step_uri(step)}/{name}", self.fs.put, local, remote)
         return entries
+
+    def get_files(self, step: int, files: list[FileEntry], stage_dir: str) -> None:
+        """Download ``files`` (manifest entries of ``step``) from object storage into
+        ``stage_dir``/{entry path} (concurrent transfers) and check each one's size and sha256.
+        Raises CheckpointError naming every missing or mismatched file, or on storage failure
+        past the retry limits."""
+        if not files:
+            return
+        remote = [f"{self._step_path(step)}/{f.path}" for f in files]
+        local = [os.path.join(stage_dir, f.path) for f in files]
+        for d in {os.path.dirname(p) for p in local}:
+            os.makedirs(d, exist_ok=True)
+        self._retry(f"downloading {len(files)} files of {self.step_uri(step)}", self.fs.get, remote, local)
+        problems = [p for f in files if (p := _check_local_file(stage_dir, f))]
+        if problems:
+            raise CheckpointError(f"{self.step_uri(step)} failed verification: " + "; ".join(problems))
 
     def async_save_shard(self, step: int, name: str, state_dict: dict) -> concurrent.futures.Future:
         """Like ``save_shard`` but writes in a background thread. First waits for this manager's
@@ -235,7 +270,7 @@ class CheckpointManager:
             if problems:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
         reader = _SafeReader(os.path.join(step_dir, name))
-        _wrap(f"loading shard {name!r} from {where}", dcp.load, state_dict, storage_reader=reader, no_dist=True)
+        as_checkpoint_error(f"loading shard {name!r} from {where}", dcp.load, state_dict, storage_reader=reader, no_dist=True)
         return state_dict
 
     def check_writable(self) -> None:
@@ -508,7 +543,9 @@ def _check_name(name: str) -> None:
         raise ValueError(f"invalid shard name {name!r}: use letters, digits, '_', '.', '-'")
 
 
-def _wrap(what: str, fn: Callable, *args, **kwargs) -> Any:
+def as_checkpoint_error(what: str, fn: Callable, *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)``; any error it raises, DCP's CheckpointException (a
+    BaseException) included, becomes CheckpointError("{what} failed: ...")."""
     try:
         return fn(*args, **kwargs)
     except (Exception, dcp.CheckpointException) as exc:
@@ -564,14 +601,6 @@ def _sha256_local(path: str) -> str:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _hash_local_dir(directory: str, name: str) -> list[FileEntry]:
-    return [
-        FileEntry(f"{name}/{fn}", os.path.getsize(p), _sha256_local(p))
-        for fn in sorted(os.listdir(directory))
-        if os.path.isfile(p := os.path.join(directory, fn))
-    ]
 
 
 def _check_local_file(step_dir: str, f: FileEntry) -> str | None:

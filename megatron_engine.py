@@ -36,8 +36,8 @@ softmax, as in Megatron's own training.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
 import importlib.util
 import math
 import os
@@ -48,12 +48,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from checkpoint import CheckpointError, as_checkpoint_error
 from config import Config
 from parallel_dims import ParallelDims
 from ppo import policy_loss
 from training_batch import TrainingBatch
 
 VOCAB_MULTIPLE = 128
+MEGATRON_SHARD = "megatron"  # shard name of the dist_checkpointing files in a checkpoint step
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -88,14 +90,6 @@ def cp_gather(local: torch.Tensor, cp: int, group) -> torch.Tensor:
     for r, part in enumerate(parts):
         chunks[r], chunks[2 * cp - 1 - r] = part.chunk(2, dim=1)
     return torch.cat(chunks, dim=1)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _set_main_param_and_state(opt, model_param, tensors: dict) -> None:
@@ -623,55 +617,23 @@ class MegatronEngine:
             sd["rng"] = ShardedObject("rng_state", self._rng_state(), (w,), (self.rank,), replica_id=0)
         return sd
 
-    @staticmethod
-    def _local_dir(ckpt, step: int) -> str:
-        import fsspec
-
-        uri = ckpt.step_uri(step) + "/megatron"
-        fs, path = fsspec.core.url_to_fs(uri)
-        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-            raise ValueError(f"{uri}: the Megatron engine writes dist_checkpointing checkpoints to "
-                             f"local or shared file systems only; set checkpoint.uri to a path")
-        return path
-
     def save_checkpoint(self, ckpt, step: int, dims: ParallelDims, rank: int) -> list:
         """Collective over all ranks: write the model's and optimizer's sharded state dicts, the
         step, the schedule count (common, rank 0) and every rank's RNG state with Megatron
-        `dist_checkpointing` (torch_dist) into `{ckpt.step_uri(step)}/megatron`. Returns the
-        FileEntry list of the files this rank wrote (`__{rank}_*.distcp`; rank 0 also the
-        metadata and common files), paths relative to the step directory."""
-        import shutil
-
-        from megatron.core import dist_checkpointing
-
-        from checkpoint import FileEntry
-
-        path = self._local_dir(ckpt, step)
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-            os.makedirs(path)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state(False, True), path)
-        files = []
-        for name in sorted(os.listdir(path)):
-            m = _RANK_FILE.match(name)
-            mine = int(m.group(1)) == rank if m else rank == 0
-            if mine and os.path.isfile(p := os.path.join(path, name)):
-                files.append(FileEntry(f"megatron/{name}", os.path.getsize(p), _sha256(p)))
-        return files
+        `dist_checkpointing` (torch_dist) as shard `megatron` of `step` (`save_sharded`). Returns
+        the FileEntry list of the files this rank wrote. Raises CheckpointError on storage
+        failure past the retry limits."""
+        return save_sharded(ckpt, step, rank, self._sharded_state(False, True))
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Collective over all ranks: load the committed checkpoint `manifest` (already verified
         by the ranks, `MegatronActor.verify_checkpoint`) into this rank's shards; the saved layout may differ
         in DP and TP size (dist_checkpointing reshards). RNG states are restored only when the
         layout is the same (rank r gets rank r's); otherwise each rank keeps its own."""
-        from megatron.core import dist_checkpointing
-
         d = self.dims
         same = {k: manifest.layout.get(k) for k in ("tp", "pp", "cp", "dp")} == \
             {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp}
-        loaded = dist_checkpointing.load(self._sharded_state(True, same),
-                                         self._local_dir(ckpt, manifest.step))
+        loaded = load_sharded(ckpt, manifest, self._sharded_state(True, same))
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         for o in self.optimizer.chained_optimizers:  # Megatron sets one shared 'step' tensor for
@@ -688,3 +650,102 @@ class MegatronEngine:
             torch.cuda.set_rng_state(rng["cuda"])
             get_cuda_rng_tracker().set_states(rng["tracker"])
         self.step, self._dirty = int(loaded["step"]), False
+
+
+# -- dist_checkpointing through a CheckpointManager ---------------------------------------------
+def _is_rank_file(name: str, rank: int) -> bool:
+    """Whether `name` (a file torch_dist wrote) belongs to `rank`: its `__{rank}_*.distcp`
+    files; rank 0 also owns the global ones (.metadata, common.pt, metadata.json)."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) == rank if m else rank == 0
+
+
+def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict) -> list:
+    """Collective over the default process group: `dist_checkpointing.save(sharded_state_dict)`
+    (torch_dist format) as shard `megatron` of checkpoint `step` of `ckpt` (a CheckpointManager).
+
+    Local URI: all ranks write in place (a shared file system for multi-node runs). Object
+    storage (s3://, gs://): each rank writes into its own private staging directory (tempfile,
+    honours TMPDIR; rank 0's also gets the global metadata), then uploads only its own files,
+    so no rank waits on another's transfers. Returns this rank's FileEntry list (size, sha256)
+    for `CheckpointManager.commit`. Raises CheckpointError on storage failure past the retry
+    limits (the caller's error path; the rank stays usable)."""
+    import shutil
+    import tempfile
+
+    from megatron.core import dist_checkpointing
+
+    path = ckpt.local_dir(step, MEGATRON_SHARD)
+    stage = path or tempfile.mkdtemp(prefix=f"mcore-save-rank{rank}-")
+    try:
+        if path is not None and rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        dist.barrier()  # the in-place directory exists (and is empty) before anyone writes
+        as_checkpoint_error(f"saving {ckpt.step_uri(step)}/{MEGATRON_SHARD}", dist_checkpointing.save,
+                            sharded_state_dict, stage)
+        return ckpt.put_files(step, stage, MEGATRON_SHARD,
+                              [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
+    finally:
+        if path is None:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
+    """Collective over the default process group: `dist_checkpointing.load` of shard
+    `megatron` of the committed checkpoint `manifest` into `sharded_state_dict` (the saved
+    layout may differ in DP and TP size: dist_checkpointing reshards). Returns the loaded
+    state dict.
+
+    Object storage: the global files are downloaded into a private staging directory first,
+    then each `.distcp` file only when this rank's load plan reads from it (so a rank fetches
+    the files holding its shards, not the whole checkpoint); every download is checked against
+    the manifest's size and sha256. Raises CheckpointError on a mismatch, a storage failure or
+    any load error (on every rank: DCP gathers one rank's read error to all)."""
+    from megatron.core import dist_checkpointing
+
+    what = f"loading {ckpt.step_uri(manifest.step)}/{MEGATRON_SHARD}"
+    path = ckpt.local_dir(manifest.step, MEGATRON_SHARD)
+    if path is not None:
+        return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path)
+    import tempfile
+
+    prefix = MEGATRON_SHARD + "/"
+    files = {f.path[len(prefix):]: f for f in manifest.files if f.path.startswith(prefix)}
+    with tempfile.TemporaryDirectory(prefix="mcore-load-") as stage:
+        ckpt.get_files(manifest.step, [f for n, f in files.items() if not _RANK_FILE.match(n)], stage)
+        fetched: set[str] = set()
+
+        def fetch(names: set[str]) -> None:
+            missing = sorted(names - fetched)
+            unknown = [n for n in missing if n not in files]
+            if unknown:
+                raise CheckpointError(f"{ckpt.step_uri(manifest.step)}: {unknown} are read but not in its manifest")
+            ckpt.get_files(manifest.step, [files[n] for n in missing], stage)
+            fetched.update(missing)
+
+        with _fetch_before_read(fetch):
+            return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict,
+                                       os.path.join(stage, MEGATRON_SHARD))
+
+
+@contextlib.contextmanager
+def _fetch_before_read(fetch):
+    """Make Megatron's torch_dist loader call `fetch(relative file names)` with the files a
+    read plan needs before reading them. Megatron-Core 0.16 builds its reader in
+    `strategies.torch._get_filesystem_reader` (its only remote path is NVIDIA's
+    multi-storage client), so that factory is swapped for the duration of one load."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_data(self, plan, planner):
+            fetch({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            return super().read_data(plan, planner)
+
+    original = mcore_torch._get_filesystem_reader
+    mcore_torch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: Reader(checkpoint_dir)
+    try:
+        yield
+    finally:
+        mcore_torch._get_filesystem_reader = original

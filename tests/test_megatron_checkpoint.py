@@ -1,0 +1,152 @@
+"""Megatron `dist_checkpointing` through the CheckpointManager (`megatron_engine.save_sharded` /
+`load_sharded`) on local disk, S3 and GCS: two real gloo ranks save a torch_dist checkpoint,
+commit it, load it back in the same and in a different sharding, and refuse a corrupt file.
+
+The engine's model needs CUDA, so the ranks save plain Megatron ShardedTensors / ShardedObjects
+(the same objects a GPTModel's `sharded_state_dict` is made of). Megatron's torch_dist writer
+calls `torch.cuda.synchronize()` and puts a flag on `torch.cuda.current_device()`; those two
+are the only things replaced (no CUDA here). The engine itself is covered on GPU
+(tests/test_megatron_engine.py)."""
+import os
+import traceback
+import uuid
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from checkpoint import CheckpointError, CheckpointManager
+from storage_servers import free_port
+
+WORLD = 2
+ROWS, COLS = 8, 6
+
+
+def full_weight() -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+
+
+def _state(rank: int, split_dim: int, fill: float | None) -> dict:
+    """Rank `rank`'s sharded state: weight `w` split over the ranks along `split_dim`, a
+    per-rank object (like the RNG state) and a common value. `fill` None: the true values
+    (to save); else a template of that value (to load into)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    local = full_weight().chunk(WORLD, dim=split_dim)[rank].clone()
+    if fill is not None:
+        local.fill_(fill)
+    obj = {"rank": rank, "seed": 1000 + rank} if fill is None else None
+    return {"w": ShardedTensor.from_rank_offsets("w", local, (split_dim, rank, WORLD)),
+            "rng": ShardedObject("rng", obj, (WORLD,), (rank,), replica_id=0),
+            "step": 7}
+
+
+def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
+    import torch.distributed as dist
+
+    from megatron_engine import load_sharded, save_sharded
+
+    out = {}
+    ckpt = CheckpointManager(uri, storage_options=opts)
+    files = save_sharded(ckpt, 3, rank, _state(rank, 0, None))
+    out["files"] = sorted(f.path for f in files)
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, files)
+    if rank == 0:
+        ckpt.commit(3, {"dp": WORLD}, [f for fs in gathered for f in fs])
+    dist.barrier()
+    manifest = ckpt.read_manifest(3)
+
+    fetched: list[str] = []
+    get_files = ckpt.get_files
+    ckpt.get_files = lambda step, entries, stage: (fetched.extend(e.path for e in entries),
+                                                   get_files(step, entries, stage))[1]
+    same = load_sharded(ckpt, manifest, _state(rank, 0, -1.0))
+    out["same"] = (same["w"], same["rng"], same["step"])
+    out["fetched"] = sorted(fetched)
+    resharded = load_sharded(ckpt, manifest, _state(rank, 1, -1.0))
+    out["resharded"] = resharded["w"]
+
+    if corrupt:
+        if rank == 0:
+            victim = next(f for f in manifest.files if f.path.startswith("megatron/__1_"))
+            ckpt.fs.pipe_file(f"{ckpt.root}/step_00000003/{victim.path}", b"x" * victim.size)
+        dist.barrier()
+        try:
+            load_sharded(ckpt, manifest, _state(rank, 0, -1.0))
+            out["corrupt"] = None
+        except CheckpointError as exc:
+            out["corrupt"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _worker(rank: int, targets: dict, port: int, queue) -> None:
+    """Rank `rank` of WORLD: for each backend in `targets` ({name: (uri, storage_options)}),
+    save, commit (rank 0), load in the same and in another sharding, and (object storage)
+    load again after rank 0 corrupted one of rank 1's files. Puts (rank, {name: results})."""
+    torch.cuda.synchronize = lambda *a, **k: None  # no CUDA here (see module docstring)
+    torch.cuda.current_device = lambda: "cpu"
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    results = {}
+    for name, (uri, opts) in targets.items():
+        try:
+            results[name] = _round_trip(rank, uri, opts, corrupt=name != "local")
+        except BaseException:  # noqa: BLE001 (DCP's CheckpointException is a BaseException)
+            results[name] = {"error": traceback.format_exc()}
+    queue.put((rank, results))
+    dist.destroy_process_group()
+
+
+def test_save_commit_load_reshard(request, tmp_path):
+    """One pair of ranks (Megatron's import dominates the time) goes through all three backends."""
+    prefix = f"mcore-{uuid.uuid4().hex[:8]}"
+    targets = {"local": (str(tmp_path / prefix), None)}
+    for backend in ("s3", "gcs"):
+        server = request.getfixturevalue(f"{backend}_server")
+        targets[backend] = (server.uri(prefix), server.storage_options)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, targets, port, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    by_rank = dict(queue.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+
+    full = full_weight()
+    for backend, (uri, opts) in targets.items():
+        results = {r: by_rank[r][backend] for r in range(WORLD)}
+        for r, out in results.items():
+            assert "error" not in out, f"{backend} rank {r}:\n{out['error']}"
+        # each rank lists only its own files; rank 0 also the global metadata
+        assert all(p.startswith("megatron/__1_") for p in results[1]["files"])
+        assert {"megatron/.metadata", "megatron/common.pt", "megatron/metadata.json"} <= set(results[0]["files"])
+        assert not set(results[0]["files"]) & set(results[1]["files"])
+        if backend == "local":  # the remote ones were corrupted on purpose at the end
+            assert CheckpointManager(uri, storage_options=opts).verify(3) == []
+        for r, out in results.items():
+            w, rng, step = out["same"]
+            torch.testing.assert_close(w, full.chunk(WORLD, 0)[r], rtol=0, atol=0)
+            assert rng == {"rank": r, "seed": 1000 + r} and step == 7
+            torch.testing.assert_close(out["resharded"], full.chunk(WORLD, 1)[r], rtol=0, atol=0)
+        if backend != "local":
+            # same layout: a rank downloads the global files and its own .distcp files only
+            assert [p for p in results[1]["fetched"] if p.endswith(".distcp")] == \
+                [p for p in results[1]["files"] if p.endswith(".distcp")], backend
+            # a corrupt .distcp file is refused by sha256 on the rank that reads it, and the
+            # other rank's load fails too (DCP gathers the error) instead of hanging
+            for r in range(WORLD):
+                assert results[r]["corrupt"].startswith("CheckpointError"), (backend, results[r]["corrupt"])
+                assert "sha256 mismatch" in results[r]["corrupt"], (backend, results[r]["corrupt"])
+
+
+def test_local_put_files_must_be_in_place(tmp_path):
+    ckpt = CheckpointManager(str(tmp_path / "c"))
+    os.makedirs(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / "f").write_bytes(b"abc")
+    with pytest.raises(ValueError, match="in place"):
+        ckpt.put_files(1, str(tmp_path / "elsewhere"), "megatron", ["f"])
