@@ -81,7 +81,7 @@ def _save(engine, ckpt, step, dims, rank):
     return files
 
 
-def _scenarios(rank, world, store, tmp) -> dict:
+def _scenarios(rank, world, store, tmp, storage) -> dict:
     """Train / save / load (same layout: bitwise; resharded: within bf16 tolerance), reconnect,
     rollback, peer broadcast. Returns numbers for the test to check."""
     import torch.distributed as dist
@@ -90,7 +90,8 @@ def _scenarios(rank, world, store, tmp) -> dict:
     from megatron_engine import MegatronEngine
 
     out = {}
-    ckpt = CheckpointManager(os.path.join(tmp, "ckpt"))
+    uri, opts = storage or (os.path.join(tmp, "ckpt"), None)
+    ckpt = CheckpointManager(uri, storage_options=opts)
     cfg = _cfg(world=world)
     dims = cfg.dims
     e = MegatronEngine(cfg)
@@ -151,18 +152,20 @@ def _scenarios(rank, world, store, tmp) -> dict:
     return out
 
 
-def _worker(rank, world, port, tmp, queue):
+def _worker(rank, world, port, tmp, storage, queue):
     try:
         import torch.distributed as dist
 
         torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
-        queue.put((rank, _scenarios(rank, world, store, tmp)))
+        queue.put((rank, _scenarios(rank, world, store, tmp, storage)))
     except Exception:
         queue.put((rank, traceback.format_exc()))
 
 
-def _spawn(world, tmp) -> list[dict]:
+def _spawn(world, tmp, storage=None) -> list[dict]:
+    """Run `_scenarios` on `world` GPUs; checkpoints go to `storage` ((uri, storage_options))
+    or a local directory under `tmp`."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -170,7 +173,7 @@ def _spawn(world, tmp) -> list[dict]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, str(tmp), queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, str(tmp), storage, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=600) for _ in procs)
@@ -200,8 +203,15 @@ def test_engine_one_gpu(tmp_path):
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 CUDA GPUs")
-def test_engine_two_gpus(tmp_path):
-    results = _spawn(2, tmp_path)
+@pytest.mark.parametrize("backend", ["local", "gcs"])
+def test_engine_two_gpus(tmp_path, backend, request):
+    storage = None
+    if backend == "gcs":  # object storage: per-rank staging, upload, fetch-on-read (loopback emulator)
+        pytest.importorskip("gcsfs")
+        pytest.importorskip("gcp_storage_emulator")
+        server = request.getfixturevalue("gcs_server")
+        storage = (server.uri(f"mcore-{os.getpid()}"), server.storage_options)
+    results = _spawn(2, tmp_path, storage)
     for rank, res in enumerate(results):
         _check_common(res, rank, 2)
         assert res["rollback_ok"] and res["broadcast_equal"]
