@@ -1,0 +1,66 @@
+"""bench/train_speed.py: the model-FLOPs formula against hand-computed values and the
+Megatron-LM paper's closed form, and a short CPU run of the bench (torch engine, 2 workers, a
+few steps) whose JSON must be complete and sane, with the parameter formula equal to the live
+model's count."""
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import train_speed  # noqa: E402
+
+
+def test_flops_by_hand():
+    # config.yaml's model: L=2, h=64, f=128, V=128; s=32, global batch 16.
+    n = train_speed.matmul_params(2, 64, 128, 128)
+    assert n == 2 * (4 * 64 * 64 + 3 * 64 * 128) + 64 * 128 == 90_112
+    per_token = train_speed.flops_per_token(n, 2, 64, 32)
+    assert per_token == 8 * 90_112 + 16 * 2 * 64 * 32 == 786_432
+    assert per_token * 16 * 32 == 402_653_184
+    assert train_speed.flops_per_token(n, 2, 64, 32, old_logprob_pass=False) == 6 * 90_112 + 12 * 2 * 64 * 32
+    assert train_speed.total_params(2, 64, 128, 128) == 98_624
+    # The ~1B GPU model: 24 layers, h 2048, f 5632, V 32000 (a multiple of 128: no padding), s 2048.
+    n = train_speed.matmul_params(24, 2048, 5632, 32000)
+    assert n == 1_298_661_376
+    assert train_speed.total_params(24, 2048, 5632, 32000) == 1_364_297_728
+    assert train_speed.flops_per_token(n, 24, 2048, 2048) == 11_999_903_744
+
+
+def test_flops_is_narayanan_without_recomputation():
+    """Plain MLP of 4h, no extra forward pass: Narayanan et al. 2021's 96 B s L h^2 (1 + s/6h +
+    V/16Lh) minus the recomputed forward = 72 B s L h^2 (1 + s/6h + V/12Lh)."""
+    L, h, s, V, B = 24, 2048, 2048, 51200, 8
+    n = train_speed.matmul_params(L, h, 4 * h, V, mlp_matrices=2)
+    f = train_speed.flops_per_token(n, L, h, s, old_logprob_pass=False) * B * s
+    assert math.isclose(f, 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)), rel_tol=1e-12)
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_runs_on_cpu(tmp_path):
+    out = tmp_path / "train_speed.json"
+    r = train_speed.main(["--steps", "2", "--warmup", "1", "--out", str(out),
+                          "--set", "cluster.device=cpu", "--set", "cluster.num_workers=2",
+                          "--set", "cluster.num_spares=0"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    for key in ("device", "engine", "layout", "params", "tokens_per_step", "off", "on",
+                "overhead_ratio", "config"):
+        assert key in r, key
+    assert r["device"] == "cpu" and r["engine"] == "torch"
+    assert r["layout"]["dp"] == 2 and r["layout"]["gpus"] == 0
+    assert r["params"] == r["params_live"] == 98_624
+    assert r["tokens_per_step"] == 16 * 32 and r["flops_per_step"] == 402_653_184
+    for name in ("off", "on_no_memory", "on"):
+        ph = r[name]
+        assert ph["timed_steps"] == 2 and ph["stopped_early"] is None, name
+        assert positive(ph["step_s"]) and positive(ph["tokens_per_s"]), name
+        assert math.isclose(ph["tokens_per_s"], r["tokens_per_step"] / ph["step_s"])
+        assert ph["mfu"] is None  # CPU: no peak FLOP/s known
+    assert positive(r["overhead_ratio"]) and positive(r["overhead_ratio_no_memory"])
+    assert r["losses_equal"]  # the same steps in every phase, bitwise on CPU
+    assert r["on"]["recoveries"] == 0 and r["on"]["snapshot_lag_s"] >= 0
+    assert all(v >= 0 for v in r["components"].values())
