@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# bench/checkpoint.py with the Megatron engine on the ~1.4B GPT of run_recovery_1b.sh (24 layers,
+# hidden 2048, 16 heads, ffn 5632, vocab 32000, seq 2048; 1.364B params), one GPU, world size 1
+# (a single-rank NCCL group in the bench process), main.py's default distributed optimizer (the
+# save/load path of tests/test_megatron_engine.py; with dp=1 it holds the whole state). One train
+# step (2 x 2048 tokens) so the Adam moments exist, then per repeat: raw write/read of the state
+# (~19 GB: bf16 params + fp32 main params + exp_avg + exp_avg_sq) with plain fsync'd file writes,
+# the engine's sync save + commit, verify, load; local disk under /tmp (one copy of the state on
+# disk at a time). The JSON is rewritten after each repeat ("complete": false until the last).
+# Keeps NAME.cmd/.log/.json in DEST.
+# Usage (repo root, GPU machine, after `source .gpu/install.sh .gpu`):
+#   bash bench/results/gpu/run_checkpoint_1b.sh NAME DEST [more bench args]
+# e.g. without the distributed optimizer: ... NAME DEST --set model.distributed_optimizer=false
+set -o pipefail
+name=$1 dest=$2
+shift 2
+cmd="python3 bench/checkpoint.py --engine megatron --repeat 2 --dir /tmp --out $dest/$name.json
+ --set model.num_layers=24 --set model.hidden_size=2048 --set model.num_heads=16
+ --set model.ffn_hidden_size=5632 --set model.vocab_size=32000 --set model.max_seq_len=2048
+ --set train.seq_len=2048 --set train.global_batch_size=2 --set train.mini_batch_size=2
+ --set train.micro_batch_size=1 --set train.lr=0.0001 $*"
+mkdir -p "$dest"
+echo $cmd > "$dest/$name.cmd"
+PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-500}" $cmd 2>&1 | tee "$dest/$name.log" | grep -vE "Warning|warn|socket.cpp" | tail -25
+echo "== $name exit ${PIPESTATUS[0]}"
