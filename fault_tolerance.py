@@ -83,6 +83,8 @@ class RecoveryTimeline:
     restored_step: int = 0
     attempts: int = 1
     notes: list[str] = field(default_factory=list)
+    rebuild_detail: dict = field(default_factory=dict)      # slowest rank's seconds per part of its join
+    first_step_detail: dict = field(default_factory=dict)   # slowest rank's seconds per part of the step
 
     PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s")
 
@@ -274,7 +276,7 @@ def recover(group: MegatronActorGroup, failure: WorkerFailure, ckpt: CheckpointM
                 group.refill([s.bundle_index for s in killed])
             _replace(group, failed)
             t2 = time.perf_counter()
-            group.form_generation()
+            tl.rebuild_detail = group.form_generation()
             t3 = time.perf_counter()
             tl.restored_step = _restore(group, ckpt, committed_step, survivors,
                                         group.cfg.fault_tolerance.restore, tl)

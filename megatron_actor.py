@@ -125,6 +125,7 @@ class MegatronActor:
         self._store = None                # ((host, port), TCPStore client of the driver's store)
         self._pending_save = None         # futures of an async checkpoint write
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
+        self._send: threading.Thread | None = None  # the in-memory snapshot being sent
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     def fault_point(self, point: str) -> None:
@@ -204,10 +205,12 @@ class MegatronActor:
         return True
 
     def join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int,
-             holder=None) -> float:
+             holder=None) -> dict[str, float]:
         """Join process-group generation `generation` as `rank` of `dims.world_size` through the
         driver's store at host:port (prefix `gen{generation}`); `holder`: the SnapshotHolder to
-        send in-memory snapshots to (None: off). Returns seconds."""
+        send in-memory snapshots to (None: off). Returns seconds by part: `rendezvous_s` (until
+        every member arrived), `process_group_s` (init_process_group), then the engine's
+        `connect_phases` (Megatron: groups, model build, state copy) or `connect_s`."""
         import torch
         import torch.distributed as dist
 
@@ -240,13 +243,16 @@ class MegatronActor:
                 raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
                                    f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s")
             time.sleep(0.01)
+        t1 = time.perf_counter()
         dist.init_process_group("nccl" if cuda else "gloo", store=store,
                                 rank=rank, world_size=dims.world_size,
                                 timeout=datetime.timedelta(seconds=ft.step_timeout_s),
                                 device_id=torch.device("cuda", 0) if cuda else None)
+        t2 = time.perf_counter()
         self.engine.connect(dims, rank)
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
-        return time.perf_counter() - t0
+        connect = getattr(self.engine, "connect_phases", None) or {"connect_s": time.perf_counter() - t2}
+        return {"rendezvous_s": t1 - t0, "process_group_s": t2 - t1, **connect}
 
     def _check(self, generation: int) -> None:
         if generation != self.generation:
@@ -262,11 +268,19 @@ class MegatronActor:
         result = self.engine.train_step(batch, step)
         k = self.cfg.fault_tolerance.memory_snapshot_interval
         if self._holder is not None and step % k == 0:
-            # The host copy is taken here (the next step changes the live tensors); serialising
-            # it to the holder runs in the background while training goes on.
-            state = self.engine.host_state()
-            threading.Thread(target=self._holder.put.remote, daemon=True,
-                             args=((str(self.dims), self.rank), step, state)).start()
+            # The host copy is taken here (the next step changes the live tensors); sending it
+            # to the holder runs in the background while training goes on. At most one send is
+            # in flight: a send slower than k steps makes this step wait for it (bounded host
+            # memory: one copy being sent, one being taken) instead of piling copies up; a send
+            # stuck past health_timeout_s (holder unreachable) makes this step skip its snapshot.
+            if self._send is not None:
+                self._send.join(timeout=self.cfg.fault_tolerance.health_timeout_s)
+            if self._send is None or not self._send.is_alive():
+                state = self.engine.host_state()
+                holder, key = self._holder, (str(self.dims), self.rank)
+                self._send = threading.Thread(target=lambda: ray.get(holder.put.remote(key, step, state)),
+                                              daemon=True, name="snapshot-send")
+                self._send.start()
         return result
 
     def restore_snapshot(self, generation: int, step: int, holders: list) -> bool:
@@ -535,16 +549,16 @@ class MegatronActorGroup:
         return lines + [f"spare on node {s.node_id[:8]} ({s.node_ip}) device {s.device[1]}"
                         for s in self.pool.spares]
 
-    def form_generation(self) -> float:
+    def form_generation(self) -> dict[str, float]:
         """Start the next membership generation: every worker joins new process groups.
-        Returns seconds. Raises WorkerFailure if a member dies while joining."""
+        Returns the slowest rank's seconds for each part of its join (`MegatronActor.join`).
+        Raises WorkerFailure if a member dies while joining."""
         self.generation += 1
-        t0 = time.perf_counter()
         refs = [s.handle.join.remote(self.generation, r, self.dims, self.store_host, self.store_port,
                                      self.holder_for(s.node_id))
                 for r, s in enumerate(self.workers)]
-        self.wait(refs, self.cfg.fault_tolerance.step_timeout_s)
-        return time.perf_counter() - t0
+        parts = self.wait(refs, self.cfg.fault_tolerance.step_timeout_s)
+        return {k: round(max(p[k] for p in parts), 4) for k in parts[0]}
 
     def holder_for(self, node_id: str):
         """The SnapshotHolder a rank on `node_id` sends its snapshots to: the next node's in

@@ -36,6 +36,7 @@ softmax, as in Megatron's own training.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import importlib.util
@@ -55,6 +56,7 @@ from ppo import policy_loss
 from training_batch import TrainingBatch
 
 VOCAB_MULTIPLE = 128
+_ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-alloc")
 MEGATRON_SHARD = "megatron"  # shard name of the dist_checkpointing files in a checkpoint step
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -325,8 +327,9 @@ class MegatronEngine:
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self.step = 0                  # train steps whose update this state contains
         self._dirty = False            # True while a step may have partly updated the state
-        self._initial: dict | None = None   # host copy of the step-0 state
         self._snapshot: dict | None = None  # host copy of the last committed step's state
+        self._buffers: concurrent.futures.Future | None = None  # pinned buffers being made for it
+        self.connect_phases: dict[str, float] = {}  # seconds of the last `connect`, by part
         self._connected = False
 
     # -- process groups ----------------------------------------------------------------------
@@ -344,22 +347,36 @@ class MegatronEngine:
         keep = self.model is not None and not (self.cfg.model.distributed_optimizer and self.dims.dp != dims.dp)
         old = self._train_state() if keep else None
         rng = self._rng_state() if old is not None else None
+        t0 = time.perf_counter()
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp,
                                      create_gloo_process_groups=False)
-        model_parallel_cuda_manual_seed(self.cfg.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
         self.dims, self.rank = dims, rank
-        self._build()
+        t1 = time.perf_counter()
+        self._build_initial()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
         if old is None:
-            self._initial = self._host_copy(self._train_state(), pin=False)
             self.step = 0
         else:
             self._set_train_state(old)
             torch.cuda.set_rng_state(rng["cuda"])
             torch.set_rng_state(rng["cpu"])
             get_cuda_rng_tracker().set_states(rng["tracker"])
+            torch.cuda.synchronize()
         del old
+        self.connect_phases = {"groups_s": t1 - t0, "build_s": t2 - t1, "state_copy_s": time.perf_counter() - t2}
         self._connected = True
+
+    def _build_initial(self) -> None:
+        """Build model, DDP, optimizer and schedule in their step-0 state: deterministic from
+        `train.seed` (and `model.hf_path`), so every rank of a position, fresh or reset, gets
+        the same weights, with no host copy of them kept."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(self.cfg.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
+        self._build()
 
     def disconnect(self) -> None:
         """Mark the generation's groups unusable (no collective); the state stays for `connect`."""
@@ -474,19 +491,27 @@ class MegatronEngine:
             raise RuntimeError("train_step called before connect(): no process group generation")
         t = self.cfg.train
         micro, last = t.micro_batch_size, ps.is_pipeline_last_stage()
+        t0 = time.perf_counter()
         batch = batch.to(self.device)
         if batch.old_log_probs is None:
             with torch.no_grad():
                 out = self._run(batch.chunk(len(batch) // micro), forward_only=True)
             old = torch.cat([o["log_probs"] for o in out]) if last else torch.zeros_like(batch.loss_mask)
             batch = batch.with_old_log_probs(old)
+        torch.cuda.synchronize()
+        phases = {"old_log_probs_s": time.perf_counter() - t0, "forward_backward_s": 0.0, "optimizer_s": 0.0}
         losses, norms, metrics = [], [], {}
         for mini in batch.chunk(t.global_batch_size // t.mini_batch_size):
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             self.fault_point("before_allreduce")
+            t1 = time.perf_counter()
             out = self._run(mini.chunk(len(mini) // micro), forward_only=False)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
             _, grad_norm, _ = self.optimizer.step()
+            phases["forward_backward_s"] += t2 - t1
+            phases["optimizer_s"] += time.perf_counter() - t2
             self.fault_point("after_optimizer_step")
             self.scheduler.step(increment=1)
             norms.append(float(grad_norm or 0.0))
@@ -496,7 +521,7 @@ class MegatronEngine:
         self.step, self._dirty = step, False
         loss = sum(losses) / len(losses) if losses else float("nan")
         return {"loss": loss, "mini_losses": losses, "grad_norm": max(norms),
-                "lr": self.optimizer.param_groups[0]["lr"], **metrics}
+                "lr": self.optimizer.param_groups[0]["lr"], "phases": phases, **metrics}
 
     # -- in-memory state ---------------------------------------------------------------------
     def _train_state(self) -> dict:
@@ -543,9 +568,10 @@ class MegatronEngine:
 
     def reset(self) -> None:
         """Return to the state of step 0: the seeded initial weights, zero Adam state, the
-        schedule's start. Before the first `connect` there is nothing to reset."""
-        if self._initial is not None:
-            self._set_train_state(self._initial)
+        schedule's start, rebuilt on this generation's groups (a rebuild takes seconds; it is
+        only needed to restore step 0). Before the first `connect` there is nothing to reset."""
+        if self.model is not None:
+            self._build_initial()
         self.step, self._dirty = 0, False
 
     def snapshot(self) -> None:
@@ -553,9 +579,32 @@ class MegatronEngine:
         committed step) and mark the live state dirty until the step ends. Step 0 needs no copy
         (`reset`); with the distributed optimizer no copy is kept (see `rollback`)."""
         if self.step > 0 and not self.cfg.model.distributed_optimizer:
-            self._snapshot = self._host_copy(self._train_state(), self._snapshot)
+            self._snapshot_to_host()
         self._dirty = True
         self.step_start_progress = self.progress
+
+    def _snapshot_to_host(self) -> None:
+        """Copy the live state into the pinned snapshot buffers. A rank without buffers that
+        fit (a spare's first steps; ~14 bytes per parameter) has them allocated in a background
+        thread and keeps no snapshot until they are ready: allocating and pinning them takes
+        seconds, which the first step after a recovery must not wait for. Until then
+        `rollback` answers False for this rank and recovery restores it from a peer, an
+        in-memory snapshot or a checkpoint."""
+        state = self._train_state()
+        layout = [(x.shape, x.dtype) for x in _tensors(state)]
+        if self._snapshot is not None and [(x.shape, x.dtype) for x in _tensors(self._snapshot)] == layout:
+            self._snapshot = self._host_copy(state, self._snapshot)
+            return
+        self._snapshot = None
+        if self._buffers is None:
+            self._buffers = _ALLOCATOR.submit(  # reads only shapes and dtypes of the live tensors
+                torch.utils._pytree.tree_map,
+                lambda x: torch.empty(x.shape, dtype=x.dtype, pin_memory=True) if isinstance(x, torch.Tensor) else x,
+                state)
+        elif self._buffers.done():
+            buffers, self._buffers = self._buffers.result(), None
+            if [(x.shape, x.dtype) for x in _tensors(buffers)] == layout:
+                self._snapshot = self._host_copy(state, buffers)
 
     def rollback(self, step: int) -> bool:
         """Return to the state after committed step `step` without any transfer: the live state

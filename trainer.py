@@ -111,6 +111,10 @@ class Trainer:
         results = self.group.call("train_step", step, batch, dispatch="mesh",
                                   timeout=self.step_deadline())
         self.step_times.append(time.perf_counter() - t0)
+        if self._resume_t is not None:  # first step after a recovery: where its time went
+            parts = [r["phases"] for r in results if "phases" in r]
+            if parts:
+                self.recoveries[-1].first_step_detail = {k: round(max(p[k] for p in parts), 4) for k in parts[0]}
         return sum(r["loss"] for r in results) / len(results)
 
     def train(self, until_step: int, after_step=None) -> None:
