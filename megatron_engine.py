@@ -327,7 +327,9 @@ class MegatronEngine:
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self.step = 0                  # train steps whose update this state contains
         self._dirty = False            # True while a step may have partly updated the state
+        self._initial: dict | None = None   # host copy of the step-0 state (taken before step 1)
         self._snapshot: dict | None = None  # host copy of the last committed step's state
+        self._trained_since_connect = False
         self._buffers: concurrent.futures.Future | None = None  # pinned buffers being made for it
         self.connect_phases: dict[str, float] = {}  # seconds of the last `connect`, by part
         self._connected = False
@@ -352,8 +354,9 @@ class MegatronEngine:
         ps.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp,
                                      create_gloo_process_groups=False)
         self.dims, self.rank = dims, rank
+        model_parallel_cuda_manual_seed(self.cfg.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
         t1 = time.perf_counter()
-        self._build_initial()
+        self._build()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         if old is None:
@@ -366,17 +369,8 @@ class MegatronEngine:
             torch.cuda.synchronize()
         del old
         self.connect_phases = {"groups_s": t1 - t0, "build_s": t2 - t1, "state_copy_s": time.perf_counter() - t2}
+        self._trained_since_connect = False
         self._connected = True
-
-    def _build_initial(self) -> None:
-        """Build model, DDP, optimizer and schedule in their step-0 state: deterministic from
-        `train.seed` (and `model.hf_path`), so every rank of a position, fresh or reset, gets
-        the same weights, with no host copy of them kept."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(self.cfg.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
-        self._build()
 
     def disconnect(self) -> None:
         """Mark the generation's groups unusable (no collective); the state stays for `connect`."""
@@ -492,6 +486,8 @@ class MegatronEngine:
         t = self.cfg.train
         micro, last = t.micro_batch_size, ps.is_pipeline_last_stage()
         t0 = time.perf_counter()
+        if self.step == 0 and self._initial is None:  # before the first update: for `reset`
+            self._initial = self._host_copy(self._train_state(), pin=False)
         batch = batch.to(self.device)
         if batch.old_log_probs is None:
             with torch.no_grad():
@@ -518,7 +514,7 @@ class MegatronEngine:
             if last:
                 losses.append(sum(o["loss"].item() for o in out) / len(out))
                 metrics = {k: sum(o[k] for o in out) / len(out) for k in out[0] if k != "loss"}
-        self.step, self._dirty = step, False
+        self.step, self._dirty, self._trained_since_connect = step, False, True
         loss = sum(losses) / len(losses) if losses else float("nan")
         return {"loss": loss, "mini_losses": losses, "grad_norm": max(norms),
                 "lr": self.optimizer.param_groups[0]["lr"], "phases": phases, **metrics}
@@ -566,13 +562,18 @@ class MegatronEngine:
         """Make `state` (from `host_state` of the same rank position) the live state."""
         self._set_train_state(state)
 
-    def reset(self) -> None:
-        """Return to the state of step 0: the seeded initial weights, zero Adam state, the
-        schedule's start, rebuilt on this generation's groups (a rebuild takes seconds; it is
-        only needed to restore step 0). Before the first `connect` there is nothing to reset."""
-        if self.model is not None:
-            self._build_initial()
+    def reset(self) -> bool:
+        """Return to the state of step 0 (the seeded initial weights, zero Adam state, the
+        schedule's start) from the host copy taken when this rank began step 1, with no
+        collective. Returns False when this rank holds no such copy and is not at a clean
+        step 0 (a spare that joined later and was restored to a later step: recovery then
+        gets step 0 from a peer or a checkpoint)."""
+        if self._initial is not None:
+            self._set_train_state(self._initial)
+        elif self.step != 0 or self._dirty:
+            return False
         self.step, self._dirty = 0, False
+        return True
 
     def snapshot(self) -> None:
         """Copy the training state to host memory at the start of a step (the state of the last
@@ -584,19 +585,22 @@ class MegatronEngine:
         self.step_start_progress = self.progress
 
     def _snapshot_to_host(self) -> None:
-        """Copy the live state into the pinned snapshot buffers. A rank without buffers that
-        fit (a spare's first steps; ~14 bytes per parameter) has them allocated in a background
-        thread and keeps no snapshot until they are ready: allocating and pinning them takes
-        seconds, which the first step after a recovery must not wait for. Until then
-        `rollback` answers False for this rank and recovery restores it from a peer, an
-        in-memory snapshot or a checkpoint."""
+        """Copy the live state into the pinned snapshot buffers (~14 bytes per parameter),
+        allocated at the first copy. A rank that has not trained since it joined (a spare with
+        a restored state) has them allocated in a background thread instead and keeps no
+        snapshot until they are ready: allocating and pinning them takes seconds, which the
+        first step after a recovery must not wait for. Until then `rollback` answers False for
+        this rank and recovery restores it from a peer, an in-memory snapshot or a checkpoint."""
         state = self._train_state()
         layout = [(x.shape, x.dtype) for x in _tensors(state)]
         if self._snapshot is not None and [(x.shape, x.dtype) for x in _tensors(self._snapshot)] == layout:
             self._snapshot = self._host_copy(state, self._snapshot)
             return
         self._snapshot = None
-        if self._buffers is None:
+        if self._trained_since_connect:
+            self._buffers = None
+            self._snapshot = self._host_copy(state)
+        elif self._buffers is None:
             self._buffers = _ALLOCATOR.submit(  # reads only shapes and dtypes of the live tensors
                 torch.utils._pytree.tree_map,
                 lambda x: torch.empty(x.shape, dtype=x.dtype, pin_memory=True) if isinstance(x, torch.Tensor) else x,
@@ -612,8 +616,7 @@ class MegatronEngine:
         this rank holds no copy of that step, and always for step > 0 with the distributed
         optimizer (a replaced rank's optimizer shard exists on no peer: restore from checkpoint)."""
         if step == 0:
-            self.reset()
-            return True
+            return self.reset()
         if self.cfg.model.distributed_optimizer:
             return False
         if self.step == step and not self._dirty:
