@@ -17,7 +17,7 @@ ls "$DEST"/mbridge-"$MBRIDGE_VERSION"-*.whl >/dev/null  # fails the script if th
 # (tests/test_megatron_engine.py, backend gcs; the image lacks them). Versions as in the CPU venv.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST" \
-    gcsfs==2026.10.1 gcp-storage-emulator==2026.7.19 google-auth==2.63.0 google-auth-oauthlib==1.5.0 \
+    fsspec==2026.9.0 gcsfs==2026.10.1 gcp-storage-emulator==2026.7.19 google-auth==2.63.0 google-auth-oauthlib==1.5.0 \
     google-cloud-storage==3.17.1 google-cloud-storage-control==1.17.0 google-api-core==2.44.0 \
     google-cloud-core==2.8.0 google-crc32c==1.9.0 google-resumable-media==2.11.0 pyasn1-modules==0.4.2 \
     pyasn1==0.6.5 requests-oauthlib==2.0.0 oauthlib==4.0.1 decorator==5.3.1 googleapis-common-protos==1.76.0 \
