@@ -40,6 +40,42 @@ class StaleGenerationError(RuntimeError):
     """A compute call belongs to a process-group generation this actor is no longer in."""
 
 
+class _WireTensor:
+    """A host tensor as a numpy array (bf16 viewed as int16: numpy has no bf16) plus its
+    dtype. Ray serializes numpy arrays out of band into its object store (zero-copy), torch
+    tensors by pickling their bytes: measured on the CPU machine, 0.15-0.64 s/GiB against
+    5.7-12.7 s/GiB for a 1 GiB tensor sent to an actor."""
+
+    __slots__ = ("array", "dtype")
+
+    def __init__(self, tensor):
+        import torch
+
+        self.dtype = tensor.dtype
+        tensor = tensor.detach()
+        self.array = (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+    def tensor(self):
+        import torch
+
+        t = torch.from_numpy(self.array.copy() if not self.array.flags.writeable else self.array)
+        return t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
+
+
+def to_wire(state):
+    """`state` (nested dicts/lists/tuples with host tensors) with every tensor a `_WireTensor`."""
+    import torch
+
+    return torch.utils._pytree.tree_map(lambda x: _WireTensor(x) if isinstance(x, torch.Tensor) else x, state)
+
+
+def from_wire(state):
+    """Inverse of `to_wire`: writable host tensors (copies where Ray's buffer is read-only)."""
+    import torch
+
+    return torch.utils._pytree.tree_map(lambda x: x.tensor() if isinstance(x, _WireTensor) else x, state)
+
+
 def abort_process_groups() -> None:
     """Abort every process group of this process, each in its own thread, then drop them from
     torch's registry (`_abort_process_group`, whose own aborts are then no-ops).
@@ -276,7 +312,7 @@ class MegatronActor:
             if self._send is not None:
                 self._send.join(timeout=self.cfg.fault_tolerance.health_timeout_s)
             if self._send is None or not self._send.is_alive():
-                state = self.engine.host_state()
+                state = to_wire(self.engine.host_state())
                 holder, key = self._holder, (str(self.dims), self.rank)
                 self._send = threading.Thread(target=lambda: ray.get(holder.put.remote(key, step, state)),
                                               daemon=True, name="snapshot-send")
@@ -291,7 +327,7 @@ class MegatronActor:
         for holder in holders:
             state = ray.get(holder.get.remote(key, step))
             if state is not None:
-                self.engine.load_state(state)
+                self.engine.load_state(from_wire(state))
                 return True
         return False
 
