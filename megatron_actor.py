@@ -123,6 +123,10 @@ class SnapshotHolder:
     def __init__(self, keep: int = 2):
         self.keep, self.snaps = keep, {}
 
+    def node_id(self) -> str:
+        """The Ray node this holder runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def put(self, key: tuple, step: int, state: dict) -> None:
         steps = self.snaps.setdefault(key, {})
         steps[step] = state
@@ -567,11 +571,13 @@ class MegatronActorGroup:
         # copies to the holder of another node, so they outlive the rank's node.
         self.holders: dict[str, object] = {}
         if cfg.fault_tolerance.memory_snapshot_interval > 0:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            self.holders = {node: SnapshotHolder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                node, soft=True)).remote() for node in sorted({s.node_id for s in slots})}
-            ray.get([h.steps.remote() for h in self.holders.values()])  # started before any step
+            # In a bundle of the placement group on that node: reserved, so the holder is where
+            # its key says (a soft node affinity fell back to another node for a node just added,
+            # and a rank's copies then sat on the rank's own node). Keyed by the node it runs on.
+            bundles = {s.node_id: s.bundle_index for s in sorted(slots, key=lambda s: -s.bundle_index)}
+            handles = [SnapshotHolder.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, bundles[node])).remote() for node in sorted(bundles)]
+            self.holders = dict(zip(ray.get([h.node_id.remote() for h in handles]), handles))
         self.form_generation()
 
     @property
