@@ -11,9 +11,10 @@ What the machinery costs per step (read from the code):
             engine deep-copies it; the Megatron engine copies into reused pinned buffers, and
             skips the copy with `model.distributed_optimizer` (no peer could use it);
   memory    with `fault_tolerance.memory_snapshot_interval: k`, every k steps each rank copies
-            its state to host memory (`engine.host_state()`, synchronous, fresh buffers) and
-            sends it to a `SnapshotHolder` actor from a background thread (serialised by Ray
-            while the next step runs; nothing bounds how many sends are in flight);
+            its state to host memory (`engine.host_state()`, synchronous; Megatron: reused
+            pinned buffers) and sends it, as numpy arrays, to a `SnapshotHolder` actor from a
+            background thread while the next step runs; at most one send is in flight (a
+            slower send makes the next snapshot step wait for it);
   saves     checkpoints every `checkpoint.interval` steps (off here unless --set: saves are a
             cost of any training job, measured by bench/checkpoint.py);
   driver    Trainer bookkeeping: metrics (`RunMetrics.on_step`), refill polling.
