@@ -306,8 +306,6 @@ def validate(cfg: Config) -> None:
              "'memory' needs fault_tolerance.memory_snapshot_interval >= 1")
     for i, ev in enumerate(cfg.chaos.events):
         _validate_chaos_event(ev, f"chaos.events[{i}]", c.num_workers)
-    _require(not (k.async_save and m.engine == "megatron"), "checkpoint.async_save",
-             "async save is implemented for the torch engine only; set checkpoint.async_save=false")
     if m.engine == "torch":
         _require(dims.tp == dims.pp == dims.cp == 1, "model.engine",
                  "the torch engine is data-parallel only; set parallel.tp/pp/cp=1 or model.engine=megatron")

@@ -681,13 +681,14 @@ class MegatronEngine:
             sd["rng"] = ShardedObject("rng_state", self._rng_state(), (w,), (self.rank,), replica_id=0)
         return sd
 
-    def save_checkpoint(self, ckpt, step: int, dims: ParallelDims, rank: int) -> list:
+    def save_checkpoint(self, ckpt, step: int, dims: ParallelDims, rank: int, async_save: bool = False) -> list:
         """Collective over all ranks: write the model's and optimizer's sharded state dicts, the
         step, the schedule count (common, rank 0) and every rank's RNG state with Megatron
         `dist_checkpointing` (torch_dist) as shard `megatron` of `step` (`save_sharded`). Returns
-        the FileEntry list of the files this rank wrote. Raises CheckpointError on storage
-        failure past the retry limits."""
-        return save_sharded(ckpt, step, rank, self._sharded_state(False, True))
+        the FileEntry list of the files this rank wrote; with `async_save`, a one-element list
+        of `PendingSave` whose `result()` (collective) returns it. Raises CheckpointError on
+        storage failure past the retry limits."""
+        return save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save)
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Collective over all ranks: load the committed checkpoint `manifest` (already verified
@@ -724,7 +725,7 @@ def _is_rank_file(name: str, rank: int) -> bool:
     return int(m.group(1)) == rank if m else rank == 0
 
 
-def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict) -> list:
+def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_save: bool = False) -> list:
     """Collective over the default process group: `dist_checkpointing.save(sharded_state_dict)`
     (torch_dist format) as shard `megatron` of checkpoint `step` of `ckpt` (a CheckpointManager).
 
@@ -733,7 +734,11 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict) -> list:
     honours TMPDIR; rank 0's also gets the global metadata), then uploads only its own files,
     so no rank waits on another's transfers. Returns this rank's FileEntry list (size, sha256)
     for `CheckpointManager.commit`. Raises CheckpointError on storage failure past the retry
-    limits (the caller's error path; the rank stays usable)."""
+    limits (the caller's error path; the rank stays usable).
+
+    `async_save`: only the synchronous part runs here (planning collectives, the common state,
+    a host copy of every tensor: later changes to the state are not in the checkpoint); the
+    files are written in a background thread, and `[PendingSave]` is returned."""
     import shutil
     import tempfile
 
@@ -741,18 +746,74 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict) -> list:
 
     path = ckpt.local_dir(step, MEGATRON_SHARD)
     stage = path or tempfile.mkdtemp(prefix=f"mcore-save-rank{rank}-")
+    what = f"saving {ckpt.step_uri(step)}/{MEGATRON_SHARD}"
+    done = False
     try:
         if path is not None and rank == 0:
             shutil.rmtree(path, ignore_errors=True)
             os.makedirs(path)
         dist.barrier()  # the in-place directory exists (and is empty) before anyone writes
-        as_checkpoint_error(f"saving {ckpt.step_uri(step)}/{MEGATRON_SHARD}", dist_checkpointing.save,
-                            sharded_state_dict, stage)
+        if async_save:
+            request = as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage,
+                                          async_sharded_save=True)
+            done = True  # the stage now belongs to the PendingSave
+            return [PendingSave(ckpt, step, rank, request, stage, path is None)]
+        as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage)
         return ckpt.put_files(step, stage, MEGATRON_SHARD,
                               [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
     finally:
-        if path is None:
+        if path is None and not done:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+class PendingSave:
+    """The background part of an async `save_sharded`: Megatron's AsyncRequest
+    (`dist_checkpointing.save(..., async_sharded_save=True)`) whose tensors were copied to host
+    memory at construction; its write (`async_fn`: no collective) runs in a thread. `result()`
+    must be called on every rank, from the thread that runs the collectives (the actor's
+    `finish_checkpoint`): it waits for the write, runs the request's finalize functions
+    (collective: the global metadata), then hashes / uploads this rank's files and returns
+    their FileEntry list. Raises CheckpointError when the write or an upload failed."""
+
+    def __init__(self, ckpt, step: int, rank: int, request, stage: str, owns_stage: bool):
+        import threading
+
+        self.ckpt, self.step, self.rank, self.request = ckpt, step, rank, request
+        self.stage, self.owns_stage, self.error = stage, owns_stage, None
+        args = list(request.async_fn_args)
+        # args[1]: Megatron's write buckets [(file, key, (bytes items, [(item, tensor)]))]; the
+        # tensors are copied here (Megatron's preload_fn aliases tensors that are on the CPU).
+        args[1] = [(f, k, (b, [(item, t.detach().to("cpu", copy=True)) for item, t in tensors]))
+                   for f, k, (b, tensors) in args[1]]
+        self._thread = threading.Thread(target=self._write, args=(args,), daemon=True, name="mcore-async-save")
+        self._thread.start()
+
+    def _write(self, args) -> None:
+        try:
+            if self.request.async_fn is not None:
+                self.request.async_fn(*args, **self.request.async_fn_kwargs)
+        except BaseException as exc:  # noqa: BLE001 (reported by result())
+            self.error = exc
+
+    def result(self) -> list:
+        import shutil
+
+        what = f"saving {self.ckpt.step_uri(self.step)}/{MEGATRON_SHARD} (async)"
+        try:
+            self._thread.join()
+            ok = [None] * dist.get_world_size()  # every rank finalizes, or none (no rank left in a collective)
+            dist.all_gather_object(ok, self.error is None)
+            if not all(ok):
+                failed = [r for r, good in enumerate(ok) if not good]
+                raise CheckpointError(f"{what} failed on rank(s) {failed}" +
+                                      (f": {self.error!r}" if self.error is not None else ""))
+            for finalize in self.request.finalize_fns:
+                as_checkpoint_error(what, finalize)
+            return self.ckpt.put_files(self.step, self.stage, MEGATRON_SHARD,
+                                       [n for n in sorted(os.listdir(self.stage)) if _is_rank_file(n, self.rank)])
+        finally:
+            if self.owns_stage:
+                shutil.rmtree(self.stage, ignore_errors=True)
 
 
 def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:

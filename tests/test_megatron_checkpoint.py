@@ -1,6 +1,7 @@
 """Megatron `dist_checkpointing` through the CheckpointManager (`megatron_engine.save_sharded` /
 `load_sharded`) on local disk, S3 and GCS: two real gloo ranks save a torch_dist checkpoint,
-commit it, load it back in the same and in a different sharding, and refuse a corrupt file.
+commit it, load it back in the same and in a different sharding, save asynchronously (a change
+after the call is not saved), and refuse a corrupt file.
 
 The engine's model needs CUDA, so the ranks save plain Megatron ShardedTensors / ShardedObjects
 (the same objects a GPTModel's `sharded_state_dict` is made of). Megatron's torch_dist writer
@@ -68,6 +69,16 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
     resharded = load_sharded(ckpt, manifest, _state(rank, 1, -1.0))
     out["resharded"] = resharded["w"]
 
+    # async save: the state is copied when save_sharded returns; a later change is not saved
+    state = _state(rank, 0, None)
+    (pending,) = save_sharded(ckpt, 5, rank, state, async_save=True)
+    state["w"].data.add_(1000.0)
+    dist.all_gather_object(gathered, pending.result())
+    if rank == 0:
+        ckpt.commit(5, {"dp": WORLD}, [f for fs in gathered for f in fs])
+    dist.barrier()
+    out["async"] = load_sharded(ckpt, ckpt.read_manifest(5), _state(rank, 0, -1.0))["w"]
+
     if corrupt:
         if rank == 0:
             victim = next(f for f in manifest.files if f.path.startswith("megatron/__1_"))
@@ -133,6 +144,7 @@ def test_save_commit_load_reshard(request, tmp_path):
             torch.testing.assert_close(w, full.chunk(WORLD, 0)[r], rtol=0, atol=0)
             assert rng == {"rank": r, "seed": 1000 + r} and step == 7
             torch.testing.assert_close(out["resharded"], full.chunk(WORLD, 1)[r], rtol=0, atol=0)
+            torch.testing.assert_close(out["async"], full.chunk(WORLD, 0)[r], rtol=0, atol=0)
         if backend != "local":
             # same layout: a rank downloads the global files and its own .distcp files only
             assert [p for p in results[1]["fetched"] if p.endswith(".distcp")] == \
