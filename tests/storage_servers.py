@@ -48,11 +48,12 @@ def _wait_listening(port: int, timeout_s: float = 10.0) -> None:
     raise RuntimeError(f"server on 127.0.0.1:{port} did not start within {timeout_s} s")
 
 
-class S3Server:
-    """moto S3 on 127.0.0.1:port. moto's backend state is process-global, so objects survive
-    stop()/start(). stop() closes the listening socket, so clients get 'connection refused'."""
+class _LoopbackServer:
+    """A storage server on 127.0.0.1:port (a free one by default) with one bucket."""
 
-    def __init__(self, port: int | None = None, bucket: str = S3_BUCKET):
+    scheme = ""
+
+    def __init__(self, port: int | None, bucket: str):
         self.port = port or free_port()
         self.bucket = bucket
         self._server = None
@@ -60,6 +61,19 @@ class S3Server:
     @property
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def uri(self, prefix: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{prefix}"
+
+
+class S3Server(_LoopbackServer):
+    """moto S3 on 127.0.0.1:port. moto's backend state is process-global, so objects survive
+    stop()/start(). stop() closes the listening socket, so clients get 'connection refused'."""
+
+    scheme = "s3"
+
+    def __init__(self, port: int | None = None, bucket: str = S3_BUCKET):
+        super().__init__(port, bucket)
 
     @property
     def storage_options(self) -> dict:
@@ -71,9 +85,6 @@ class S3Server:
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
             "skip_instance_cache": True,
         }
-
-    def uri(self, prefix: str) -> str:
-        return f"s3://{self.bucket}/{prefix}"
 
     def start(self) -> "S3Server":
         from moto.server import ThreadedMotoServer
@@ -98,24 +109,17 @@ class S3Server:
             self._server = None
 
 
-class GCSServer:
+class GCSServer(_LoopbackServer):
     """gcp-storage-emulator (in memory) on 127.0.0.1:port with one bucket."""
 
-    def __init__(self, port: int | None = None, bucket: str = GCS_BUCKET):
-        self.port = port or free_port()
-        self.bucket = bucket
-        self._server = None
+    scheme = "gs"
 
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self, port: int | None = None, bucket: str = GCS_BUCKET):
+        super().__init__(port, bucket)
 
     @property
     def storage_options(self) -> dict:
         return {"project": "test", "token": "anon", "endpoint_url": self.endpoint_url, "skip_instance_cache": True}
-
-    def uri(self, prefix: str) -> str:
-        return f"gs://{self.bucket}/{prefix}"
 
     def start(self) -> "GCSServer":
         from gcp_storage_emulator.server import create_server
