@@ -252,17 +252,16 @@ class CheckpointManager:
         if self._local:
             return self._check_and_load(where, f"{self._step_path(step)}", name, expected, state_dict)
         with tempfile.TemporaryDirectory(prefix="ckpt-stage-") as stage:
-            shard_path = f"{self._step_path(step)}/{name}"
             if expected is not None:
-                remote = [f"{self._step_path(step)}/{f.path}" for f in expected]
-            else:
-                remote = self._retry(f"listing {where}", self._find, shard_path)
-                if not remote:
-                    raise CheckpointError(f"no files of shard {name!r} at {where}")
+                self.get_files(step, expected, stage)  # downloads and checks size + sha256
+                return self._check_and_load(where, stage, name, None, state_dict)
+            remote = self._retry(f"listing {where}", self._find, f"{self._step_path(step)}/{name}")
+            if not remote:
+                raise CheckpointError(f"no files of shard {name!r} at {where}")
             os.makedirs(os.path.join(stage, name))
             local = [os.path.join(stage, name, p.rsplit("/", 1)[1]) for p in remote]
             self._retry(f"downloading {where}", self.fs.get, remote, local)
-            return self._check_and_load(where, stage, name, expected, state_dict)
+            return self._check_and_load(where, stage, name, None, state_dict)
 
     def _check_and_load(self, where, step_dir, name, expected, state_dict) -> dict:
         if expected is not None:

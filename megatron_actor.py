@@ -76,6 +76,11 @@ def from_wire(state):
     return torch.utils._pytree.tree_map(lambda x: x.tensor() if isinstance(x, _WireTensor) else x, state)
 
 
+def slowest(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the largest of the ranks' seconds (rounded to 0.1 ms): the slowest rank's time."""
+    return {k: round(max(p[k] for p in parts), 4) for k in parts[0]}
+
+
 def abort_process_groups() -> None:
     """Abort every process group of this process, each in its own thread, then drop them from
     torch's registry (`_abort_process_group`, whose own aborts are then no-ops).
@@ -600,7 +605,7 @@ class MegatronActorGroup:
                                      self.holder_for(s.node_id))
                 for r, s in enumerate(self.workers)]
         parts = self.wait(refs, self.cfg.fault_tolerance.step_timeout_s)
-        return {k: round(max(p[k] for p in parts), 4) for k in parts[0]}
+        return slowest(parts)
 
     def holder_for(self, node_id: str):
         """The SnapshotHolder a rank on `node_id` sends its snapshots to: the next node's in

@@ -491,6 +491,9 @@ class MegatronEngine:
             raise RuntimeError("train_step called before connect(): no process group generation")
         t = self.cfg.train
         micro, last = t.micro_batch_size, ps.is_pipeline_last_stage()
+        # Phases (with device syncs) are timed on the first step after a connect only: that is
+        # the step a recovery timeline explains (`first_step_detail`); others stay sync-free.
+        timed = not self._trained_since_connect
         t0 = time.perf_counter()
         if self.step == 0 and self._initial is None:  # before the first update: for `reset`
             self._initial = self._host_copy(self._train_state(), pin=False)
@@ -500,7 +503,8 @@ class MegatronEngine:
                 out = self._run(batch.chunk(len(batch) // micro), forward_only=True)
             old = torch.cat([o["log_probs"] for o in out]) if last else torch.zeros_like(batch.loss_mask)
             batch = batch.with_old_log_probs(old)
-        torch.cuda.synchronize()
+        if timed:
+            torch.cuda.synchronize()
         phases = {"old_log_probs_s": time.perf_counter() - t0, "forward_backward_s": 0.0, "optimizer_s": 0.0}
         losses, norms, metrics = [], [], {}
         for mini in batch.chunk(t.global_batch_size // t.mini_batch_size):
@@ -509,7 +513,8 @@ class MegatronEngine:
             self.fault_point("before_allreduce")
             t1 = time.perf_counter()
             out = self._run(mini.chunk(len(mini) // micro), forward_only=False)
-            torch.cuda.synchronize()
+            if timed:
+                torch.cuda.synchronize()
             t2 = time.perf_counter()
             _, grad_norm, _ = self.optimizer.step()
             phases["forward_backward_s"] += t2 - t1
@@ -523,7 +528,7 @@ class MegatronEngine:
         self.step, self._dirty, self._trained_since_connect = step, False, True
         loss = sum(losses) / len(losses) if losses else float("nan")
         return {"loss": loss, "mini_losses": losses, "grad_norm": max(norms),
-                "lr": self.optimizer.param_groups[0]["lr"], "phases": phases, **metrics}
+                "lr": self.optimizer.param_groups[0]["lr"], **({"phases": phases} if timed else {}), **metrics}
 
     # -- in-memory state ---------------------------------------------------------------------
     def _train_state(self) -> dict:
@@ -725,6 +730,11 @@ def _is_rank_file(name: str, rank: int) -> bool:
     return int(m.group(1)) == rank if m else rank == 0
 
 
+def _put_rank_files(ckpt, step: int, stage: str, rank: int) -> list:
+    """`ckpt.put_files` of the files of `rank` in `stage` (hash; upload for object storage)."""
+    return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
+
+
 def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_save: bool = False) -> list:
     """Collective over the default process group: `dist_checkpointing.save(sharded_state_dict)`
     (torch_dist format) as shard `megatron` of checkpoint `step` of `ckpt` (a CheckpointManager).
@@ -759,8 +769,7 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
             done = True  # the stage now belongs to the PendingSave
             return [PendingSave(ckpt, step, rank, request, stage, path is None)]
         as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage)
-        return ckpt.put_files(step, stage, MEGATRON_SHARD,
-                              [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
+        return _put_rank_files(ckpt, step, stage, rank)
     finally:
         if path is None and not done:
             shutil.rmtree(stage, ignore_errors=True)
@@ -809,8 +818,7 @@ class PendingSave:
                                       (f": {self.error!r}" if self.error is not None else ""))
             for finalize in self.request.finalize_fns:
                 as_checkpoint_error(what, finalize)
-            return self.ckpt.put_files(self.step, self.stage, MEGATRON_SHARD,
-                                       [n for n in sorted(os.listdir(self.stage)) if _is_rank_file(n, self.rank)])
+            return _put_rank_files(self.ckpt, self.step, self.stage, self.rank)
         finally:
             if self.owns_stage:
                 shutil.rmtree(self.stage, ignore_errors=True)

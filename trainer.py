@@ -21,7 +21,7 @@ import ray
 from checkpoint import CheckpointError
 from config import Config, model_signature
 from fault_tolerance import RecoveryTimeline, recover
-from megatron_actor import MegatronActorGroup, WorkerFailure
+from megatron_actor import MegatronActorGroup, WorkerFailure, slowest
 from metrics import RunMetrics
 from training_batch import synthetic_batch
 
@@ -114,7 +114,7 @@ class Trainer:
         if self._resume_t is not None:  # first step after a recovery: where its time went
             parts = [r["phases"] for r in results if "phases" in r]
             if parts:
-                self.recoveries[-1].first_step_detail = {k: round(max(p[k] for p in parts), 4) for k in parts[0]}
+                self.recoveries[-1].first_step_detail = slowest(parts)
         return sum(r["loss"] for r in results) / len(results)
 
     def train(self, until_step: int, after_step=None) -> None:
