@@ -14,10 +14,9 @@ import uuid
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from checkpoint import CheckpointError, CheckpointManager
-from storage_servers import free_port
+from ranks import spawn_ranks
 
 WORLD = 2
 ROWS, COLS = 8, 6
@@ -92,23 +91,23 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
     return out
 
 
-def _worker(rank: int, targets: dict, port: int, queue) -> None:
+def _worker(rank: int, world: int, store, targets: dict) -> dict:
     """Rank `rank` of WORLD: for each backend in `targets` ({name: (uri, storage_options)}),
     save, commit (rank 0), load in the same and in another sharding, and (object storage)
-    load again after rank 0 corrupted one of rank 1's files. Puts (rank, {name: results})."""
+    load again after rank 0 corrupted one of rank 1's files. Returns {name: results}."""
     torch.cuda.synchronize = lambda *a, **k: None  # no CUDA here (see module docstring)
     torch.cuda.current_device = lambda: "cpu"
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     results = {}
     for name, (uri, opts) in targets.items():
         try:
             results[name] = _round_trip(rank, uri, opts, corrupt=name != "local")
         except BaseException:  # noqa: BLE001 (DCP's CheckpointException is a BaseException)
             results[name] = {"error": traceback.format_exc()}
-    queue.put((rank, results))
     dist.destroy_process_group()
+    return results
 
 
 def test_save_commit_load_reshard(request, tmp_path):
@@ -118,15 +117,7 @@ def test_save_commit_load_reshard(request, tmp_path):
     for backend in ("s3", "gcs"):
         server = request.getfixturevalue(f"{backend}_server")
         targets[backend] = (server.uri(prefix), server.storage_options)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, targets, port, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    by_rank = dict(queue.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    by_rank = spawn_ranks(_worker, WORLD, targets, timeout_s=240)
 
     full = full_weight()
     for backend, (uri, opts) in targets.items():

@@ -1,17 +1,17 @@
 """GPU tests of `megatron_engine.MegatronEngine` (marker `gpu`; skipped without enough GPUs).
 
-Each test spawns one process per GPU (process r uses GPU r) and drives the engine the way `MegatronActor` does: process-group generations through
-one TCPStore with a fresh prefix each, `connect`, `train_step`, checkpoints committed by rank 0
-through `CheckpointManager`, rollback and peer broadcast. Workers report (rank, result or
-traceback) through a queue; the test asserts on the results.
+Each test spawns one process per GPU (`ranks.spawn_ranks`: process r uses GPU r) and drives the
+engine the way `MegatronActor` does: process-group generations through one TCPStore with a fresh
+prefix each, `connect`, `train_step`, checkpoints committed by rank 0 through
+`CheckpointManager`, rollback and peer broadcast; the test asserts on the ranks' results.
 """
 import hashlib
 import os
-import socket
-import traceback
 
 import pytest
 import torch
+
+from ranks import spawn_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.gpu
@@ -67,11 +67,17 @@ def _moments(engine) -> list[torch.Tensor]:
             for x in (s["exp_avg"], s["exp_avg_sq"])]
 
 
-def _save(engine, ckpt, step, dims, rank):
-    """Every rank writes; rank 0 commits the manifest (what Trainer.save does)."""
+def _save(engine, ckpt, step, dims, rank, train_while_writing=None):
+    """Every rank writes; rank 0 commits the manifest (what Trainer.save does). With a callable
+    `train_while_writing` the save is async: the write runs in the background while the callable
+    trains on, then `PendingSave.result()` (collective) finishes it."""
     import torch.distributed as dist
 
-    files = engine.save_checkpoint(ckpt, step, dims, rank)
+    files = engine.save_checkpoint(ckpt, step, dims, rank, async_save=train_while_writing is not None)
+    if train_while_writing is not None:
+        train_while_writing()
+        (pending,) = files
+        files = pending.result()
     everyone = [None] * dims.world_size
     dist.all_gather_object(everyone, files)
     if rank == 0:
@@ -145,43 +151,18 @@ def _scenarios(rank, world, store, tmp, storage) -> dict:
         _join(e4, store, 5, rank, cfg4.dims)
         ck4 = CheckpointManager(os.path.join(tmp, "ckpt_pp"))
         e4.train_step(_batch(cfg4, 1, cfg4.dims, rank), 1)
-        _save(e4, ck4, 1, cfg4.dims, rank)
-        out["pp_step2"] = e4.train_step(_batch(cfg4, 2, cfg4.dims, rank), 2)
+        # async save: step 2 trains while the step-1 checkpoint is written from host copies
+        _save(e4, ck4, 1, cfg4.dims, rank,
+              train_while_writing=lambda: out.__setitem__("pp_step2", e4.train_step(_batch(cfg4, 2, cfg4.dims, rank), 2)))
         e4.load_checkpoint(ck4, ck4.latest_verified(), rank)
         out["pp_step2_again"] = e4.train_step(_batch(cfg4, 2, cfg4.dims, rank), 2)
     return out
 
 
-def _worker(rank, world, port, tmp, storage, queue):
-    try:
-        import torch.distributed as dist
-
-        torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
-        queue.put((rank, _scenarios(rank, world, store, tmp, storage)))
-    except Exception:
-        queue.put((rank, traceback.format_exc()))
-
-
 def _spawn(world, tmp, storage=None) -> list[dict]:
     """Run `_scenarios` on `world` GPUs; checkpoints go to `storage` ((uri, storage_options))
     or a local directory under `tmp`."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, str(tmp), storage, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for r, res in results.items():
-        assert isinstance(res, dict), f"rank {r} failed:\n{res}"
-    return [results[r] for r in range(world)]
+    return spawn_ranks(_scenarios, world, str(tmp), storage)
 
 
 def _check_common(res: dict, rank: int, world: int) -> None:

@@ -18,11 +18,11 @@ rule of `_bf16_close`.
 """
 import contextlib
 import os
-import socket
-import traceback
 
 import pytest
 import torch
+
+from ranks import spawn_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 SEQ = 32
@@ -221,66 +221,48 @@ def test_config_checks_hf_path(tmp_path):
     assert load_config(None, [f"model.hf_path={tmp_path}", "model.vocab_size=100"]).model.hf_path == str(tmp_path)
 
 
-def _cpu_tp_worker(rank: int, world: int, port: int, dirs: dict, queue) -> None:
+def _cpu_tp_worker(rank: int, world: int, store, dirs: dict) -> dict:
     """One gloo rank of a tp=`world` CPU run: max |logits - HF fp32| per model (logits
     gathered over TP)."""
-    try:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-        import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.tensor_parallel as tensor_parallel
 
-        class NoRngTracker:
-            def fork(self, name=None):
-                return contextlib.nullcontext()
+    class NoRngTracker:
+        def fork(self, name=None):
+            return contextlib.nullcontext()
 
-        torch.cuda.current_device = lambda: "cpu"
-        tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoRngTracker()
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        ps.initialize_model_parallel(world, 1, create_gloo_process_groups=False)
-        from transformers import AutoConfig
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoRngTracker()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    ps.initialize_model_parallel(world, 1, create_gloo_process_groups=False)
+    from transformers import AutoConfig
 
-        from megatron_engine import build_gpt_model, hf_bridge
+    from megatron_engine import build_gpt_model, hf_bridge
 
-        errors = {}
-        for name, path in dirs.items():
-            model, _ = build_gpt_model(_cpu_cfg(path, "float32"), world, 1, 1, hf_bridge(path),
-                                       use_cpu_initialization=True)
-            vocab = AutoConfig.from_pretrained(path).vocab_size
-            ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
-            causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-            with torch.no_grad():
-                local = model(ids, torch.arange(SEQ).expand_as(ids), causal).float().contiguous()
-            parts = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
-            ours = torch.cat(parts, dim=-1)[..., :vocab]
-            errors[name] = (ours - _hf_logits(path, ids, torch.float32)).abs().max().item()
-        queue.put((rank, errors))
-    except Exception:
-        queue.put((rank, traceback.format_exc()))
+    errors = {}
+    for name, path in dirs.items():
+        model, _ = build_gpt_model(_cpu_cfg(path, "float32"), world, 1, 1, hf_bridge(path),
+                                   use_cpu_initialization=True)
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+        ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+        with torch.no_grad():
+            local = model(ids, torch.arange(SEQ).expand_as(ids), causal).float().contiguous()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
+        ours = torch.cat(parts, dim=-1)[..., :vocab]
+        errors[name] = (ours - _hf_logits(path, ids, torch.float32)).abs().max().item()
+    return errors
 
 
 @pytest.mark.slow
 def test_hf_logits_match_fp32_cpu_tp2(hf_dirs):
     """tp=2 over two gloo processes: each rank loads its shard (q/k/v by query group, gate/up,
     vocabulary rows, row-parallel columns); gathered logits match HF in fp32."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_cpu_tp_worker, args=(r, 2, port, hf_dirs, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, errors in results.items():
-        assert isinstance(errors, dict), f"rank {rank} failed:\n{errors}"
-        assert max(errors.values()) < 1e-4, errors
+    for rank, errors in enumerate(spawn_ranks(_cpu_tp_worker, 2, hf_dirs, timeout_s=300)):
+        assert max(errors.values()) < 1e-4, (rank, errors)
 
 
 # -- GPU: the real MegatronEngine (bf16) ------------------------------------------------------------
@@ -374,34 +356,8 @@ def _gpu_scenarios(rank: int, world: int, store, dirs: dict, layouts: list) -> d
     return out
 
 
-def _gpu_worker(rank, world, port, dirs, layouts, queue):
-    try:
-        import torch.distributed as dist
-
-        torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
-        queue.put((rank, _gpu_scenarios(rank, world, store, dirs, layouts)))
-    except Exception:
-        queue.put((rank, traceback.format_exc()))
-
-
 def _spawn_gpu(world: int, dirs: dict, layouts: list) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_gpu_worker, args=(r, world, port, dirs, layouts, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for r, res in results.items():
-        assert isinstance(res, dict), f"rank {r} failed:\n{res}"
-    return [results[r] for r in range(world)]
+    return spawn_ranks(_gpu_scenarios, world, dirs, layouts, timeout_s=900)
 
 
 def _check_gpu(results: list[dict]) -> None:
