@@ -237,8 +237,10 @@ class MegatronActor:
         t0 = time.perf_counter()
         if self.cfg.cluster.device == "cuda":
             import torch
+
+            from megatron_engine import MegatronEngine as Engine, configure_host_allocator
+            configure_host_allocator()
             torch.cuda.set_device(0)
-            from megatron_engine import MegatronEngine as Engine
         else:
             from torch_engine import TorchEngine as Engine
         self.engine = Engine(self.cfg)

@@ -1,0 +1,121 @@
+"""GPU probe: why is the first train step of a freshly joined Megatron rank slow (9.8 s against
+~2 s in steady state at 1.36B, bench/results/gpu/recovery_1b_nvidia-h200-x2_2026-11-30.json)?
+
+Each variant runs in its own process on GPU 0 (world size 1, the recovery bench's 1.36B model,
+no distributed optimizer: rollback snapshots on) and times, with a device sync after each, the
+first steps of a rank in the state of a restored spare (built, connected, step 3), then the first
+step after a reconnect (a survivor's view of a recovery):
+- `spare`: as the product runs it (the rollback snapshot buffers are pinned in a background
+  thread while the first step runs, through `megatron_engine.configure_host_allocator`);
+- `spare_cudahostalloc`: as `spare` with torch's default pinned allocation (cudaHostAlloc);
+- `no_snapshot`: no rollback snapshot at all (isolates the pinned allocation);
+- `warm`: a forward/backward pass on throwaway data right after the build (what a pre-warmed
+  spare could do before any failure), then as `spare`.
+Prints a table and writes --out: {"variants": {name: {"build_s", "steps_s": [...], "phases":
+first step's phases, "reconnect_step_s"}}, "device", "date"}.
+Usage (repo root, GPU machine): python3 bench/first_step_probe.py [--variants ...] [--out PATH]
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODEL = ["model.distributed_optimizer=false", "model.num_layers=24", "model.hidden_size=2048",
+         "model.num_heads=16", "model.ffn_hidden_size=5632", "model.vocab_size=32000",
+         "model.max_seq_len=2048", "train.seq_len=2048", "train.global_batch_size=4",
+         "train.mini_batch_size=2", "train.micro_batch_size=1", "train.steps=8",
+         "cluster.num_workers=1", "cluster.num_spares=0"]
+
+
+def _variant(name: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import megatron_engine
+    from config import load_config, resolve
+    from training_batch import synthetic_batch
+
+    cfg = resolve(load_config(None, MODEL), num_gpus=1)
+    if name != "spare_cudahostalloc":
+        megatron_engine.configure_host_allocator()
+    torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+
+    def join(e, gen):
+        e.disconnect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("nccl", store=dist.PrefixStore(f"g{gen}", store), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        e.connect(cfg.dims, 0)
+
+    def batch(step):
+        t = cfg.train
+        return synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
+
+    def step(e, s):
+        t0 = time.perf_counter()
+        e.snapshot()
+        out = e.train_step(batch(s), s)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out.get("phases")
+
+    if name == "no_snapshot":
+        megatron_engine.MegatronEngine._snapshot_to_host = lambda self: None
+    t0 = time.perf_counter()
+    e = megatron_engine.MegatronEngine(cfg)
+    join(e, 1)
+    if name == "warm":
+        with torch.no_grad():
+            e._run(batch(0).to(e.device).chunk(cfg.train.global_batch_size), forward_only=True)
+        torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    e.step = 3  # a restored spare: no step-0 host copy (`reset`)
+    steps, phases = [], None
+    for s in (4, 5, 6):
+        dt, ph = step(e, s)
+        steps.append(round(dt, 3))
+        phases = phases or ph
+    join(e, 2)
+    reconnect_s, _ = step(e, 7)
+    return {"build_s": round(build_s, 2), "steps_s": steps, "phases": phases,
+            "reconnect_step_s": round(reconnect_s, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", nargs="+", default=["spare", "no_snapshot", "warm"])
+    ap.add_argument("--out", default="bench/results/gpu/first_step_probe.json")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # child process: run one variant
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(_variant(args.one)), flush=True)
+        return
+    import torch
+
+    results = {}
+    for name in args.variants:  # a fresh process each: first-use costs are per process
+        proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        results[name] = json.loads(line[-1][7:]) if line else {"error": proc.stderr[-3000:]}
+        print(name, results[name], flush=True)
+    print(f"\n{'variant':<12} {'build_s':>8} {'step1_s':>8} {'step2_s':>8} {'step3_s':>8} {'reconnect':>10}")
+    for name, r in results.items():
+        if "error" not in r:
+            print(f"{name:<12} {r['build_s']:>8} " + " ".join(f"{x:>8}" for x in r["steps_s"])
+                  + f" {r['reconnect_step_s']:>10}")
+    out = {"variants": results, "device": torch.cuda.get_device_name(0),
+           "date": datetime.date.today().isoformat()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
