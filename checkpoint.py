@@ -182,8 +182,12 @@ class CheckpointManager:
         their FileEntry list (paths relative to the step directory) for ``commit``. Raises
         CheckpointError on storage failure past the retry limits."""
         _check_name(name)
-        entries = [FileEntry(f"{name}/{n}", os.path.getsize(p), _sha256_local(p))
-                   for n in names if os.path.isfile(p := os.path.join(local_dir, n))]
+        paths = {n: p for n in names if os.path.isfile(p := os.path.join(local_dir, n))}
+        # hashlib releases the GIL on large buffers: files hash in parallel (a Megatron rank
+        # writes several .distcp files of GBs each).
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(paths))), thread_name_prefix="ckpt-hash") as pool:
+            digests = list(pool.map(_sha256_local, paths.values()))
+        entries = [FileEntry(f"{name}/{n}", os.path.getsize(p), d) for (n, p), d in zip(paths.items(), digests)]
         if self._local:
             if os.path.realpath(local_dir) != os.path.realpath(self.local_dir(step, name)):
                 raise ValueError(f"{local_dir} is not {self.local_dir(step, name)}: write local shards in place")
