@@ -315,12 +315,12 @@ def validate(cfg: Config) -> None:
 
 def _validate_rl(cfg: Config) -> None:
     """RL mode (`rl.enabled`): sampling knobs, the task (built here, so a bad name or argument
-    stops the run before Ray starts), and room for prompt + completion in train.seq_len."""
+    stops the run before Ray starts), room for prompt + completion in train.seq_len, and no
+    context parallelism (generation runs whole prefixes on every rank)."""
     r, t, m = cfg.rl, cfg.train, cfg.model
-    _require(m.engine != "megatron", "rl.enabled",
-             "rollouts (generation) are implemented for the torch engine only, not yet for "
-             "model.engine=megatron; run RL on CPU (cluster.device=cpu, model.engine=torch) or "
-             "set rl.enabled=false")
+    _require(cfg.parallel.cp == 1, "parallel.cp",
+             f"{cfg.parallel.cp}: RL rollouts (generation) do not support context parallelism; "
+             "set parallel.cp=1 (use parallel.tp / parallel.pp to split the model) or rl.enabled=false")
     _require(r.group_size >= 1, "rl.group_size", "must be >= 1")
     _require(r.advantage != "grpo" or r.group_size >= 2, "rl.group_size",
              "GRPO normalises rewards within a prompt's group of samples: needs >= 2 samples "
