@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 from checkpoint import CheckpointError, as_checkpoint_error
 from config import Config
 from parallel_dims import ParallelDims
-from ppo import policy_loss
+from ppo import aggregate, kl_penalty, policy_loss, value_loss
 from training_batch import TrainingBatch
 
 VOCAB_MULTIPLE = 128
@@ -509,6 +510,13 @@ class MegatronEngine:
     Raises ValueError from `__init__` when the config asks for something this install cannot
     run (cp > 1 without Transformer Engine) or `model.hf_path` holds a model it cannot load
     (`hf_bridge`, `hf_model_args`).
+
+    RL (`rl.enabled`, as `TorchEngine`): `generate` samples rollouts (`sample_rollouts`); with
+    `rl.advantage=gae` the last stage's GPTModel carries a value head (`add_value_head`), and
+    with `rl.kl_coef > 0` a frozen reference GPTModel of the same layout (the initial policy)
+    gives `ref_log_probs`. `_loss` adds the value, KL and entropy terms. Value head, reference
+    weights and the rollout position are part of the training state (snapshots, rollback, peer
+    broadcast, reset) and of the checkpoint.
     """
 
     def __init__(self, cfg: Config):
@@ -529,7 +537,11 @@ class MegatronEngine:
         if m.hf_path:
             self.hf_bridge = hf_bridge(m.hf_path, torch.bfloat16 if self.bf16 else torch.float32)
             hf_model_args(self.hf_bridge, m.hf_path, cfg.parallel.tp, cfg.parallel.pp)
+        self.rl = cfg.rl if cfg.rl.enabled else None
         self.model = None              # the unwrapped GPTModel (this rank's pipeline stage)
+        self.ref_model = None          # RL with kl_coef > 0: frozen reference policy (wrapped like the model)
+        # Rollout stream position (as TorchEngine): samples trained on so far.
+        self.rollout = {"seed": cfg.train.seed, "samples": 0}
         self.ddp = self.optimizer = self.scheduler = None
         self.dims: ParallelDims | None = None
         self.rank: int | None = None
@@ -596,14 +608,27 @@ class MegatronEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
+        from megatron.core import parallel_state as ps
+
         m, t, d = self.cfg.model, self.cfg.train, self.dims
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.model = self.ddp = self.optimizer = self.scheduler = None
+        self.model = self.ddp = self.optimizer = self.scheduler = self.ref_model = None
         torch.cuda.empty_cache()
         # HF weights are in the model before DDP (its buffers) and the optimizer (fp32 main
         # params) copy them.
         model, tc = build_gpt_model(self.cfg, d.tp, d.pp, d.cp, self.hf_bridge)
         self.model = model.to(self.device)
+        if self.rl is not None and self.rl.kl_coef > 0:
+            # Same layout and groups; weights = this policy's as built (a survivor's trained
+            # reference comes back with its state in `connect`).
+            ref, ref_tc = build_gpt_model(self.cfg, d.tp, d.pp, d.cp, self.hf_bridge)
+            ref = ref.to(self.device).eval().requires_grad_(False)
+            with torch.no_grad():
+                for r, p in zip(ref.parameters(), self.model.parameters(), strict=True):
+                    r.copy_(p)
+            self.ref_model = Float16Module(ref_tc, ref) if self.bf16 else ref
+        if self.rl is not None and self.rl.advantage == "gae" and ps.is_pipeline_last_stage():
+            add_value_head(self.model)  # before DDP and the optimizer: trained with the model
         module = Float16Module(tc, self.model) if self.bf16 else self.model
         self.ddp = DistributedDataParallel(
             config=tc, module=module,
@@ -640,8 +665,9 @@ class MegatronEngine:
                                  exp_avg_sq=torch.zeros_like(p))
 
     # -- compute -----------------------------------------------------------------------------
-    def _forward_step(self, data_iterator, model):
-        """Megatron `forward_step_func`: one micro-batch through this pipeline stage."""
+    def _forward_step(self, data_iterator, model, behaviour: bool = False):
+        """Megatron `forward_step_func`: one micro-batch through this pipeline stage. With a
+        value head (last stage, GAE) the values of a training pass go to the loss."""
         from megatron.core import parallel_state as ps
 
         mb: TrainingBatch = next(data_iterator)
@@ -651,35 +677,99 @@ class MegatronEngine:
         pos = torch.arange(mb.input_ids.shape[1], device=self.device).expand_as(mb.input_ids)
         out = model(cp_split(mb.input_ids, cp, cp_rank), cp_split(pos, cp, cp_rank), None)
         self.progress += 1
-        return out, functools.partial(self._loss, mb)
+        values = token_values(self.model) if not behaviour and hasattr(self.model, "value_head") else None
+        return out, functools.partial(self._loss, mb, values, behaviour)
 
-    def _loss(self, mb: TrainingBatch, logits: torch.Tensor):
+    def _loss(self, mb: TrainingBatch, values: torch.Tensor | None, behaviour: bool, logits: torch.Tensor):
         """Last stage: logits float32 [B, S/cp, V_pad/tp] -> (loss to backprop, reported dict).
-        Without old log-probs in `mb` (the old-policy pass) it reports `log_probs` [B, S]."""
+        A behaviour pass (forward only: old or reference policy) reports `log_probs` [B, S].
+
+        Training: the dual-clip PPO policy loss; with RL (as `TorchEngine._loss`, cp = 1) plus
+        `value_coef` x clipped value loss (GAE, `values` float32 [B, S] of the value head),
+        `kl_coef` x KL(policy || reference) (`rl.kl_estimator`), - `entropy_coef` x entropy,
+        each aggregated with `ppo.loss_agg_mode`. RL logits are divided by `rl.temperature` and
+        their padded vocabulary columns masked (`mask_padded_vocab`): the distribution the
+        rollouts were sampled from. The entropy is vocabulary-parallel (`vocab_parallel_entropy`,
+        no gather of the logits) and computed before the cross entropy, which overwrites fp32
+        logits in place."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        cp = self.dims.cp
+        cp, r = self.dims.cp, self.rl
+        if r is not None:
+            logits = mask_padded_vocab(logits.float(), self.cfg.model.vocab_size) / r.temperature
+        entropy = None
+        if r is not None and r.entropy_coef > 0 and not behaviour:
+            entropy = vocab_parallel_entropy(logits)                           # [B, S]
         labels = cp_split(F.pad(mb.input_ids[:, 1:], (0, 1)), cp, ps.get_context_parallel_rank())
         lp_next = -vocab_parallel_cross_entropy(logits.float(), labels)        # [B, S/cp]
         lp_next = cp_gather(lp_next, cp, ps.get_context_parallel_group())       # [B, S]
         log_probs = F.pad(lp_next[:, :-1], (1, 0))                              # [B, S]
-        if mb.old_log_probs is None:
+        if behaviour:
             return torch.zeros((), device=self.device), {"log_probs": log_probs.detach()}
         p = self.cfg.ppo
         loss, metrics = policy_loss(log_probs, mb.old_log_probs, mb.advantages, mb.loss_mask,
                                     p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c, p.loss_agg_mode)
+        if r is not None:
+            metrics["pg_loss"] = loss.item()
+            if values is not None:
+                vf = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, r.value_clip, p.loss_agg_mode)
+                loss = loss + r.value_coef * vf
+                metrics["vf_loss"] = vf.item()
+            if mb.ref_log_probs is not None:
+                kl = aggregate(kl_penalty(log_probs, mb.ref_log_probs, r.kl_estimator), mb.loss_mask, p.loss_agg_mode)
+                loss = loss + r.kl_coef * kl
+                metrics["kl"] = kl.item()
+            if entropy is not None:
+                ent = aggregate(entropy, mb.loss_mask, p.loss_agg_mode)
+                loss = loss - r.entropy_coef * ent
+                metrics["entropy"] = ent.item()
         # Every CP rank computes the same loss; the gather's backward sums cp copies and the
         # schedule multiplies by cp (gradients are averaged over dp*cp): divide by cp once.
         return loss / cp, {"loss": loss.detach(), **metrics}
 
-    def _run(self, micros: list[TrainingBatch], forward_only: bool) -> list[dict]:
+    def _run(self, micros: list[TrainingBatch], forward_only: bool, model=None) -> list[dict]:
+        """The pipeline schedule over `micros` with `model` (default: the DDP-wrapped policy).
+        Forward-only runs are behaviour passes (they report log-probs)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=iter(micros), model=[self.ddp],
+            forward_step_func=functools.partial(self._forward_step, behaviour=forward_only),
+            data_iterator=iter(micros), model=[model or self.ddp],
             num_microbatches=len(micros), seq_length=micros[0].input_ids.shape[1],
             micro_batch_size=len(micros[0]), forward_only=forward_only)
+
+    def _behaviour_log_probs(self, model, batch: TrainingBatch) -> torch.Tensor:
+        """Token log-probs float32 [B, S] of `batch` under `model` (the policy's DDP wrapper or
+        the reference model), forward only, micro-batch by micro-batch; zeros on stages other
+        than the last (only the last computes a loss)."""
+        from megatron.core import parallel_state as ps
+
+        with torch.no_grad():
+            out = self._run(batch.chunk(len(batch) // self.cfg.train.micro_batch_size), True, model)
+        return torch.cat([o["log_probs"] for o in out]) if ps.is_pipeline_last_stage() else torch.zeros_like(batch.loss_mask)
+
+    @torch.no_grad()
+    def generate(self, prompts: TrainingBatch, step: int, rows: list[int]) -> dict:
+        """Sample completions of this replica's prompt rows with the current policy, as
+        `TorchEngine.generate`: row j's randomness comes from `rl.row_seed(train.seed, step,
+        rows[j])` (global row indices), so a row samples the same at any DP size; every rank
+        of the replica (all TP and PP ranks) returns the same result (`sample_rollouts`).
+        `progress` grows by one per sampling round. Returns `rl.sample`'s dict of CPU [B, S]
+        tensors plus `values` (float32 [B, S], the value head's estimates, GAE) or None.
+        Raises RuntimeError without rl.enabled or before `connect`."""
+        from rl import row_seed
+
+        if self.rl is None:
+            raise RuntimeError("generate needs rl.enabled=true")
+        if not self._connected:
+            raise RuntimeError("generate called before connect(): no process group generation")
+
+        def on_round():
+            self.progress += 1
+
+        return sample_rollouts(self.ddp, prompts, [row_seed(self.cfg.train.seed, step, row) for row in rows],
+                               self.rl, self.cfg.model.vocab_size, self.rl.advantage == "gae", on_round)
 
     def train_step(self, batch: TrainingBatch, step: int) -> dict:
         """One PPO step on this replica's shard of the global batch (as `TorchEngine.train_step`).
@@ -706,10 +796,9 @@ class MegatronEngine:
             self._initial = self._host_copy(self._train_state(), pin=False)
         batch = batch.to(self.device)
         if batch.old_log_probs is None:
-            with torch.no_grad():
-                out = self._run(batch.chunk(len(batch) // micro), forward_only=True)
-            old = torch.cat([o["log_probs"] for o in out]) if last else torch.zeros_like(batch.loss_mask)
-            batch = batch.with_old_log_probs(old)
+            batch = batch.with_old_log_probs(self._behaviour_log_probs(self.ddp, batch))
+        if self.ref_model is not None and batch.ref_log_probs is None:
+            batch = dataclasses.replace(batch, ref_log_probs=self._behaviour_log_probs(self.ref_model, batch))
         if timed:
             torch.cuda.synchronize()
         phases = {"old_log_probs_s": time.perf_counter() - t0, "forward_backward_s": 0.0, "optimizer_s": 0.0}
@@ -733,20 +822,28 @@ class MegatronEngine:
                 losses.append(sum(o["loss"].item() for o in out) / len(out))
                 metrics = {k: sum(o[k] for o in out) / len(out) for k in out[0] if k != "loss"}
         self.step, self._dirty, self._trained_since_connect = step, False, True
+        self.rollout["samples"] += t.global_batch_size
         loss = sum(losses) / len(losses) if losses else float("nan")
         return {"loss": loss, "mini_losses": losses, "grad_norm": max(norms),
                 "lr": self.optimizer.param_groups[0]["lr"], **({"phases": phases} if timed else {}), **metrics}
 
     # -- in-memory state ---------------------------------------------------------------------
     def _train_state(self) -> dict:
-        """Live training state of this rank (references, not copies): model params, then per
-        optimizer main param: [main param fp32, exp_avg, exp_avg_sq, step (CPU scalar)], the
-        schedule's update count and the engine step."""
+        """Live training state of this rank (references, not copies): model params (the value
+        head's included), then per optimizer main param: [main param fp32, exp_avg, exp_avg_sq,
+        step (CPU scalar)], the schedule's update count and the engine step; with RL also the
+        reference policy's params (`reference`) and the rollout position (`rollout`, python
+        values)."""
         inner = [(p, o.optimizer.state[p]) for o in self.optimizer.chained_optimizers
                  for g in o.optimizer.param_groups for p in g["params"]]
-        return {"model": [p.data for p in self.model.parameters()],
-                "optimizer": [[p.data, s["exp_avg"], s["exp_avg_sq"], s["step"]] for p, s in inner],
-                "sched_steps": self.scheduler.num_steps, "step": self.step}
+        state = {"model": [p.data for p in self.model.parameters()],
+                 "optimizer": [[p.data, s["exp_avg"], s["exp_avg_sq"], s["step"]] for p, s in inner],
+                 "sched_steps": self.scheduler.num_steps, "step": self.step}
+        if self.ref_model is not None:
+            state["reference"] = [p.data for p in self.ref_model.parameters()]
+        if self.rl is not None:
+            state["rollout"] = dict(self.rollout)
+        return state
 
     def _set_train_state(self, state: dict) -> None:
         """Copy `state` (same structure as `_train_state`) into the live tensors in place."""
@@ -755,6 +852,8 @@ class MegatronEngine:
         torch.cuda.synchronize()
         self.scheduler.num_steps = int(state["sched_steps"])
         self.scheduler.step(increment=0)  # sets lr / weight decay of that update count
+        if "rollout" in state:
+            self.rollout = dict(state["rollout"])
         self.step, self._dirty = int(state["step"]), False
 
     def _host_copy(self, state: dict, into: dict | None = None, pin: bool = True) -> dict:
@@ -768,6 +867,8 @@ class MegatronEngine:
             dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
         into.update(sched_steps=state["sched_steps"], step=state["step"])
+        if "rollout" in state:
+            into["rollout"] = dict(state["rollout"])
         return into
 
     def host_state(self) -> dict:
@@ -867,9 +968,11 @@ class MegatronEngine:
             dist.broadcast(buf, src=src_rank, group=group)
             if buf is not x:
                 x.copy_(buf)
-        meta = [(state["sched_steps"], state["step"])]
+        meta = [(state["sched_steps"], state["step"], state.get("rollout"))]
         dist.broadcast_object_list(meta, src=src_rank, group=group, device=self.device)
-        state["sched_steps"], state["step"] = meta[0]
+        state["sched_steps"], state["step"], rollout = meta[0]
+        if rollout is not None:
+            state["rollout"] = rollout
         self._set_train_state(state)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -888,6 +991,14 @@ class MegatronEngine:
         sd = {"model": model_sd,
               "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta),
               "step": self.step, "sched_steps": self.scheduler.num_steps}
+        if self.ref_model is not None:
+            from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+            ref_sd = self.ref_model.sharded_state_dict()
+            replace_prefix_for_sharding(ref_sd, "", "reference.")  # keys apart from the policy's
+            sd["reference"] = ref_sd
+        if self.rl is not None:
+            sd["rollout"] = dict(self.rollout)  # common (rank 0's), equal on every rank
         if with_rng:
             w = self.dims.world_size
             sd["rng"] = ShardedObject("rng_state", self._rng_state(), (w,), (self.rank,), replica_id=0)
@@ -913,6 +1024,10 @@ class MegatronEngine:
         loaded = load_sharded(ckpt, manifest, self._sharded_state(True, same))
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(loaded["reference"])
+        if self.rl is not None:
+            self.rollout = dict(loaded["rollout"])
         for o in self.optimizer.chained_optimizers:  # Megatron sets one shared 'step' tensor for
             for s in o.optimizer.state.values():      # all params; AdamW would add 1 per param
                 if "step" in s:

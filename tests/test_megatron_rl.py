@@ -104,6 +104,58 @@ def _vocab_parallel_checks(tp_rank: int, tp: int) -> dict:
     return out
 
 
+def _engine_loss_checks(cfg, tp_rank: int, tp: int) -> dict:
+    """`MegatronEngine._loss` (GAE value loss, k3 KL, entropy, temperature, padded vocabulary
+    masked) on this rank's shard of hand-made logits against the same terms computed by `ppo`
+    on the full real-vocabulary logits, as `TorchEngine._loss` does: loss, metrics and the
+    gradient of the logits shard. The engine object gets only what `_loss` reads (no CUDA)."""
+    import dataclasses
+    import types
+
+    from megatron_engine import MegatronEngine, padded_vocab_size
+    from ppo import aggregate, kl_penalty, policy_loss, token_entropy, token_log_probs, value_loss
+    from training_batch import TrainingBatch
+
+    r = dataclasses.replace(cfg.rl, advantage="gae", kl_coef=0.1, entropy_coef=0.01)
+    p = cfg.ppo
+    g = torch.Generator().manual_seed(11)
+    B, S = 3, 7
+    full = torch.randn(B, S, padded_vocab_size(VOCAB), generator=g) * 2
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    mask = (torch.rand(B, S, generator=g) > 0.3).float()
+    mask[:, 0] = 0
+    rnd = [torch.randn(B, S, generator=g) for _ in range(5)]
+    mb = TrainingBatch(ids, torch.ones_like(ids), mask, rnd[0], old_log_probs=-rnd[1].abs() - 3,
+                       returns=rnd[2], old_values=rnd[3], ref_log_probs=-rnd[4].abs() - 3)
+    values = torch.randn(B, S, generator=g)
+    e = MegatronEngine.__new__(MegatronEngine)
+    e.cfg, e.rl, e.dims, e.device = dataclasses.replace(cfg, rl=r), r, types.SimpleNamespace(cp=1), torch.device("cpu")
+
+    shard = full.chunk(tp, dim=-1)[tp_rank].clone().requires_grad_(True)
+    v = values.clone().requires_grad_(True)
+    loss, metrics = e._loss(mb, v, False, shard)
+    loss.backward()
+    behaviour = e._loss(mb, None, True, full.chunk(tp, dim=-1)[tp_rank].clone())[1]["log_probs"]
+
+    ref_full, ref_v = full.clone().requires_grad_(True), values.clone().requires_grad_(True)
+    logits = ref_full[..., :VOCAB] / r.temperature
+    lp = token_log_probs(logits, ids)
+    ref, _ = policy_loss(lp, mb.old_log_probs, mb.advantages, mask, p.eps_clip_low, p.eps_clip_high,
+                         p.clip_ratio_c, p.loss_agg_mode)
+    terms = {"pg_loss": ref.item(),
+             "vf_loss": value_loss(ref_v, mb.old_values, mb.returns, mask, r.value_clip, p.loss_agg_mode),
+             "kl": aggregate(kl_penalty(lp, mb.ref_log_probs, r.kl_estimator), mask, p.loss_agg_mode),
+             "entropy": aggregate(token_entropy(logits), mask, p.loss_agg_mode)}
+    ref = ref + r.value_coef * terms["vf_loss"] + r.kl_coef * terms["kl"] - r.entropy_coef * terms["entropy"]
+    ref.backward()
+    out = {"loss": abs(loss.item() - ref.item()),
+           "grad": (shard.grad - ref_full.grad.chunk(tp, dim=-1)[tp_rank]).abs().max().item(),
+           "value_grad": (v.grad - ref_v.grad).abs().max().item(),
+           "behaviour_log_probs": (behaviour - lp).abs().max().item()}
+    out.update({k: abs(metrics[k] - float(t)) for k, t in terms.items()})
+    return out
+
+
 def _layout_run(cfg, tp: int, pp: int, head_seed: int) -> dict:
     """Build the model stage of this rank for (tp, pp), sample the prompts, return the rollout
     (and, tp=pp=1, reference checks of log-probs and value alignment)."""
@@ -128,6 +180,7 @@ def _layout_run(cfg, tp: int, pp: int, head_seed: int) -> dict:
                           with_values=True, on_round=lambda: rounds.append(1))
     out["rounds"] = len(rounds)
     out["vocab_parallel"] = _vocab_parallel_checks(ps.get_tensor_model_parallel_rank(), tp)
+    out["engine_loss"] = _engine_loss_checks(cfg, ps.get_tensor_model_parallel_rank(), tp)
     if tp == pp == 1:
         ids = out["input_ids"]
         with torch.no_grad():
@@ -165,7 +218,8 @@ def test_rollouts_tp2_pp2_match_tp1_cpu(hf_dir):
     """tp=2 and pp=2 sample exactly the tokens of tp=1 pp=1 (same weights, same row seeds),
     with the same log-probs and values (fp32 rounding, see the module docstring), on every rank; the reference's log-probs
     are those of the model over the real vocabulary at rl.temperature; the padded vocabulary
-    is never sampled; the vocabulary-parallel entropy equals the full one."""
+    is never sampled; the vocabulary-parallel entropy and the engine's RL loss (all terms, and
+    its gradient) equal the full-vocabulary ones."""
     results = torch.utils._pytree.tree_map(lambda x: torch.from_numpy(x) if hasattr(x, "dtype") else x,
                                            spawn_ranks(_rl_worker, 2, hf_dir, timeout_s=300))
     ref = results[0]["tp1_pp1"]
@@ -184,6 +238,7 @@ def test_rollouts_tp2_pp2_match_tp1_cpu(hf_dir):
             torch.testing.assert_close(out["log_probs"], ref["log_probs"], rtol=0, atol=ATOL, msg=where)
             torch.testing.assert_close(out["values"], ref["values"], rtol=VALUES_RTOL, atol=ATOL, msg=lambda m: where + m)
             assert max(out["vocab_parallel"].values()) < ATOL, (where, out["vocab_parallel"])
+            assert max(out["engine_loss"].values()) < ATOL, (where, out["engine_loss"])
 
 
 def test_config_accepts_rl_with_megatron_refuses_cp():
