@@ -249,3 +249,107 @@ def test_config_accepts_rl_with_megatron_refuses_cp():
     assert cfg.rl.enabled and cfg.model.engine == "megatron"
     with pytest.raises(ConfigError, match=r"^parallel\.cp: .*set parallel\.cp=1"):
         load_config(None, sets + ["parallel.cp=2"])
+
+
+# -- GPU: the real MegatronEngine with rl.enabled (not run in CI) ---------------------------------
+def _gpu_cfg(tp: int, pp: int, world: int, extra: list):
+    from config import load_config, resolve
+
+    sets = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"cluster.num_workers={world}",
+            "model.distributed_optimizer=false", "model.num_layers=4", "model.hidden_size=128",
+            "model.num_heads=4", "model.ffn_hidden_size=256", "model.vocab_size=200",
+            "train.global_batch_size=8", "train.mini_batch_size=4", "train.micro_batch_size=1",
+            "train.steps=4", "rl.enabled=true", "rl.group_size=4", *extra]
+    return resolve(load_config(None, sets), num_gpus=1)
+
+
+def _gpu_rl_scenarios(rank: int, world: int, store, tmp: str, layouts: list) -> dict:
+    """Per layout (tp, pp) and RL setting (GRPO; GAE with KL and entropy): generate on every
+    rank (equal within a replica), RL train steps 1 and 2 (as Trainer.experience + train_step),
+    checkpoint at step 1; rollback to step 1 and checkpoint load both replay step 2 bitwise
+    (same rollout, loss, grad norm); reset returns to the initial state. Returns flags / numbers."""
+    import torch.distributed as dist
+
+    from checkpoint import CheckpointManager
+    from dispatch import MeshDispatch
+    from megatron_engine import MegatronEngine
+    from rl import Rollouts
+    from test_megatron_engine import _digest, _join, _save
+
+    out, gen = {}, 0
+    settings = {"grpo": ["rl.advantage=grpo"],
+                "gae_kl_entropy": ["rl.advantage=gae", "rl.kl_coef=0.05", "rl.entropy_coef=0.01"]}
+    for tp, pp in layouts:
+        for name, extra in settings.items():
+            key = f"tp{tp}_pp{pp}_{name}"
+            cfg = _gpu_cfg(tp, pp, world, extra)
+            dims = cfg.dims
+            e = MegatronEngine(cfg)
+            gen += 1
+            _join(e, store, gen, rank, dims)
+            initial = _digest(e)
+            rollouts = Rollouts(cfg)
+            ckpt = CheckpointManager(os.path.join(tmp, key))
+
+            def experience(step):
+                prompts = rollouts.prompts(step)
+                mine = MeshDispatch.split(dims, (rollouts.prompt_batch(prompts),), {})[rank][0][0]
+                d = dims.coords(rank).dp
+                part = e.generate(mine, step, list(range(d, d + len(mine) * dims.dp, dims.dp)))
+                everyone = [None] * world
+                dist.all_gather_object(everyone, part)
+                same = all(torch.equal(everyone[r]["input_ids"], part["input_ids"]) for r in range(world)
+                           if dims.coords(r).dp == d)
+                batch, stats = rollouts.experience(prompts, MeshDispatch.collect(dims, everyone))
+                return MeshDispatch.split(dims, (batch,), {})[rank][0][0], part, same
+
+            e.snapshot()
+            b1, part1, out[key + "_replica_equal"] = experience(1)
+            out[key + "_values"] = (part1["values"] is not None) == (name != "grpo")
+            r1 = e.train_step(b1, 1)
+            _save(e, ckpt, 1, dims, rank)
+            step1 = _digest(e)
+            e.snapshot()
+            b2, part2, _ = experience(2)
+            r2 = e.train_step(b2, 2)
+            last = rank == world - 1 if pp > 1 else True
+            keys = {"pg_loss"} | ({"vf_loss", "kl", "entropy"} if name != "grpo" else set())
+            out[key + "_metrics"] = (not last) or (keys <= set(r1) and all(r1[k] == r1[k] for k in keys))
+            out[key + "_samples"] = e.rollout["samples"] == 2 * cfg.train.global_batch_size
+            out[key + "_rollback"] = e.rollback(1) and _digest(e) == step1 and e.rollout["samples"] == 8
+            e.snapshot()
+            r2b = e.train_step(b2, 2)
+            out[key + "_replay"] = (r2b["loss"] == r2["loss"] or not last) and r2b["grad_norm"] == r2["grad_norm"]
+            e.load_checkpoint(ckpt, ckpt.latest_verified(), rank)
+            out[key + "_load"] = _digest(e) == step1 and e.rollout["samples"] == 8
+            e.snapshot()
+            b2c, part2c, _ = experience(2)
+            out[key + "_regenerate"] = torch.equal(part2c["input_ids"], part2["input_ids"])
+            r2c = e.train_step(b2c, 2)
+            out[key + "_replay_load"] = (r2c["loss"] == r2["loss"] or not last) and r2c["grad_norm"] == r2["grad_norm"]
+            out[key + "_reset"] = e.reset() and _digest(e) == initial and e.rollout["samples"] == 0
+            del e
+            dist.barrier()
+    return out
+
+
+def _check_gpu(results: list[dict]) -> None:
+    failures = [f"rank {r} {k}" for r, res in enumerate(results) for k, ok in res.items() if not ok]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_rl_engine_one_gpu(tmp_path):
+    (res,) = spawn_ranks(_gpu_rl_scenarios, 1, str(tmp_path), [(1, 1)], timeout_s=900)
+    assert len(res) == 2 * 10, res
+    _check_gpu([res])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 CUDA GPUs")
+def test_rl_engine_two_gpus(tmp_path):
+    """dp=2, tp=2 and pp=2 on two GPUs."""
+    results = spawn_ranks(_gpu_rl_scenarios, 2, str(tmp_path), [(1, 1), (2, 1), (1, 2)], timeout_s=900)
+    assert all(len(res) == 3 * 2 * 10 for res in results)
+    _check_gpu(results)
