@@ -776,10 +776,12 @@ class MegatronEngine:
 
         batch: this DP replica's sequences (CPU or GPU), B = global_batch_size / dp, S =
         train.seq_len (S % (2*cp) == 0 when cp > 1). Old log-probs, when absent, come from a
-        forward-only pass of the current policy. One optimizer step per mini-batch; the
+        forward-only pass of the current policy, and with RL's KL penalty `ref_log_probs` from
+        the reference model. One optimizer step per mini-batch; the
         micro-batches of a mini-batch run through the pipeline schedule. Returns python floats:
         `loss` (mean over mini-batches of the PPO loss; NaN on ranks that are not the last
-        pipeline stage), `mini_losses`, `grad_norm` (global), `lr`, PPO metrics.
+        pipeline stage), `mini_losses`, `grad_norm` (global), `lr`, PPO metrics (with RL also
+        `pg_loss`, and `vf_loss` / `kl` / `entropy` when those terms are on).
         Raises RuntimeError if no generation is connected.
         """
         from megatron.core import parallel_state as ps
