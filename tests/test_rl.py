@@ -230,7 +230,8 @@ def test_config_errors_name_the_field():
             resolve(load_config(None, [*RL, *overrides]), num_gpus=gpus)
         return str(e.value)
 
-    assert bad(gpus=1).startswith("rl.enabled: rollouts (generation) are implemented for the torch engine only")
+    assert bad("parallel.cp=2", gpus=1).startswith(
+        "parallel.cp: 2: RL rollouts (generation) do not support context parallelism")
     assert bad("rl.task=nope").startswith("rl.task: unknown task 'nope'")
     assert bad("rl.task_args={digits: 0}").startswith("rl.task_args:")
     assert bad("rl.task_args={colour: 1}").startswith("rl.task_args:")
