@@ -247,6 +247,15 @@ class MegatronActor:
         self.engine.fault_point = self.fault_point
         return time.perf_counter() - t0
 
+    def snapshot_nbytes(self) -> int:
+        """Bytes of this rank's rollback snapshot (Megatron engine; 0 when it keeps none)."""
+        return self.engine.snapshot_nbytes()
+
+    def reserve_host_memory(self, nbytes: int) -> None:
+        """Spare: pin `nbytes` of host memory in the background for the rollback snapshot it
+        will need once it joins (`MegatronEngine.reserve_host_memory`)."""
+        self.engine.reserve_host_memory(nbytes)
+
     def noop(self) -> bool:
         """A compute-thread call that returns at once: answers only if that thread is free."""
         return True
@@ -586,6 +595,18 @@ class MegatronActorGroup:
                 self.placement_group, bundles[node])).remote() for node in sorted(bundles)]
             self.holders = dict(zip(ray.get([h.node_id.remote() for h in handles]), handles))
         self.form_generation()
+        # Megatron without the distributed optimizer keeps a pinned rollback snapshot per rank:
+        # spares pin theirs now (the largest rank's size), not in their first steps after a
+        # recovery, when pinning slows the step (bench/results/gpu/first_step_probe_*).
+        self.snapshot_nbytes = 0
+        if c.device == "cuda":
+            self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers]))
+            self._reserve(self.pool.spares)
+
+    def _reserve(self, spares: list) -> None:
+        if self.snapshot_nbytes:
+            for s in spares:
+                s.handle.reserve_host_memory.remote(self.snapshot_nbytes)
 
     @property
     def handles(self) -> list:
@@ -787,6 +808,7 @@ class MegatronActorGroup:
                 log.warning("refill spare failed: %s", str(e)[:200])
                 continue
             self.pool.spares.append(ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"]))
+            self._reserve(self.pool.spares[-1:])
             added += 1
         if added:
             log.info("spare pool refilled: %d spare(s) now", len(self.pool))

@@ -130,6 +130,34 @@ def _tensors(state) -> list[torch.Tensor]:
     return [x for x in torch.utils._pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
 
 
+_ALIGN = 64  # bytes: any dtype's view may start at such an offset
+
+
+def state_nbytes(state) -> int:
+    """Bytes `carve` needs for the tensors of `state` (each rounded up to 64 bytes)."""
+    return sum(-(-x.numel() * x.element_size() // _ALIGN) * _ALIGN for x in _tensors(state))
+
+
+def carve(state, arena: torch.Tensor):
+    """Buffers shaped like every tensor of `state` (same shapes and dtypes; other leaves kept),
+    as disjoint views into `arena` (uint8 [N], e.g. pinned host memory reserved earlier) at
+    64-byte-aligned offsets. Returns None when `arena` has fewer than `state_nbytes(state)` bytes."""
+    if arena.numel() < state_nbytes(state):
+        return None
+    offset = 0
+
+    def view(x):
+        nonlocal offset
+        if not isinstance(x, torch.Tensor):
+            return x
+        n = x.numel() * x.element_size()
+        out = arena[offset:offset + n].view(x.dtype).view(x.shape)
+        offset += -(-n // _ALIGN) * _ALIGN
+        return out
+
+    return torch.utils._pytree.tree_map(view, state)
+
+
 # -- the model, and Hugging Face checkpoints (through mbridge) ----------------------------------
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # config.json model_type values model.hf_path may hold
 # Megatron's local layer spec keeps the pre-attention / pre-MLP RMSNorm as modules of their own;
@@ -555,6 +583,9 @@ class MegatronEngine:
         self._snapshot: dict | None = None  # host copy of the last committed step's state
         self._trained_since_connect = False
         self._buffers: concurrent.futures.Future | None = None  # pinned buffers being made for it
+        self._arena: concurrent.futures.Future | None = None    # pinned bytes reserved before joining
+        self._copy_stream: torch.cuda.Stream | None = None       # side stream of the snapshot copy
+        self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
         self._send_buffers: dict | None = None  # pinned buffers of `host_state`
         self.connect_phases: dict[str, float] = {}  # seconds of the last `connect`, by part
         self._connected = False
@@ -571,6 +602,7 @@ class MegatronEngine:
             raise ValueError(f"dims {dims} do not match the config's parallel sizes {self.cfg.parallel}")
         # Carry the live state over, unless its optimizer shards no longer fit (DP resized under
         # the distributed optimizer: the state is then restored from a checkpoint).
+        self._wait_snapshot_copy()  # the rebuild frees tensors it may still be reading
         keep = self.model is not None and not (self.cfg.model.distributed_optimizer and self.dims.dp != dims.dp)
         old = self._train_state() if keep else None
         rng = self._rng_state() if old is not None else None
@@ -814,6 +846,7 @@ class MegatronEngine:
             if timed:
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
+            self._wait_snapshot_copy(torch.cuda.current_stream())  # the update overwrites its source
             _, grad_norm, _ = self.optimizer.step()
             phases["forward_backward_s"] += t2 - t1
             phases["optimizer_s"] += time.perf_counter() - t2
@@ -849,6 +882,7 @@ class MegatronEngine:
 
     def _set_train_state(self, state: dict) -> None:
         """Copy `state` (same structure as `_train_state`) into the live tensors in place."""
+        self._wait_snapshot_copy()  # it may still be reading them
         for dst, src in zip(_tensors(self._train_state()), _tensors(state), strict=True):
             dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
@@ -872,6 +906,43 @@ class MegatronEngine:
         if "rollout" in state:
             into["rollout"] = dict(state["rollout"])
         return into
+
+    def _host_copy_async(self, state: dict, into: dict) -> dict:
+        """Start copying `state` into the pinned buffers `into` on a side stream and return at
+        once: the copy overlaps the step's forward and backward passes, which only read the
+        state. `_wait_snapshot_copy` orders the optimizer step (and any reader) after it."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        self._copy_stream.wait_stream(torch.cuda.current_stream())  # the state as of now
+        with torch.cuda.stream(self._copy_stream):
+            for dst, src in zip(_tensors(into), _tensors(state), strict=True):
+                dst.copy_(src, non_blocking=True)
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+        into.update(sched_steps=state["sched_steps"], step=state["step"])
+        return into
+
+    def _wait_snapshot_copy(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Order `stream`'s later work after the snapshot copy in flight (no host wait), or with
+        no stream, block until the copy is done (before the host reads the snapshot)."""
+        if self._copy_done is not None:
+            if stream is None:
+                self._copy_done.synchronize()
+            else:
+                stream.wait_event(self._copy_done)
+
+    def reserve_host_memory(self, nbytes: int) -> None:
+        """Pin `nbytes` of host memory in a background thread, for the rollback snapshot buffers
+        this rank will need after it joins (`MegatronActorGroup` asks pre-warmed spares to do so
+        with the largest rank's `snapshot_nbytes`). Pinning ~22 GB takes seconds and slows
+        this process's kernel launches meanwhile (bench/first_step_probe.py), so it is done
+        before any failure instead of in the first steps after a recovery."""
+        if nbytes > 0 and self._arena is None:
+            self._arena = _ALLOCATOR.submit(torch.empty, nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def snapshot_nbytes(self) -> int:
+        """Bytes of this rank's rollback snapshot (0 with the distributed optimizer: none kept)."""
+        return 0 if self.cfg.model.distributed_optimizer else state_nbytes(self._train_state())
 
     def host_state(self) -> dict:
         """A host-memory copy of this rank's live training state (model params and its
@@ -913,17 +984,28 @@ class MegatronEngine:
         self.step_start_progress = self.progress
 
     def _snapshot_to_host(self) -> None:
-        """Copy the live state into the pinned snapshot buffers (~14 bytes per parameter),
-        allocated at the first copy. A rank that has not trained since it joined (a spare with
-        a restored state) has them allocated in a background thread instead and keeps no
-        snapshot until they are ready: allocating and pinning them takes seconds, which the
-        first step after a recovery must not wait for. Until then `rollback` answers False for
-        this rank and recovery restores it from a peer, an in-memory snapshot or a checkpoint."""
+        """Copy the live state into the pinned snapshot buffers (~14 bytes per parameter) on a
+        side stream (`_host_copy_async`). The buffers come from the memory reserved before this
+        rank joined (`reserve_host_memory`), else are allocated at the first copy. A rank that
+        has not trained since it joined (a spare with a restored state) and has no reserve has
+        them allocated in a background thread and keeps no snapshot until they are ready:
+        allocating and pinning them takes seconds, which the first step after a recovery must
+        not wait for. Until then `rollback` answers False for this rank and recovery restores
+        it from a peer, an in-memory snapshot or a checkpoint."""
         state = self._train_state()
         if self._snapshot is not None and _same_layout(self._snapshot, state):
-            self._snapshot = self._host_copy(state, self._snapshot)
+            self._snapshot = self._host_copy_async(state, self._snapshot)
             return
         self._snapshot = None
+        self._wait_snapshot_copy()  # the old buffers may be reused below
+        if self._arena is not None:
+            if not self._arena.done():
+                return  # still being pinned: no snapshot this step (rollback answers False)
+            buffers = None if self._arena.exception() else carve(state, self._arena.result())
+            if buffers is not None:
+                self._snapshot = self._host_copy_async(state, buffers)
+                return
+            self._arena = None  # pinning failed, or too small for this layout: allocate below
         if self._trained_since_connect:
             self._buffers = None
             self._snapshot = self._host_copy(state)
@@ -949,6 +1031,7 @@ class MegatronEngine:
         if self.step == step and not self._dirty:
             return True
         if self._snapshot is not None and self._snapshot["step"] == step:
+            self._wait_snapshot_copy()
             self._set_train_state(self._snapshot)
             return True
         return False
@@ -963,6 +1046,7 @@ class MegatronEngine:
         if self.cfg.model.distributed_optimizer and self.dims.dp > 1:
             raise RuntimeError("broadcast_from: with model.distributed_optimizer each DP rank holds "
                                "a different optimizer shard; restore from a checkpoint instead")
+        self._wait_snapshot_copy()  # the broadcast overwrites what it may still be reading
         group = ps.get_data_parallel_group()
         state = self._train_state()
         for x in _tensors(state):
@@ -1023,6 +1107,7 @@ class MegatronEngine:
         d = self.dims
         same = {k: manifest.layout.get(k) for k in ("tp", "pp", "cp", "dp")} == \
             {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp}
+        self._wait_snapshot_copy()  # the load overwrites what it may still be reading
         loaded = load_sharded(ckpt, manifest, self._sharded_state(True, same))
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])

@@ -8,6 +8,8 @@ step after a reconnect (a survivor's view of a recovery):
 - `spare`: as the product runs it (the rollback snapshot buffers are pinned in a background
   thread while the first step runs, through `megatron_engine.configure_host_allocator`);
 - `spare_cudahostalloc`: as `spare` with torch's default pinned allocation (cudaHostAlloc);
+- `spare_reserved`: the snapshot memory pinned before the rank joins (what `MegatronActorGroup`
+  has pre-warmed spares do: `MegatronEngine.reserve_host_memory`), then as `spare`;
 - `no_snapshot`: no rollback snapshot at all (isolates the pinned allocation);
 - `warm`: a forward/backward pass on throwaway data right after the build (what a pre-warmed
   spare could do before any failure), then as `spare`.
@@ -75,6 +77,9 @@ def _variant(name: str) -> dict:
             e._run(batch(0).to(e.device).chunk(cfg.train.global_batch_size), forward_only=True)
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
+    if name == "spare_reserved":  # before any failure: not part of the steps timed below
+        e.reserve_host_memory(e.snapshot_nbytes())
+        e._arena.result()
     e.step = 3  # a restored spare: no step-0 host copy (`reset`)
     steps, phases = [], None
     for s in (4, 5, 6):
@@ -89,7 +94,7 @@ def _variant(name: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="+", default=["spare", "no_snapshot", "warm"])
+    ap.add_argument("--variants", nargs="+", default=["spare_reserved", "spare", "no_snapshot"])
     ap.add_argument("--out", default="bench/results/gpu/first_step_probe.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child process: run one variant
     args = ap.parse_args()

@@ -1,4 +1,5 @@
-"""GPU tests of `megatron_engine.MegatronEngine` (marker `gpu`; skipped without enough GPUs).
+"""GPU tests of `megatron_engine.MegatronEngine` (marker `gpu`; skipped without enough GPUs), and
+CPU tests of its host-buffer helpers.
 
 Each test spawns one process per GPU (`ranks.spawn_ranks`: process r uses GPU r) and drives the
 engine the way `MegatronActor` does: process-group generations through one TCPStore with a fresh
@@ -14,7 +15,6 @@ import torch
 from ranks import spawn_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = pytest.mark.gpu
 LOSS_RTOL = 2e-2  # bf16 tolerance across layouts (see main.losses_match)
 
 
@@ -176,6 +176,7 @@ def _check_common(res: dict, rank: int, world: int) -> None:
     assert res["reset_is_initial"]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 def test_engine_one_gpu(tmp_path):
     (res,) = _spawn(1, tmp_path)
@@ -183,6 +184,7 @@ def test_engine_one_gpu(tmp_path):
     assert res["step1"]["lr"] > 0 and res["step2"]["loss"] == res["step2"]["loss"]  # not NaN
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("backend", ["local", "gcs"])
 def test_engine_two_gpus(tmp_path, backend, request):
@@ -205,3 +207,26 @@ def test_engine_two_gpus(tmp_path, backend, request):
     # pp=2: the loss lives on the last stage (rank 1); the replayed step matches bitwise.
     assert results[1]["pp_step2_again"]["loss"] == results[1]["pp_step2"]["loss"]
     assert results[0]["pp_step2"]["loss"] != results[0]["pp_step2"]["loss"]  # NaN off the last stage
+
+
+def test_carve_host_buffers_from_a_reserved_arena():
+    """A spare's rollback snapshot buffers are views into memory it reserved before joining:
+    each has its tensor's shape and dtype, at an offset any dtype may start at, no two overlap,
+    non-tensor leaves are kept, and a too-small arena gives None (the engine allocates then)."""
+    from megatron_engine import _tensors, carve, state_nbytes
+
+    state = {"model": [torch.randn(3, 5).bfloat16(), torch.randn(7)],
+             "optimizer": [[torch.randn(3, 5), torch.zeros(3, 5), torch.ones(3, 5), torch.tensor(2.0)]],
+             "sched_steps": 4, "step": 9}
+    need = state_nbytes(state)
+    assert need == 64 * 6  # every tensor fits in one 64-byte slot
+    arena = torch.zeros(need + 3, dtype=torch.uint8)
+    buffers = carve(state, arena)
+    assert buffers["sched_steps"] == 4 and buffers["step"] == 9
+    for dst, src in zip(_tensors(buffers), _tensors(state), strict=True):
+        assert (dst.shape, dst.dtype) == (src.shape, src.dtype)
+        assert dst.data_ptr() % 64 == 0 and dst.untyped_storage().data_ptr() == arena.data_ptr()
+        dst.copy_(src)
+    for dst, src in zip(_tensors(buffers), _tensors(state), strict=True):
+        assert torch.equal(dst, src)  # no buffer overwrote another
+    assert carve(state, torch.zeros(need - 1, dtype=torch.uint8)) is None
