@@ -130,6 +130,15 @@ def _tensors(state) -> list[torch.Tensor]:
     return [x for x in torch.utils._pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
 
 
+def _with_counters(into: dict, state: dict) -> dict:
+    """`into` (a host copy of `state`'s tensors) with `state`'s python values: the schedule's
+    update count, the step and, with RL, the rollout position."""
+    into.update(sched_steps=state["sched_steps"], step=state["step"])
+    if "rollout" in state:
+        into["rollout"] = dict(state["rollout"])
+    return into
+
+
 _ALIGN = 64  # bytes: any dtype's view may start at such an offset
 
 
@@ -902,10 +911,7 @@ class MegatronEngine:
         for dst, src in zip(_tensors(into), _tensors(state), strict=True):
             dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
-        into.update(sched_steps=state["sched_steps"], step=state["step"])
-        if "rollout" in state:
-            into["rollout"] = dict(state["rollout"])
-        return into
+        return _with_counters(into, state)
 
     def _host_copy_async(self, state: dict, into: dict) -> dict:
         """Start copying `state` into the pinned buffers `into` on a side stream and return at
@@ -919,8 +925,7 @@ class MegatronEngine:
                 dst.copy_(src, non_blocking=True)
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
-        into.update(sched_steps=state["sched_steps"], step=state["step"])
-        return into
+        return _with_counters(into, state)
 
     def _wait_snapshot_copy(self, stream: torch.cuda.Stream | None = None) -> None:
         """Order `stream`'s later work after the snapshot copy in flight (no host wait), or with
