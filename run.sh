@@ -22,6 +22,6 @@ fi
 mode=${1:-demo}
 [ $# -gt 0 ] && shift
 if [ "$mode" = test ]; then
-  exec .venv/bin/python -m pytest tests -q "$@"
+  exec .venv/bin/python -m pytest tests -q --durations=15 "$@"
 fi
 exec .venv/bin/python main.py "$mode" "$@"
