@@ -690,7 +690,13 @@ class MegatronEngine:
         for o in self.optimizer.chained_optimizers:
             if isinstance(o, DistributedOptimizer):
                 o._set_main_param_and_optimizer_states = functools.partial(_set_main_param_and_state, o)
-        tc.finalize_model_grads_func = finalize_model_grads
+        def finalize_with_fault_point(*args, **kwargs):
+            # Megatron runs the DP gradient all-reduce inside finalize_model_grads: the chaos
+            # point 'inside_allreduce' fires as this rank enters it (peers there first block).
+            self.fault_point("inside_allreduce")
+            return finalize_model_grads(*args, **kwargs)
+
+        tc.finalize_model_grads_func = finalize_with_fault_point
         tc.grad_scale_func = self.optimizer.scale_loss
         self._init_optimizer_state()
 
@@ -1102,7 +1108,8 @@ class MegatronEngine:
         the FileEntry list of the files this rank wrote; with `async_save`, a one-element list
         of `PendingSave` whose `result()` (collective) returns it. Raises CheckpointError on
         storage failure past the retry limits."""
-        return save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save)
+        return save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
+                            after_write=lambda: self.fault_point("mid_save"))
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Collective over all ranks: load the committed checkpoint `manifest` (already verified
@@ -1149,7 +1156,8 @@ def _put_rank_files(ckpt, step: int, stage: str, rank: int) -> list:
     return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
 
 
-def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_save: bool = False) -> list:
+def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_save: bool = False,
+                 after_write=lambda: None) -> list:
     """Collective over the default process group: `dist_checkpointing.save(sharded_state_dict)`
     (torch_dist format) as shard `megatron` of checkpoint `step` of `ckpt` (a CheckpointManager).
 
@@ -1162,7 +1170,8 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
 
     `async_save`: only the synchronous part runs here (planning collectives, the common state,
     a host copy of every tensor: later changes to the state are not in the checkpoint); the
-    files are written in a background thread, and `[PendingSave]` is returned."""
+    files are written in a background thread, and `[PendingSave]` is returned. Synchronous:
+    `after_write()` runs between the write and the hash / upload (fault injection 'mid_save')."""
     import shutil
     import tempfile
 
@@ -1183,6 +1192,7 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
             done = True  # the stage now belongs to the PendingSave
             return [PendingSave(ckpt, step, rank, request, stage, path is None)]
         as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage)
+        after_write()
         return _put_rank_files(ckpt, step, stage, rank)
     finally:
         if path is None and not done:

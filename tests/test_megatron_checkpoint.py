@@ -49,8 +49,11 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
 
     out = {}
     ckpt = CheckpointManager(uri, storage_options=opts)
-    files = save_sharded(ckpt, 3, rank, _state(rank, 0, None))
+    mid_save = []  # this rank's files at storage when `after_write` ('mid_save') runs
+    files = save_sharded(ckpt, 3, rank, _state(rank, 0, None), after_write=lambda: mid_save.append(
+        len(ckpt.fs.glob(f"{ckpt.root}/step_00000003/megatron/__{rank}_*"))))
     out["files"] = sorted(f.path for f in files)
+    out["mid_save"] = mid_save
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, files)
     if rank == 0:
@@ -124,6 +127,10 @@ def test_save_commit_load_reshard(request, tmp_path):
         results = {r: by_rank[r][backend] for r in range(WORLD)}
         for r, out in results.items():
             assert "error" not in out, f"{backend} rank {r}:\n{out['error']}"
+        # 'mid_save' fires once, after the write: in place on local disk, before any upload
+        own = {r: len([p for p in out["files"] if p.startswith(f"megatron/__{r}_")]) for r, out in results.items()}
+        assert all(own[r] > 0 and out["mid_save"] == [own[r] if backend == "local" else 0]
+                   for r, out in results.items()), {r: out["mid_save"] for r, out in results.items()}
         # each rank lists only its own files; rank 0 also the global metadata
         assert all(p.startswith("megatron/__1_") for p in results[1]["files"])
         assert {"megatron/.metadata", "megatron/common.pt", "megatron/metadata.json"} <= set(results[0]["files"])
