@@ -1216,8 +1216,12 @@ class PendingSave:
         args = list(request.async_fn_args)
         # args[1]: Megatron's write buckets [(file, key, (bytes items, [(item, tensor)]))]; the
         # tensors are copied here (Megatron's preload_fn aliases tensors that are on the CPU).
-        args[1] = [(f, k, (b, [(item, t.detach().to("cpu", copy=True)) for item, t in tensors]))
-                   for f, k, (b, tensors) in args[1]]
+        # GPU tensors: non-blocking copies into pinned memory (torch's host caching allocator,
+        # reused by the next save) and one sync, not a pageable copy per tensor.
+        args[1] = [(f, k, (b, [(item, t.detach().to("cpu", non_blocking=True) if t.is_cuda else t.detach().clone())
+                               for item, t in tensors])) for f, k, (b, tensors) in args[1]]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         self._thread = threading.Thread(target=self._write, args=(args,), daemon=True, name="mcore-async-save")
         self._thread.start()
 
