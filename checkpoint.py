@@ -239,11 +239,15 @@ class CheckpointManager:
             logger.warning("%s failed: %s", self._pending_what, self._pending.exception())
 
     # ---------------------------------------------------------------- load
-    def load_shard(self, step: int, name: str, state_dict: dict, manifest: Manifest | None = None) -> dict:
+    def load_shard(self, step: int, name: str, state_dict: dict, manifest: Manifest | None = None,
+                   verified: bool = False) -> dict:
         """Load shard ``name`` of ``step`` into ``state_dict`` in place (tensors copied into,
         other values replaced) and return it. With ``manifest``, first checks the size and
-        sha256 of this shard's files. Raises CheckpointError on a missing shard, a mismatch,
-        a state_dict that does not fit the checkpoint, or storage failure past the retry limits."""
+        sha256 of this shard's files; ``verified``: the caller has just checked them against it
+        (``verify_files``), so local files get a size check only instead of a second full read
+        (downloaded copies are always hashed: they are what gets loaded). Raises CheckpointError
+        on a missing shard, a mismatch, a state_dict that does not fit the checkpoint, or
+        storage failure past the retry limits."""
         _check_name(name)
         where = f"{self.step_uri(step)}/{name}"
         expected = None
@@ -254,7 +258,8 @@ class CheckpointManager:
             if not expected:
                 raise CheckpointError(f"manifest of {self.step_uri(step)} lists no files of shard {name!r}")
         if self._local:
-            return self._check_and_load(where, f"{self._step_path(step)}", name, expected, state_dict)
+            return self._check_and_load(where, f"{self._step_path(step)}", name, expected, state_dict,
+                                        hash_files=not verified)
         with tempfile.TemporaryDirectory(prefix="ckpt-stage-") as stage:
             if expected is not None:
                 self.get_files(step, expected, stage)  # downloads and checks size + sha256
@@ -267,9 +272,9 @@ class CheckpointManager:
             self._retry(f"downloading {where}", self.fs.get, remote, local)
             return self._check_and_load(where, stage, name, None, state_dict)
 
-    def _check_and_load(self, where, step_dir, name, expected, state_dict) -> dict:
+    def _check_and_load(self, where, step_dir, name, expected, state_dict, hash_files: bool = True) -> dict:
         if expected is not None:
-            problems = [p for f in expected if (p := _check_local_file(step_dir, f))]
+            problems = [p for f in expected if (p := _check_local_file(step_dir, f, hash_files))]
             if problems:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
         reader = _SafeReader(os.path.join(step_dir, name))
@@ -606,13 +611,13 @@ def _sha256_local(path: str) -> str:
     return h.hexdigest()
 
 
-def _check_local_file(step_dir: str, f: FileEntry) -> str | None:
+def _check_local_file(step_dir: str, f: FileEntry, hash_file: bool = True) -> str | None:
     path = os.path.join(step_dir, f.path)
     if not os.path.isfile(path):
         return f"{f.path}: missing"
     if (size := os.path.getsize(path)) != f.size:
         return f"{f.path}: size {size} bytes, expected {f.size}"
-    if _sha256_local(path) != f.sha256:
+    if hash_file and _sha256_local(path) != f.sha256:
         return f"{f.path}: sha256 mismatch"
     return None
 

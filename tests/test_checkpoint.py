@@ -117,6 +117,25 @@ def test_round_trip(make_manager):
         m2.load_shard(3, "nope", {}, manifest)
 
 
+def test_verified_load_reads_local_files_once(make_manager, monkeypatch):
+    """After the ranks verified a checkpoint, loading it does not hash local files again (sizes
+    are still checked); a downloaded copy is always hashed, being what gets loaded."""
+    import checkpoint
+
+    m = make_manager()
+    manifest = save_and_commit(m, 3)
+    hashed = []
+    real = checkpoint._sha256_local
+    monkeypatch.setattr(checkpoint, "_sha256_local", lambda p: (hashed.append(p), real(p))[1])
+    assert_state_equal(m.load_shard(3, "model_tp0", full_state(999), manifest, verified=True), full_state(30))
+    assert bool(hashed) == (m.local_dir(3, "model_tp0") is None)
+    if m.local_dir(3, "model_tp0") is not None:
+        victim = next(f for f in manifest.files if f.path.startswith("model_tp0/"))
+        m.fs.pipe_file(f"{m.root}/step_00000003/{victim.path}", b"x")  # truncated after verification
+        with pytest.raises(CheckpointError, match="size 1 bytes"):
+            m.load_shard(3, "model_tp0", full_state(999), manifest, verified=True)
+
+
 def test_commit_rule(make_manager, monkeypatch):
     m = make_manager()
     files = m.save_shard(1, "model_tp0", full_state(1))
