@@ -304,7 +304,7 @@ def load_hf_weights(model, bridge, hf_path: str, tp_rank: int, tp_size: int) -> 
 
 
 def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
-                    use_cpu_initialization: bool = False):
+                    use_cpu_initialization: bool = False, initialize: bool = True):
     """This rank's pipeline stage of the Megatron-Core GPTModel, and its TransformerConfig.
     Megatron's groups must exist (`parallel_state.initialize_model_parallel(tp, pp, cp)`).
 
@@ -313,7 +313,8 @@ def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
     model.hf_path): the architecture of the HF config (`hf_model_args`) and this rank's TP/PP
     shard of its weights (`load_hf_weights`). Params in cfg.model.dtype on the current CUDA
     device (on CPU with `use_cpu_initialization`). Layer spec: Transformer Engine's when
-    installed, else Megatron's local one. Raises ValueError as `hf_model_args`,
+    installed, else Megatron's local one. `initialize=False`: params left uninitialised and
+    no HF weights read (the caller copies weights in). Raises ValueError as `hf_model_args`,
     `load_hf_weights`."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -337,12 +338,13 @@ def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, context_parallel_size=cp, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, use_cpu_initialization=use_cpu_initialization)
+        persist_layer_norm=False, use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=initialize)
     spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tc.qk_layernorm) if have_transformer_engine()
             else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tc.qk_layernorm))
     model = GPTModel(config=tc, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), position_embedding_type="rope", **gpt)
-    if bridge is not None:
+    if bridge is not None and initialize:
         load_hf_weights(model, bridge, m.hf_path, ps.get_tensor_model_parallel_rank(), tp)
     return model, tc
 
@@ -591,8 +593,7 @@ class MegatronEngine:
         self._initial: dict | None = None   # host copy of the step-0 state (taken before step 1)
         self._snapshot: dict | None = None  # host copy of the last committed step's state
         self._trained_since_connect = False
-        self._buffers: concurrent.futures.Future | None = None  # pinned buffers being made for it
-        self._arena: concurrent.futures.Future | None = None    # pinned bytes reserved before joining
+        self._arena: concurrent.futures.Future | None = None    # pinned bytes of the snapshot buffers
         self._copy_stream: torch.cuda.Stream | None = None       # side stream of the snapshot copy
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
         self._send_buffers: dict | None = None  # pinned buffers of `host_state`
@@ -662,7 +663,7 @@ class MegatronEngine:
         if self.rl is not None and self.rl.kl_coef > 0:
             # Same layout and groups; weights = this policy's as built (a survivor's trained
             # reference comes back with its state in `connect`).
-            ref, ref_tc = build_gpt_model(self.cfg, d.tp, d.pp, d.cp, self.hf_bridge)
+            ref, ref_tc = build_gpt_model(self.cfg, d.tp, d.pp, d.cp, self.hf_bridge, initialize=False)
             ref = ref.to(self.device).eval().requires_grad_(False)
             with torch.no_grad():
                 for r, p in zip(ref.parameters(), self.model.parameters(), strict=True):
@@ -996,39 +997,29 @@ class MegatronEngine:
 
     def _snapshot_to_host(self) -> None:
         """Copy the live state into the pinned snapshot buffers (~14 bytes per parameter) on a
-        side stream (`_host_copy_async`). The buffers come from the memory reserved before this
-        rank joined (`reserve_host_memory`), else are allocated at the first copy. A rank that
-        has not trained since it joined (a spare with a restored state) and has no reserve has
-        them allocated in a background thread and keeps no snapshot until they are ready:
-        allocating and pinning them takes seconds, which the first step after a recovery must
-        not wait for. Until then `rollback` answers False for this rank and recovery restores
-        it from a peer, an in-memory snapshot or a checkpoint."""
+        side stream (`_host_copy_async`). The buffers are views (`carve`) into one pinned arena:
+        the memory reserved before this rank joined (`reserve_host_memory`), else pinned at the
+        first copy. A rank that has not trained since it joined (a spare with a restored state)
+        and has no arena pins it in the background and keeps no snapshot until it is ready:
+        pinning takes seconds, which the first step after a recovery must not wait for. Until
+        then `rollback` answers False for this rank and recovery restores it from a peer, an
+        in-memory snapshot or a checkpoint."""
         state = self._train_state()
         if self._snapshot is not None and _same_layout(self._snapshot, state):
             self._snapshot = self._host_copy_async(state, self._snapshot)
             return
         self._snapshot = None
         self._wait_snapshot_copy()  # the old buffers may be reused below
-        if self._arena is not None:
-            if not self._arena.done():
-                return  # still being pinned: no snapshot this step (rollback answers False)
-            buffers = None if self._arena.exception() else carve(state, self._arena.result())
-            if buffers is not None:
-                self._snapshot = self._host_copy_async(state, buffers)
-                return
-            self._arena = None  # pinning failed, or too small for this layout: allocate below
-        if self._trained_since_connect:
-            self._buffers = None
-            self._snapshot = self._host_copy(state)
-        elif self._buffers is None:
-            self._buffers = _ALLOCATOR.submit(  # reads only shapes and dtypes of the live tensors
-                torch.utils._pytree.tree_map,
-                lambda x: torch.empty(x.shape, dtype=x.dtype, pin_memory=True) if isinstance(x, torch.Tensor) else x,
-                state)
-        elif self._buffers.done():
-            buffers, self._buffers = self._buffers.result(), None
-            if _same_layout(buffers, state):
-                self._snapshot = self._host_copy(state, buffers)
+        need = state_nbytes(state)
+        if self._arena is not None and self._arena.done() and (
+                self._arena.exception() or self._arena.result().numel() < need):
+            self._arena = None  # pinning failed, or too small for this layout
+        if self._arena is None:
+            self.reserve_host_memory(need)
+            if self._trained_since_connect:
+                self._arena.result()  # a rank in steady training pins now (raises if it cannot)
+        if self._arena.done():
+            self._snapshot = self._host_copy_async(state, carve(state, self._arena.result()))
 
     def rollback(self, step: int) -> bool:
         """Return to the state after committed step `step` without any transfer: the live state

@@ -12,14 +12,9 @@
 #   bash bench/results/gpu/run_checkpoint_1b.sh NAME DEST [more bench args]
 # e.g. without the distributed optimizer: ... NAME DEST --set model.distributed_optimizer=false
 set -o pipefail
+source "$(dirname "$0")/bench_lib.sh"
 name=$1 dest=$2
 shift 2
-cmd="python3 bench/checkpoint.py --engine megatron --repeat 2 --dir /tmp --out $dest/$name.json
- --set model.num_layers=24 --set model.hidden_size=2048 --set model.num_heads=16
- --set model.ffn_hidden_size=5632 --set model.vocab_size=32000 --set model.max_seq_len=2048
- --set train.seq_len=2048 --set train.global_batch_size=2 --set train.mini_batch_size=2
- --set train.micro_batch_size=1 --set train.lr=0.0001 $*"
-mkdir -p "$dest"
-echo $cmd > "$dest/$name.cmd"
-PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-500}" $cmd 2>&1 | tee "$dest/$name.log" | grep -vE "Warning|warn|socket.cpp" | tail -25
-echo "== $name exit ${PIPESTATUS[0]}"
+keep_run "$name" "$dest" "${BENCH_TIMEOUT:-500}" 25 "python3 bench/checkpoint.py --engine megatron --repeat 2 --dir /tmp
+ --out $dest/$name.json $MODEL_1B --set train.global_batch_size=2 --set train.mini_batch_size=2
+ --set train.micro_batch_size=1 $*"

@@ -6,6 +6,7 @@
 # health_timeout_s 10: a survivor's abort of Megatron's NCCL communicators took ~1 s (2026-11-29) since
 # they are aborted in parallel (megatron_actor.abort_process_groups); sequentially it took > 30 s.
 set -o pipefail
+source "$(dirname "$0")/bench_lib.sh"
 name=$1 size=$2 dest=$3
 shift 3
 common="--set cluster.num_workers=2 --set cluster.num_spares=2 --set cluster.gpus_per_actor=0.5
@@ -21,10 +22,8 @@ case $size in
  --set model.ffn_hidden_size=2816 --set model.vocab_size=32000 --set model.max_seq_len=1024
  --set train.seq_len=1024 --set train.global_batch_size=8 --set train.mini_batch_size=4
  --set train.micro_batch_size=1 --set train.lr=0.0001" ;;
-  1b) model="--set model.num_layers=24 --set model.hidden_size=2048 --set model.num_heads=16
- --set model.ffn_hidden_size=5632 --set model.vocab_size=32000 --set model.max_seq_len=2048
- --set train.seq_len=2048 --set train.global_batch_size=8 --set train.mini_batch_size=4
- --set train.micro_batch_size=1 --set train.lr=0.0001" ;;
+  1b) model="$MODEL_1B --set train.global_batch_size=8 --set train.mini_batch_size=4
+ --set train.micro_batch_size=1" ;;
   *) echo "size must be small, medium or 1b" >&2; exit 2 ;;
 esac
 mkdir -p "$dest"

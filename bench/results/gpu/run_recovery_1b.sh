@@ -4,17 +4,12 @@
 # distributed optimizer: each DP replica holds the full state). Keeps NAME.cmd/.log/.json in DEST.
 # Usage (repo root, GPU machine, after `source .gpu/install.sh .gpu`): bash bench/results/gpu/run_recovery_1b.sh NAME DEST [args]
 set -o pipefail
+source "$(dirname "$0")/bench_lib.sh"
 name=$1 dest=$2
 shift 2
-cmd="python3 bench/recovery.py --repeats 2 --out $dest/$name.json
+keep_run "$name" "$dest" "${BENCH_TIMEOUT:-400}" 25 "python3 bench/recovery.py --repeats 2 --out $dest/$name.json
  --set cluster.num_workers=2 --set cluster.num_spares=2 --set cluster.gpus_per_actor=0.5
  --set cluster.cpus_per_actor=1 --set fault_tolerance.min_step_timeout_s=60
- --set fault_tolerance.health_timeout_s=10 --set model.distributed_optimizer=false
- --set model.num_layers=24 --set model.hidden_size=2048 --set model.num_heads=16
- --set model.ffn_hidden_size=5632 --set model.vocab_size=32000 --set model.max_seq_len=2048
- --set train.seq_len=2048 --set train.global_batch_size=8 --set train.mini_batch_size=4
- --set train.micro_batch_size=1 --set train.lr=0.0001 --set train.steps=8 $*"
-mkdir -p "$dest"
-echo $cmd > "$dest/$name.cmd"
-PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-400}" $cmd 2>&1 | tee "$dest/$name.log" | grep -vE "Warning|warn|socket.cpp" | tail -25
-echo "== $name exit ${PIPESTATUS[0]}"
+ --set fault_tolerance.health_timeout_s=10 --set model.distributed_optimizer=false $MODEL_1B
+ --set train.global_batch_size=8 --set train.mini_batch_size=4 --set train.micro_batch_size=1
+ --set train.steps=8 $*"

@@ -12,18 +12,12 @@
 # e.g. the full-state variant (per-step rollback snapshot of ~19 GB/rank to pinned memory, peer restore):
 #   bash bench/results/gpu/run_train_speed_1b.sh NAME DEST --set model.distributed_optimizer=false
 set -o pipefail
+source "$(dirname "$0")/bench_lib.sh"
 name=$1 dest=$2
 shift 2
-cmd="python3 bench/train_speed.py --warmup 1 --steps 6 --max-host-mem 0.75 --lag-timeout 90
- --out $dest/$name.json
+keep_run "$name" "$dest" "${BENCH_TIMEOUT:-540}" 45 "python3 bench/train_speed.py --warmup 1 --steps 6 --max-host-mem 0.75
+ --lag-timeout 90 --out $dest/$name.json
  --set cluster.num_workers=2 --set cluster.num_spares=0 --set cluster.gpus_per_actor=1
  --set cluster.cpus_per_actor=1 --set fault_tolerance.min_step_timeout_s=60
- --set fault_tolerance.health_timeout_s=10
- --set model.num_layers=24 --set model.hidden_size=2048 --set model.num_heads=16
- --set model.ffn_hidden_size=5632 --set model.vocab_size=32000 --set model.max_seq_len=2048
- --set train.seq_len=2048 --set train.global_batch_size=32 --set train.mini_batch_size=32
- --set train.micro_batch_size=2 --set train.lr=0.0001 $*"
-mkdir -p "$dest"
-echo $cmd > "$dest/$name.cmd"
-PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-540}" $cmd 2>&1 | tee "$dest/$name.log" | grep -vE "Warning|warn|socket.cpp" | tail -45
-echo "== $name exit ${PIPESTATUS[0]}"
+ --set fault_tolerance.health_timeout_s=10 $MODEL_1B
+ --set train.global_batch_size=32 --set train.mini_batch_size=32 --set train.micro_batch_size=2 $*"
