@@ -32,8 +32,11 @@ from main import start_ray  # noqa: E402
 from megatron_actor import MegatronActorGroup  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
-FAILURES = [{"step": 100, "rank": 1, "kind": "kill", "point": "step_start"},
-            {"step": 220, "rank": 0, "kind": "kill", "point": "inside_allreduce"}]
+
+def failures(steps: int) -> list[dict]:
+    """The two injected kills, at 1/3 and 11/15 of the run (steps 100 and 220 of the preset's 300)."""
+    return [{"step": steps // 3, "rank": 1, "kind": "kill", "point": "step_start"},
+            {"step": steps * 11 // 15, "rank": 0, "kind": "kill", "point": "inside_allreduce"}]
 
 
 def run(cfg) -> dict:
@@ -106,15 +109,15 @@ def main(argv=None) -> dict:
     ref_cfg = cfg_for("no_failure", [])
     start_ray(ref_cfg)
     ref = run(ref_cfg)
-    run_ = run(cfg_for("with_failures", FAILURES))
     steps, w = ref_cfg.train.steps, args.window
+    run_ = run(cfg_for("with_failures", failures(steps)))
     curve = [ref["rewards"][s] for s in sorted(ref["rewards"])]
     equal = run_["rewards"] == ref["rewards"]
     result = {
         "reward_start": mean(curve[:w]), "reward_end": mean(curve[-w:]),
         "exact_start": mean([ref["exact"][s] for s in sorted(ref["exact"])][:w]),
         "exact_end": mean([ref["exact"][s] for s in sorted(ref["exact"])][-w:]),
-        "steps": steps, "failures": FAILURES, "curve_equal_to_no_failure": equal,
+        "steps": steps, "failures": failures(steps), "curve_equal_to_no_failure": equal,
         "losses_equal": run_["losses"] == ref["losses"],
         "replays_equal": all(v == [ref["rewards"][s]] * len(v) for s, v in run_["replayed_rewards"].items()),
         "seconds": {"no_failure": ref["seconds"], "with_failures": run_["seconds"]},

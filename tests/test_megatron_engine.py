@@ -230,3 +230,47 @@ def test_carve_host_buffers_from_a_reserved_arena():
     for dst, src in zip(_tensors(buffers), _tensors(state), strict=True):
         assert torch.equal(dst, src)  # no buffer overwrote another
     assert carve(state, torch.zeros(need - 1, dtype=torch.uint8)) is None
+
+
+def _cp_ranks(rank: int, world: int, store) -> dict:
+    """One CP group of `world` gloo ranks: each computes per-token log-probs of its cp_split part
+    of the same [B, S] batch, cp_gathers them, takes a loss every rank computes identically and
+    backpropagates. Returns its kept positions, the gathered [B, S] values, the reference computed
+    on the whole sequence, and the parameter gradient summed over the group / cp (Megatron's
+    DDP average over the dp x cp group, dp=1) next to the whole-sequence gradient."""
+    import torch.distributed as dist
+
+    from megatron_engine import cp_gather, cp_split
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same batch and weights on every rank
+    tokens = torch.randint(0, 11, (2, 4 * world))
+    emb = torch.randn(11, 5)
+    w = torch.randn(5, requires_grad=True)
+    coef = torch.randn(2, 4 * world)
+
+    def log_probs(t):  # [B, S] -> [B, S]: a per-token function, as the model's log p(token) is
+        return torch.nn.functional.logsigmoid(emb[t] @ w)
+
+    positions = cp_split(torch.arange(4 * world)[None], world, rank)[0].tolist()
+    full = cp_gather(log_probs(cp_split(tokens, world, rank)), world, dist.group.WORLD)
+    (full * coef).sum().backward()
+    grad = w.grad.clone()
+    dist.all_reduce(grad)
+    w.grad = None
+    reference = log_probs(tokens)
+    (reference * coef).sum().backward()
+    dist.destroy_process_group()
+    return {"positions": positions, "full": full.tolist(), "reference": reference.tolist(),
+            "grad": (grad / world).tolist(), "reference_grad": w.grad.tolist()}
+
+
+def test_context_parallel_log_probs_over_gloo():
+    """Megatron's load-balanced CP layout (2*cp chunks, rank r keeps r and 2cp-1-r): the gathered
+    per-token log-probs equal the whole-sequence ones, and the gradient averaged over the CP group
+    equals the whole-sequence gradient (each rank's part receives cp times its gradient)."""
+    results = spawn_ranks(_cp_ranks, 2, timeout_s=120)
+    assert [r["positions"] for r in results] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    for r in results:
+        assert r["full"] == r["reference"]
+        assert r["grad"] == pytest.approx(r["reference_grad"], rel=1e-6, abs=1e-6)
