@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import mmap
 import os
 import re
 import time
@@ -58,6 +59,7 @@ from training_batch import TrainingBatch
 
 VOCAB_MULTIPLE = 128
 _ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-alloc")
+_SAVE_ARENA: list = []  # pinned host memory of the last finished async save, for the next one
 MEGATRON_SHARD = "megatron"  # shard name of the dist_checkpointing files in a checkpoint step
 HOST_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
@@ -166,6 +168,47 @@ def carve(state, arena: torch.Tensor):
 
     return torch.utils._pytree.tree_map(view, state)
 
+
+
+class _PinnedMap(mmap.mmap):
+    """Anonymous host memory (pages faulted in on first touch, no memset) page-locked with
+    cudaHostRegister for as long as any tensor views it: `torch.frombuffer` keeps this object
+    alive until the last view's storage is freed, and its finalizer unregisters the pages
+    before the memory is unmapped."""
+
+    ptr = None
+
+    def register(self, ptr: int) -> None:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(ptr, len(self), 0)
+        if err != cudart.cudaError.success:
+            raise RuntimeError(f"cudaHostRegister of {len(self)} bytes of host memory failed ({err}): "
+                               f"lower the host memory in use or raise the locked-memory limit (ulimit -l)")
+        self.ptr = ptr
+
+    def __del__(self):
+        if self.ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] of page-locked host memory of exactly `nbytes` bytes (plain host memory
+    without CUDA), for `carve`. Not `torch.empty(..., pin_memory=True)`: torch's host caching
+    allocator rounds every pinned block up to a power of two (at::CachingHostAllocator,
+    PowerOf2Ceil; unbounded by default), so a 1.36B-param rank's 19.1 GB snapshot took
+    34.4 GB and 2 workers + 2 spares filled a 256 GB host until the OS killed ranks
+    (bench/results/gpu/demo_tp1_dp2_1b_hostmem_nvidia-h200-x2_2026-11-30.txt,
+    recovery_1b_reserved_nvidia-h200-x2_2026-11-30.log). The pages are faulted in by torch's
+    multi-threaded fill, then registered (as torch's `pinned_use_cuda_host_register` does,
+    without cudaHostAlloc's long driver lock). Any view keeps the memory alive and pinned.
+    Raises RuntimeError when CUDA cannot register the memory."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    owner = _PinnedMap(-1, nbytes)
+    buf = torch.frombuffer(owner, dtype=torch.uint8).zero_()
+    if torch.cuda.is_available():
+        owner.register(buf.data_ptr())
+    return buf
 
 # -- the model, and Hugging Face checkpoints (through mbridge) ----------------------------------
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # config.json model_type values model.hf_path may hold
@@ -912,9 +955,8 @@ class MegatronEngine:
         """Copy of `state` in host memory (pinned when `pin`: faster repeated copies); reuses the
         buffers of `into` when given."""
         if into is None:
-            into = torch.utils._pytree.tree_map(
-                lambda x: torch.empty(x.shape, dtype=x.dtype, pin_memory=pin and x.is_cuda)
-                if isinstance(x, torch.Tensor) else x, state)
+            into = carve(state, pinned_empty(state_nbytes(state)) if pin else
+                         torch.empty(state_nbytes(state), dtype=torch.uint8))
         for dst, src in zip(_tensors(into), _tensors(state), strict=True):
             dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
@@ -950,7 +992,7 @@ class MegatronEngine:
         this process's kernel launches meanwhile (bench/first_step_probe.py), so it is done
         before any failure instead of in the first steps after a recovery."""
         if nbytes > 0 and self._arena is None:
-            self._arena = _ALLOCATOR.submit(torch.empty, nbytes, dtype=torch.uint8, pin_memory=True)
+            self._arena = _ALLOCATOR.submit(pinned_empty, nbytes)
 
     def snapshot_nbytes(self) -> int:
         """Bytes of this rank's rollback snapshot (0 with the distributed optimizer: none kept)."""
@@ -1207,10 +1249,16 @@ class PendingSave:
         args = list(request.async_fn_args)
         # args[1]: Megatron's write buckets [(file, key, (bytes items, [(item, tensor)]))]; the
         # tensors are copied here (Megatron's preload_fn aliases tensors that are on the CPU).
-        # GPU tensors: non-blocking copies into pinned memory (torch's host caching allocator,
+        # GPU tensors: non-blocking copies into one exact-size pinned arena (`pinned_empty`,
         # reused by the next save) and one sync, not a pageable copy per tensor.
-        args[1] = [(f, k, (b, [(item, t.detach().to("cpu", non_blocking=True) if t.is_cuda else t.detach().clone())
-                               for item, t in tensors])) for f, k, (b, tensors) in args[1]]
+        gpu = [t for _, _, (_, tensors) in args[1] for _, t in tensors if t.is_cuda]
+        arena = _SAVE_ARENA.pop() if _SAVE_ARENA else None
+        self._arena = arena if arena is not None and arena.numel() >= state_nbytes(gpu) else \
+            pinned_empty(state_nbytes(gpu))
+        host = iter(carve(gpu, self._arena))
+        args[1] = [(f, k, (b, [(item, next(host).copy_(t.detach(), non_blocking=True) if t.is_cuda
+                                else t.detach().clone()) for item, t in tensors]))
+                   for f, k, (b, tensors) in args[1]]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._thread = threading.Thread(target=self._write, args=(args,), daemon=True, name="mcore-async-save")
@@ -1239,6 +1287,8 @@ class PendingSave:
                 as_checkpoint_error(what, finalize)
             return _put_rank_files(self.ckpt, self.step, self.stage, self.rank)
         finally:
+            if not self._thread.is_alive():
+                _SAVE_ARENA[:] = [self._arena]
             if self.owns_stage:
                 shutil.rmtree(self.stage, ignore_errors=True)
 

@@ -274,3 +274,41 @@ def test_context_parallel_log_probs_over_gloo():
     for r in results:
         assert r["full"] == r["reference"]
         assert r["grad"] == pytest.approx(r["reference_grad"], rel=1e-6, abs=1e-6)
+
+
+def test_pinned_arena_is_exact_size_and_pinned_while_any_view_lives(monkeypatch):
+    """`pinned_empty` registers exactly the bytes asked for (torch's pinned allocator would
+    round 19.1 GB up to 34.4 GB) and unregisters them only once the last carved view is gone.
+    CUDA's register / unregister calls are recorded by a stand-in (no GPU here)."""
+    import gc
+    import types
+
+    import megatron_engine
+    from megatron_engine import carve, pinned_empty, state_nbytes
+
+    calls = []
+    cudart = types.SimpleNamespace(
+        cudaError=types.SimpleNamespace(success=0),
+        cudaHostRegister=lambda ptr, n, flags: calls.append(("register", ptr, n)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0)
+    monkeypatch.setattr(megatron_engine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_engine.torch.cuda, "cudart", lambda: cudart)
+
+    state = {"w": torch.randn(1000, 3), "m": torch.randn(1000, 3)}
+    nbytes = state_nbytes(state)
+    arena = pinned_empty(nbytes)
+    assert calls == [("register", arena.data_ptr(), nbytes)] and arena.numel() == nbytes == 24064
+    views = carve(state, arena)
+    del arena
+    gc.collect()
+    assert [c[0] for c in calls] == ["register"]  # the views still use the pinned pages
+    views["m"].copy_(state["m"])
+    assert torch.equal(views["m"], state["m"])
+    del views
+    gc.collect()
+    assert [c[0] for c in calls] == ["register", "unregister"] and calls[1][1] == calls[0][1]
+
+    failing = types.SimpleNamespace(cudaError=cudart.cudaError, cudaHostRegister=lambda ptr, n, flags: 2)
+    monkeypatch.setattr(megatron_engine.torch.cuda, "cudart", lambda: failing)
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 64 bytes"):
+        pinned_empty(64)
