@@ -253,7 +253,8 @@ class MegatronActor:
 
     def reserve_host_memory(self, nbytes: int) -> None:
         """Spare: pin `nbytes` of host memory in the background for the rollback snapshot it
-        will need once it joins (`MegatronEngine.reserve_host_memory`)."""
+        will need once it joins; skipped, with a warning, when the host lacks the memory
+        (`MegatronEngine.reserve_host_memory`)."""
         self.engine.reserve_host_memory(nbytes)
 
     def noop(self) -> bool:

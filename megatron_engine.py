@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import logging
 import math
 import mmap
 import os
@@ -57,6 +58,7 @@ from parallel_dims import ParallelDims
 from ppo import aggregate, kl_penalty, policy_loss, value_loss
 from training_batch import TrainingBatch
 
+log = logging.getLogger(__name__)
 VOCAB_MULTIPLE = 128
 _ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-alloc")
 _SAVE_ARENA: list = []  # pinned host memory of the last finished async save, for the next one
@@ -985,14 +987,26 @@ class MegatronEngine:
             else:
                 stream.wait_event(self._copy_done)
 
-    def reserve_host_memory(self, nbytes: int) -> None:
+    def reserve_host_memory(self, nbytes: int, headroom: float = 0.1) -> bool:
         """Pin `nbytes` of host memory in a background thread, for the rollback snapshot buffers
         this rank will need after it joins (`MegatronActorGroup` asks pre-warmed spares to do so
-        with the largest rank's `snapshot_nbytes`). Pinning ~22 GB takes seconds and slows
+        with the largest rank's `snapshot_nbytes`). Pinning ~20 GB takes seconds and slows
         this process's kernel launches meanwhile (bench/first_step_probe.py), so it is done
-        before any failure instead of in the first steps after a recovery."""
-        if nbytes > 0 and self._arena is None:
-            self._arena = _ALLOCATOR.submit(pinned_empty, nbytes)
+        before any failure instead of in the first steps after a recovery. Skipped (returns
+        False, with a warning) when the host would keep less than `headroom` of its memory
+        available: the spare then pins after it joins rather than take memory the ranks need."""
+        import psutil
+
+        if nbytes <= 0 or self._arena is not None:
+            return self._arena is not None
+        mem = psutil.virtual_memory()
+        if mem.available - nbytes < headroom * mem.total:
+            log.warning("not reserving %.1f GB of pinned host memory for a rollback snapshot: %.1f GB of "
+                        "%.1f GB available; this rank pins it after it joins (slower first steps)",
+                        nbytes / 1e9, mem.available / 1e9, mem.total / 1e9)
+            return False
+        self._arena = _ALLOCATOR.submit(pinned_empty, nbytes)
+        return True
 
     def snapshot_nbytes(self) -> int:
         """Bytes of this rank's rollback snapshot (0 with the distributed optimizer: none kept)."""
@@ -1057,7 +1071,7 @@ class MegatronEngine:
                 self._arena.exception() or self._arena.result().numel() < need):
             self._arena = None  # pinning failed, or too small for this layout
         if self._arena is None:
-            self.reserve_host_memory(need)
+            self._arena = _ALLOCATOR.submit(pinned_empty, need)
             if self._trained_since_connect:
                 self._arena.result()  # a rank in steady training pins now (raises if it cannot)
         if self._arena.done():

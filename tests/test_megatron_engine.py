@@ -312,3 +312,19 @@ def test_pinned_arena_is_exact_size_and_pinned_while_any_view_lives(monkeypatch)
     monkeypatch.setattr(megatron_engine.torch.cuda, "cudart", lambda: failing)
     with pytest.raises(RuntimeError, match="cudaHostRegister of 64 bytes"):
         pinned_empty(64)
+
+
+def test_spare_reserves_pinned_memory_only_with_headroom():
+    """A spare reserves its snapshot memory when the host keeps >= 10% of its memory available
+    afterwards, and skips the reservation (False) when it would not: no OOM kill of the ranks."""
+    import types
+
+    import psutil
+
+    from megatron_engine import MegatronEngine
+
+    spare = types.SimpleNamespace(_arena=None)
+    assert not MegatronEngine.reserve_host_memory(spare, psutil.virtual_memory().total) and spare._arena is None
+    assert MegatronEngine.reserve_host_memory(spare, 4096)
+    assert spare._arena.result().numel() == 4096
+    assert MegatronEngine.reserve_host_memory(spare, 8192) and spare._arena.result().numel() == 4096  # kept
