@@ -182,7 +182,7 @@ class _PinnedMap(mmap.mmap):
 
     def register(self, ptr: int) -> None:
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(ptr, len(self), 0)
+        err = cudart.cudaHostRegister(ptr, len(self), 1)  # cudaHostRegisterPortable: pinned for every context
         if err != cudart.cudaError.success:
             raise RuntimeError(f"cudaHostRegister of {len(self)} bytes of host memory failed ({err}): "
                                f"lower the host memory in use or raise the locked-memory limit (ulimit -l)")
@@ -193,7 +193,7 @@ class _PinnedMap(mmap.mmap):
             torch.cuda.cudart().cudaHostUnregister(self.ptr)
 
 
-def pinned_empty(nbytes: int) -> torch.Tensor:
+def pinned_empty(nbytes: int, device: int | None = None) -> torch.Tensor:
     """uint8 [nbytes] of page-locked host memory of exactly `nbytes` bytes (plain host memory
     without CUDA), for `carve`. Not `torch.empty(..., pin_memory=True)`: torch's host caching
     allocator rounds every pinned block up to a power of two (at::CachingHostAllocator,
@@ -203,14 +203,21 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     recovery_1b_reserved_nvidia-h200-x2_2026-11-30.log). The pages are faulted in by torch's
     multi-threaded fill, then registered (as torch's `pinned_use_cuda_host_register` does,
     without cudaHostAlloc's long driver lock). Any view keeps the memory alive and pinned.
-    Raises RuntimeError when CUDA cannot register the memory."""
+    `device`: the CUDA device whose context registers it (for a call from another thread than
+    the rank's; None: the current one). Raises RuntimeError when CUDA cannot register the memory."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     owner = _PinnedMap(-1, nbytes)
     buf = torch.frombuffer(owner, dtype=torch.uint8).zero_()
     if torch.cuda.is_available():
-        owner.register(buf.data_ptr())
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            owner.register(buf.data_ptr())
     return buf
+
+
+def _pin_in_background(nbytes: int) -> concurrent.futures.Future:
+    """`pinned_empty(nbytes)` in the allocator thread, registered by this thread's device."""
+    return _ALLOCATOR.submit(pinned_empty, nbytes, torch.cuda.current_device() if torch.cuda.is_available() else None)
 
 # -- the model, and Hugging Face checkpoints (through mbridge) ----------------------------------
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # config.json model_type values model.hf_path may hold
@@ -1005,7 +1012,7 @@ class MegatronEngine:
                         "%.1f GB available; this rank pins it after it joins (slower first steps)",
                         nbytes / 1e9, mem.available / 1e9, mem.total / 1e9)
             return False
-        self._arena = _ALLOCATOR.submit(pinned_empty, nbytes)
+        self._arena = _pin_in_background(nbytes)
         return True
 
     def snapshot_nbytes(self) -> int:
@@ -1071,7 +1078,7 @@ class MegatronEngine:
                 self._arena.exception() or self._arena.result().numel() < need):
             self._arena = None  # pinning failed, or too small for this layout
         if self._arena is None:
-            self._arena = _ALLOCATOR.submit(pinned_empty, need)
+            self._arena = _pin_in_background(need)
             if self._trained_since_connect:
                 self._arena.result()  # a rank in steady training pins now (raises if it cannot)
         if self._arena.done():

@@ -289,7 +289,7 @@ def test_pinned_arena_is_exact_size_and_pinned_while_any_view_lives(monkeypatch)
     calls = []
     cudart = types.SimpleNamespace(
         cudaError=types.SimpleNamespace(success=0),
-        cudaHostRegister=lambda ptr, n, flags: calls.append(("register", ptr, n)) or 0,
+        cudaHostRegister=lambda ptr, n, flags: calls.append(("register", ptr, n, flags)) or 0,
         cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0)
     monkeypatch.setattr(megatron_engine.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(megatron_engine.torch.cuda, "cudart", lambda: cudart)
@@ -297,7 +297,7 @@ def test_pinned_arena_is_exact_size_and_pinned_while_any_view_lives(monkeypatch)
     state = {"w": torch.randn(1000, 3), "m": torch.randn(1000, 3)}
     nbytes = state_nbytes(state)
     arena = pinned_empty(nbytes)
-    assert calls == [("register", arena.data_ptr(), nbytes)] and arena.numel() == nbytes == 24064
+    assert calls == [("register", arena.data_ptr(), nbytes, 1)] and arena.numel() == nbytes == 24064
     views = carve(state, arena)
     del arena
     gc.collect()
