@@ -171,7 +171,6 @@ def carve(state, arena: torch.Tensor):
     return torch.utils._pytree.tree_map(view, state)
 
 
-
 class _PinnedMap(mmap.mmap):
     """Anonymous host memory (pages faulted in on first touch, no memset) page-locked with
     cudaHostRegister for as long as any tensor views it: `torch.frombuffer` keeps this object
@@ -218,6 +217,7 @@ def pinned_empty(nbytes: int, device: int | None = None) -> torch.Tensor:
 def _pin_in_background(nbytes: int) -> concurrent.futures.Future:
     """`pinned_empty(nbytes)` in the allocator thread, registered by this thread's device."""
     return _ALLOCATOR.submit(pinned_empty, nbytes, torch.cuda.current_device() if torch.cuda.is_available() else None)
+
 
 # -- the model, and Hugging Face checkpoints (through mbridge) ----------------------------------
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # config.json model_type values model.hf_path may hold
