@@ -29,8 +29,9 @@ Learning Research Clusters" (Meta, 2024) report a mean time to failure of about 
 
 Phase times come from our measurements: bench/results/recovery_cpu.json (full restart and the
 in-place recovery at N=8 on CPU), bench/results/scale_cpu.json (how each phase grows with the
-number of actors: a log-log fit, extrapolated to G, growth exponents clipped at >= 0), and
-bench/results/gpu/*.json when present (GPU recovery totals replace the CPU base values). The
+number of ranks: a fixed latency plus a cost per rank, fitted with the oversubscription of the
+one host those runs share, extrapolated linearly to G: `measured_model`), and
+bench/results/gpu/ (the GPU recovery benchmark's phases replace the fixed parts). The
 measured CPU full restart does not include the scheduler relaunch of a real cluster (queueing,
 container start, NCCL warm-up at thousands of ranks): `--relaunch-s` (default 600 s, an
 assumption, not a measurement) is added to it. Checkpoint costs: `--ckpt-stall-s` (training
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import glob
 import json
 import math
 import random
@@ -239,62 +239,94 @@ def _load(path: Path):
         return None
 
 
-def measured_model(results: Path = RESULTS, max_slope: float = 0.25) -> dict:
-    """Base phase times (seconds at `n0` actors) and growth exponents from the benchmark JSON,
-    each exponent clipped to [0, max_slope]: the CPU scale runs put N processes on a few cores,
-    so their growth includes CPU oversubscription that a cluster (one host per 8 ranks) does not
-    have; extrapolating it over four orders of magnitude would be meaningless."""
+PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s")
+LOCAL_PHASES = ("first_step_s",)  # each rank's work does not grow with its peers (compute)
+GPU_RUN = "recovery_1b_hostreg_nvidia-h200-x2_2026-11-30.json"  # newest GPU recovery benchmark (1.36B)
+
+
+def host_load(n: int, cores: int | None, phase: str = "rebuild_s") -> float:
+    """The load factor x of `phase` at n ranks: a rank's work, n (it grows with the peers:
+    connections, store clients) or 1 (LOCAL_PHASES), times the oversubscription of the host,
+    max(1, n / cores), when all n ranks share one host of `cores` cores (the CPU scale runs);
+    cores=None: a cluster, a core or more per rank."""
+    return (1 if phase in LOCAL_PHASES else n) * (max(1.0, n / cores) if cores else 1.0)
+
+
+def fit_phase(ns: list[int], ys: list[float], cores: int, phase: str) -> tuple[float, float]:
+    """(a, b) of y = a + b * host_load(n, cores, phase), a, b >= 0, by least squares on the
+    relative error (weights 1/y^2): a is the fixed latency (s), b the cost per unit of load (s)."""
+    xs = [host_load(n, cores, phase) for n in ns]
+    ws = [1 / max(y, 1e-6) ** 2 for y in ys]
+    sw = sum(ws)
+    mx, my = sum(w * x for w, x in zip(ws, xs)) / sw, sum(w * y for w, y in zip(ws, ys)) / sw
+    den = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / den if den else 0.0
+    if b <= 0:
+        return my, 0.0
+    a = my - b * mx
+    if a < 0:
+        return 0.0, sum(w * x * y for w, x, y in zip(ws, xs, ys)) / sum(w * x * x for w, x in zip(ws, xs))
+    return a, b
+
+
+def measured_model(results: Path = RESULTS, gpu_run: str = GPU_RUN) -> dict:
+    """Phase costs from the benchmark JSON: per phase a fixed latency a and a cost b per unit
+    of load, t(N) = a + b * host_load(N), fitted (`fit_phase`) to the actor-kill recoveries of
+    scale_cpu.json. Those runs put all N actors on one host of few cores, so each rank's work
+    (connecting to its N - 1 peers, the store's N clients) is also shared among the cores:
+    host_load = N * N / cores there, N on a cluster (N / cores and 1 for the first step's
+    compute). Without scale runs: the in-place recovery of recovery_cpu.json, flat (b = 0).
+    The GPU run `gpu/<gpu_run>` (bench/recovery.py on 2 x H200), when present, gives the fixed parts."""
     rec = _load(results / "recovery_cpu.json") or {}
     tl = rec.get("timeline", {})
-    base = {p: tl.get(p, 0.0) for p in ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s",
-                                         "first_step_s")}
-    model = {"n0": rec.get("config", {}).get("workers", 4) + rec.get("config", {}).get("spares", 4),
-             "base": base, "full_restart_s": rec.get("full_restart_s", 30.0),
-             "slope": {p: 0.0 for p in base}, "source": ["recovery_cpu.json"] if rec else []}
+    model = {"base": {p: tl.get(p, 0.0) for p in PHASES}, "per_rank": {p: 0.0 for p in PHASES},
+             "full_restart_s": rec.get("full_restart_s", 30.0), "source": ["recovery_cpu.json"] if rec else []}
     rows = _load(results / "scale_cpu.json")
-    if rows:
-        actor = [r for r in rows if r["failure"] == "actor"]
-        ns = sorted({r["n"] for r in actor})
-        if len(ns) >= 2:
-            from scale import loglog_slope  # noqa: E402  (bench/ is on sys.path)
-            for p in base:
-                med = [statistics.median(r[p] for r in actor if r["n"] == n) for n in ns]
-                model["measured_slope"] = model.get("measured_slope", {})
-                model["measured_slope"][p] = loglog_slope(ns, med)
-                model["slope"][p] = min(max_slope, max(0.0, loglog_slope(ns, med)))
-            model["n0"] = ns[0]
-            model["base"] = {p: statistics.median(r[p] for r in actor if r["n"] == ns[0]) for p in base}
-            model["scale_rows"] = {n: statistics.median(r["total_s"] for r in actor if r["n"] == n) for n in ns}
-            node = [r["total_s"] for r in rows if r["failure"] == "node"]
-            if node:
-                model["node_extra_s"] = max(0.0, statistics.median(node) - statistics.median(
-                    r["total_s"] for r in actor))
-            model["source"].append("scale_cpu.json")
-    gpu = [d for d in (_load(Path(p)) for p in sorted(glob.glob(str(results / "gpu" / "*.json"))))
-           if isinstance(d, dict) and d.get("recovery_s") and d.get("timeline")]
-    if gpu:
-        g = gpu[-1]["timeline"]
-        model["gpu_base"] = {p: g.get(p, 0.0) for p in base}
-        model["source"].append("gpu/*.json")
+    actor = [r for r in rows or [] if r["failure"] == "actor"]
+    ns = sorted({r["n"] for r in actor})
+    if len(ns) >= 2:
+        cores = (_load(results / "scale_cpu_fit.json") or {}).get("cores", 2)
+        med = {p: [statistics.median(r[p] for r in actor if r["n"] == n) for n in ns] for p in PHASES}
+        fits = {p: fit_phase(ns, med[p], cores, p) for p in PHASES}
+        held_out = {p: fit_phase(ns[:-1], med[p][:-1], cores, p) for p in PHASES} if len(ns) >= 3 else None
+        model.update(base={p: a for p, (a, _) in fits.items()}, per_rank={p: b for p, (_, b) in fits.items()},
+                     host_cores=cores, held_out=held_out,
+                     scale_rows={n: statistics.median(r["total_s"] for r in actor if r["n"] == n) for n in ns})
+        node = [r["total_s"] for r in rows if r["failure"] == "node"]
+        if node:
+            model["node_extra_s"] = max(0.0, statistics.median(node) - statistics.median(
+                r["total_s"] for r in actor))
+        model["source"].append("scale_cpu.json")
+    gpu = _load(results / "gpu" / gpu_run)
+    if gpu and gpu.get("timeline"):
+        model["gpu_base"] = {p: gpu["timeline"].get(p, 0.0) for p in PHASES}
+        model["source"].append(f"gpu/{gpu_run}")
     return model
 
 
-def phase_at(model: dict, phase: str, n: int, gpu: bool = True) -> float:
-    base = model.get("gpu_base", model["base"]) if gpu else model["base"]
-    return base[phase] * (max(n, model["n0"]) / model["n0"]) ** model["slope"][phase]
+def phase_at(model: dict, phase: str, n: int, gpu: bool = True, host_cores: int | None = None,
+             fit: dict | None = None) -> float:
+    """Seconds of `phase` at n ranks: the fixed part (the GPU run's when `gpu` and measured) plus
+    the cost per unit of load times `host_load(n, host_cores, phase)`; `fit`: {phase: (a, b)}
+    instead of the model's."""
+    a, b = fit[phase] if fit else (model["base"][phase], model["per_rank"][phase])
+    if gpu and "gpu_base" in model:
+        a = model["gpu_base"][phase]
+    return a + b * host_load(n, host_cores, phase)
 
 
-def predicted_recovery_s(model: dict, n: int, gpu: bool = False) -> float:
-    """Predicted total of an in-place recovery with peer restore at n actors."""
-    return sum(phase_at(model, p, n, gpu) for p in model["base"])
+def predicted_recovery_s(model: dict, n: int, gpu: bool = False, host_cores: int | None = None,
+                         fit: dict | None = None) -> float:
+    """Predicted total of an in-place recovery with peer restore at n ranks."""
+    return sum(phase_at(model, p, n, gpu, host_cores, fit) for p in PHASES)
 
 
 def costs_for(model: dict, gpus: int, args) -> Costs:
     inplace = sum(phase_at(model, p, gpus) for p in ("abort_s", "replace_s", "rebuild_s", "first_step_s"))
-    growth = (max(gpus, model["n0"]) / model["n0"]) ** model["slope"]["rebuild_s"]
+    rebuild_growth = phase_at(model, "rebuild_s", gpus, gpu=False) - model["base"]["rebuild_s"]
     return Costs(detect_s=phase_at(model, "detect_s", gpus), inplace_s=inplace,
                  peer_restore_s=phase_at(model, "restore_s", gpus), ckpt_load_s=args.ckpt_load_s,
-                 restart_s=args.relaunch_s + model["full_restart_s"] * growth + args.ckpt_load_s,
+                 restart_s=args.relaunch_s + model["full_restart_s"] + rebuild_growth + args.ckpt_load_s,
                  ckpt_stall_s=args.ckpt_stall_s, step_s=args.step_s, refill_s=args.refill_h * 3600,
                  node_extra_s=model.get("node_extra_s", 0.0))
 
@@ -352,11 +384,17 @@ def plan_one(gpus: int, args, model: dict) -> dict:
 
 
 def validate(model: dict) -> list[dict]:
-    """The planner's predicted recovery time for each measured N against the measurement."""
+    """The planner's predicted recovery time for each measured N against the measurement (N
+    ranks on one host of `host_cores` cores): `fit` from all scale runs, and `held_out` from
+    the runs without the largest N (a true prediction for that N)."""
     rows = []
     for n, measured in sorted(model.get("scale_rows", {}).items()):
-        pred = predicted_recovery_s(model, n, gpu=False)
-        rows.append({"n": n, "measured_s": measured, "predicted_s": pred, "error": pred / measured - 1})
+        row = {"n": n, "measured_s": measured}
+        for name, fit in (("fit", None), ("held_out", model.get("held_out"))):
+            if name == "fit" or fit:
+                pred = predicted_recovery_s(model, n, host_cores=model["host_cores"], fit=fit)
+                row |= {f"{name}_predicted_s": pred, f"{name}_error": pred / measured - 1}
+        rows.append(row)
     return rows
 
 
@@ -396,22 +434,22 @@ def main(argv=None) -> dict:
     p.add_argument("--step-s", type=float, default=10.0, help="seconds per training step")
     p.add_argument("--refill-h", type=float, default=2.0, help="hours until a used spare is replaced")
     p.add_argument("--spares", type=int, default=None, help="spare GPUs (default: the recommended count)")
-    p.add_argument("--max-slope", type=float, default=0.25,
-                   help="clip the measured growth exponents (phase ~ N^slope) to this (see measured_model)")
     p.add_argument("--traces", type=int, default=3, help="failure traces averaged per point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", default=str(RESULTS), help="where the benchmark JSON is read")
+    p.add_argument("--gpu-run", default=GPU_RUN, help="GPU recovery JSON under RESULTS/gpu for the fixed phase costs")
     p.add_argument("--out", default=str(RESULTS / "plan.json"))
     p.add_argument("--png", default=str(RESULTS / "plan.png"))
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    model = measured_model(Path(args.results), args.max_slope)
+    model = measured_model(Path(args.results), args.gpu_run)
     results = [plan_one(g, args, model) for g in args.gpus]
     checks = validate(model)
 
-    print(f"phase model from {', '.join(model['source']) or 'defaults'}: base at n0={model['n0']} "
-          + ", ".join(f"{k[:-2]} {v:.3f}s" for k, v in model.get("gpu_base", model["base"]).items())
-          + "; growth N^" + "/".join(f"{model['slope'][k]:.2f}" for k in model["base"]))
+    print(f"phase model from {', '.join(model['source']) or 'defaults'}: seconds = fixed + b x load "
+          f"(load on a cluster: N ranks, 1 for the first step): "
+          + ", ".join(f"{k[:-2]} {model.get('gpu_base', model['base'])[k]:.3f} + {model['per_rank'][k]:.2g}"
+                      for k in PHASES))
     print(f"failure rates: {args.gpu_rate:.3g}/GPU-h, {args.node_rate:.3g}/node-h; {args.days:g} days; "
           f"assumed: ckpt stall {args.ckpt_stall_s:g}s, ckpt load {args.ckpt_load_s:g}s, "
           f"relaunch {args.relaunch_s:g}s, refill {args.refill_h:g}h, step {args.step_s:g}s")
@@ -434,10 +472,12 @@ def main(argv=None) -> dict:
               f"{r['recommended_interval_h_restart']:.2f} h (restart; Young {r['young_interval_h']:.2f} h), "
               f"{r['recommended_interval_h_ours']:.2f} h (ours)")
     if checks:
-        print("\nvalidation against the measured scale runs (predicted in-place recovery, CPU):")
+        print(f"\nvalidation against the measured scale runs (in-place recovery, N ranks on one "
+              f"{model['host_cores']}-core host; held out: fitted without the largest N):")
         for c in checks:
-            print(f"  N={c['n']}: measured {c['measured_s']:.3f}s, predicted {c['predicted_s']:.3f}s "
-                  f"({100 * c['error']:+.0f}%)")
+            print(f"  N={c['n']}: measured {c['measured_s']:.3f}s, predicted {c['fit_predicted_s']:.3f}s "
+                  f"({100 * c['fit_error']:+.0f}%)" + (f", held out {c['held_out_predicted_s']:.3f}s "
+                  f"({100 * c['held_out_error']:+.0f}%)" if "held_out_error" in c else ""))
     out = {"args": vars(args), "model": model, "results": results, "validation": checks}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
