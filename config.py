@@ -7,7 +7,9 @@ dtype) from what this machine has.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ class ClusterConfig:
     num_workers: int = 4
     num_spares: int = 4
     cpus_per_actor: float = 0.25
-    gpus_per_actor: float = 1.0
+    gpus_per_actor: float | str = "auto"
     device: str = "auto"
     ray_address: typing.Optional[str] = None
     ray_num_cpus: typing.Optional[int] = None
@@ -168,8 +170,13 @@ CHOICES = {
 def _check_type(value, hint, name: str):
     """Return `value` converted to `hint` (int -> float allowed) or raise ConfigError."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return None if value is None else _check_type(value, args[0], name)
+        if value is None:
+            return None
+        *first, last = [a for a in typing.get_args(hint) if a is not type(None)]
+        for a in first:  # the first type the value converts to (float | str: 0.5 -> 0.5, "auto")
+            with contextlib.suppress(ConfigError):
+                return _check_type(value, a, name)
+        return _check_type(value, last, name)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
         try:
             value = float(value)
@@ -250,8 +257,8 @@ def validate(cfg: Config) -> None:
     _require(c.num_nodes >= 1, "cluster.num_nodes", "must be >= 1")
     _require(c.gpus_per_node >= 0, "cluster.gpus_per_node", "must be >= 0")
     _require(c.cpus_per_actor > 0, "cluster.cpus_per_actor", "must be > 0 (fractions allowed)")
-    _require(0 < c.gpus_per_actor <= 1, "cluster.gpus_per_actor",
-             "must be in (0, 1]; use a fraction such as 0.5 to let a spare share a GPU")
+    _require(c.gpus_per_actor == "auto" or isinstance(c.gpus_per_actor, float) and 0 < c.gpus_per_actor <= 1,
+             "cluster.gpus_per_actor", "must be auto or in (0, 1]; use a fraction such as 0.5 to let a spare share a GPU")
     for name in ("tp", "pp", "cp"):
         _require(getattr(cfg.parallel, name) >= 1, f"parallel.{name}", "must be >= 1")
     try:
@@ -445,6 +452,9 @@ def preflight(cfg: Config, resources: dict) -> None:
     need = {"CPU": n * c.cpus_per_actor}
     if c.device == "cuda":
         need["GPU"] = n * c.gpus_per_actor
+        _require(c.num_workers <= resources.get("GPU", 0.0) + 1e-9, "cluster.num_workers",
+                 f"{c.num_workers} ranks on {resources.get('GPU', 0.0):g} GPUs would put two ranks of the "
+                 f"process group on one GPU; lower cluster.num_workers (and the parallel sizes) or add GPUs")
     for res, amount in need.items():
         have = resources.get(res, 0.0)
         _require(amount <= have + 1e-9, "cluster.num_workers",
@@ -484,5 +494,9 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
              "Megatron-Core models need GPUs; set model.engine=torch (or auto) on a CPU machine")
     if cfg.model.dtype == "auto":
         cfg.model.dtype = "bfloat16" if cuda else "float32"
+    c = cfg.cluster
+    if c.gpus_per_actor == "auto":  # a whole GPU each, or 1/k of one when a local Ray has too few
+        k = math.ceil((c.num_workers + c.num_spares) / num_gpus) if cuda and c.ray_address is None else 1
+        c.gpus_per_actor = 1.0 / k
     validate(cfg)
     return cfg
