@@ -37,7 +37,10 @@ config's sizes (config defaults + `--set`; see bench/results/gpu/run_checkpoint_
           each file) + `ckpt.commit`: the stall. The raw write is one stream from host memory;
           `raw_write_incl_d2h_gbps` counts the device-to-host copy too.
   async   `save_checkpoint(..., async_save=True)` (Megatron's async save: planning + host copy
-          in the call = async_stall_s), then `PendingSave.result()` + commit (async_total_s).
+          in the call = async_stall_s), then `PendingSave.result()` + commit (async_total_s);
+          `sharded_state_s`: building the model's and optimizer's sharded state dicts alone
+          (part of every save's stall; with the distributed optimizer, its fully_reshardable
+          state in model-parameter space). Repeat 2+ reuse the async save's pinned memory.
   load    the live state is zeroed, the page cache of the checkpoint dropped, `verify_s` is
           `ckpt.latest_verified()`, then `engine.load_checkpoint(ckpt, manifest, 0)` and
           `torch.cuda.synchronize()`; `load_matches`: every state tensor's sum (float64, on the
@@ -354,6 +357,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
         if step:  # one copy of the state on disk at a time
             shutil.rmtree(ckpt._step_path(step), ignore_errors=True)
         step += 1  # async: the stall is the call (planning + host copy); the rest runs behind it
+        r["sharded_state_s"], _ = timed(lambda: engine._sharded_state(False, True))
         gc.collect()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
