@@ -206,7 +206,7 @@ def pinned_empty(nbytes: int, device: int | None = None) -> torch.Tensor:
     the rank's; None: the current one). Raises RuntimeError when CUDA cannot register the memory."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    owner = _PinnedMap(-1, nbytes)
+    owner = _PinnedMap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc's large blocks
     buf = torch.frombuffer(owner, dtype=torch.uint8).zero_()
     if torch.cuda.is_available():
         with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
