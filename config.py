@@ -495,8 +495,8 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
     if cfg.model.dtype == "auto":
         cfg.model.dtype = "bfloat16" if cuda else "float32"
     c = cfg.cluster
-    if c.gpus_per_actor == "auto":  # a whole GPU each, or 1/k of one when a local Ray has too few
-        k = math.ceil((c.num_workers + c.num_spares) / num_gpus) if cuda and c.ray_address is None else 1
-        c.gpus_per_actor = 1.0 / k
+    if c.gpus_per_actor == "auto":  # a whole GPU each, or 1/k of one when there are too few
+        gpus = c.gpus_per_node * c.num_nodes if c.gpus_per_node else num_gpus if c.ray_address is None else 0
+        c.gpus_per_actor = 1.0 / (math.ceil((c.num_workers + c.num_spares) / gpus) if cuda and gpus else 1)
     validate(cfg)
     return cfg

@@ -66,3 +66,24 @@ def test_resolve_auto_on_cpu_and_gpu():
         resolve(load_config("config.yaml", ["model.engine=megatron"]), num_gpus=0)
     with pytest.raises(ConfigError, match="^cluster.device"):
         resolve(load_config("config.yaml", ["cluster.device=cuda"]), num_gpus=0)
+
+
+@pytest.mark.parametrize("gpus, sets, expected", [
+    (8, [], 1.0), (4, [], 0.5), (3, [], 1 / 3), (0, [], 1.0),          # 4 workers + 4 spares
+    (4, ["cluster.gpus_per_actor=1"], 1.0),                             # explicit value kept
+    (1, ["cluster.gpus_per_node=8", "cluster.num_nodes=2", "cluster.num_workers=8", "parallel.tp=2",
+         "cluster.ray_address=auto"], 1.0),                             # 16 GPUs in the config
+    (1, ["cluster.gpus_per_node=2", "cluster.num_nodes=2", "cluster.num_workers=4"], 0.5)])
+def test_gpus_per_actor_auto_fits_actors_on_the_gpus(gpus, sets, expected):
+    """auto: one GPU per actor, or 1/k of one when the GPUs (gpus_per_node x num_nodes, else a
+    local Ray's) are fewer than workers + spares; on CPU 1.0 (unused)."""
+    assert resolve(load_config("config.yaml", sets), num_gpus=gpus).cluster.gpus_per_actor == pytest.approx(expected)
+
+
+def test_preflight_refuses_two_ranks_on_one_gpu():
+    from config import preflight
+
+    cfg = resolve(load_config("config.yaml", ["checkpoint.uri=/tmp/ft-preflight-test"]), num_gpus=2)
+    assert cfg.cluster.gpus_per_actor == 0.25  # 8 actors on 2 GPUs
+    with pytest.raises(ConfigError, match="^cluster.num_workers: 4 ranks on 2 GPUs would put two ranks"):
+        preflight(cfg, {"CPU": 8.0, "GPU": 2.0})
