@@ -121,6 +121,7 @@ class FaultToleranceConfig:
     min_dp: typing.Optional[int] = None
     refill_spares: bool = True
     memory_snapshot_interval: int = 0
+    nccl_eager_init: bool = True
 
 
 @dataclass

@@ -304,7 +304,7 @@ class MegatronActor:
         dist.init_process_group("nccl" if cuda else "gloo", store=store,
                                 rank=rank, world_size=dims.world_size,
                                 timeout=datetime.timedelta(seconds=ft.step_timeout_s),
-                                device_id=torch.device("cuda", 0) if cuda else None)
+                                device_id=torch.device("cuda", 0) if cuda and ft.nccl_eager_init else None)
         t2 = time.perf_counter()
         self.engine.connect(dims, rank)
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
