@@ -72,8 +72,11 @@ def configure_host_allocator() -> None:
     pytorch/pytorch#108488). cudaHostAlloc holds a CUDA driver lock for the whole allocation,
     and a step's kernel launches wait on it: pinning a freshly joined rank's ~22 GB snapshot
     buffers (1.36B params) in the background made its first step take 20.4 s instead of 1.3 s
-    (bench/results/gpu/first_step_probe_nvidia-h200-x2_2026-11-30.json). Call before CUDA is
-    initialised in the process; settings already in PYTORCH_CUDA_ALLOC_CONF are kept."""
+    (bench/results/gpu/first_step_probe_nvidia-h200-x2_2026-11-30.json). The engine's own
+    buffers now come from `pinned_empty` (the same registration path, exact size); this
+    covers what still pins through torch, e.g. Megatron's device-to-host copy in a synchronous
+    save. Call before CUDA is initialised in the process; settings already in
+    PYTORCH_CUDA_ALLOC_CONF are kept."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "pinned_use_cuda_host_register" not in conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, HOST_ALLOC_CONF]))
@@ -216,7 +219,8 @@ def pinned_empty(nbytes: int, device: int | None = None) -> torch.Tensor:
 
 def _pin_in_background(nbytes: int) -> concurrent.futures.Future:
     """`pinned_empty(nbytes)` in the allocator thread, registered by this thread's device."""
-    return _ALLOCATOR.submit(pinned_empty, nbytes, torch.cuda.current_device() if torch.cuda.is_available() else None)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return _ALLOCATOR.submit(pinned_empty, nbytes, device)
 
 
 # -- the model, and Hugging Face checkpoints (through mbridge) ----------------------------------
@@ -696,13 +700,12 @@ class MegatronEngine:
         self._connected = False
 
     def _build(self) -> None:
+        from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
-
-        from megatron.core import parallel_state as ps
 
         m, t, d = self.cfg.model, self.cfg.train, self.dims
         dtype = torch.bfloat16 if self.bf16 else torch.float32
@@ -1273,9 +1276,8 @@ class PendingSave:
         # GPU tensors: non-blocking copies into one exact-size pinned arena (`pinned_empty`,
         # reused by the next save) and one sync, not a pageable copy per tensor.
         gpu = [t for _, _, (_, tensors) in args[1] for _, t in tensors if t.is_cuda]
-        arena = _SAVE_ARENA.pop() if _SAVE_ARENA else None
-        self._arena = arena if arena is not None and arena.numel() >= state_nbytes(gpu) else \
-            pinned_empty(state_nbytes(gpu))
+        need, arena = state_nbytes(gpu), _SAVE_ARENA.pop() if _SAVE_ARENA else None
+        self._arena = arena if arena is not None and arena.numel() >= need else pinned_empty(need)
         host = iter(carve(gpu, self._arena))
         args[1] = [(f, k, (b, [(item, next(host).copy_(t.detach(), non_blocking=True) if t.is_cuda
                                 else t.detach().clone()) for item, t in tensors]))

@@ -5,9 +5,8 @@ Each variant runs in its own process on GPU 0 (world size 1, the recovery bench'
 no distributed optimizer: rollback snapshots on) and times, with a device sync after each, the
 first steps of a rank in the state of a restored spare (built, connected, step 3), then the first
 step after a reconnect (a survivor's view of a recovery):
-- `spare`: as the product runs it (the rollback snapshot buffers are pinned in a background
-  thread while the first step runs, through `megatron_engine.configure_host_allocator`);
-- `spare_cudahostalloc`: as `spare` with torch's default pinned allocation (cudaHostAlloc);
+- `spare`: a spare that reserved nothing: its rollback snapshot buffers are pinned
+  (`megatron_engine.pinned_empty`) in a background thread while the first step runs;
 - `spare_reserved`: the snapshot memory pinned before the rank joins (what `MegatronActorGroup`
   has pre-warmed spares do: `MegatronEngine.reserve_host_memory`), then as `spare`;
 - `no_snapshot`: no rollback snapshot at all (isolates the pinned allocation);
@@ -43,8 +42,7 @@ def _variant(name: str) -> dict:
     from training_batch import synthetic_batch
 
     cfg = resolve(load_config(None, MODEL), num_gpus=1)
-    if name != "spare_cudahostalloc":
-        megatron_engine.configure_host_allocator()
+    megatron_engine.configure_host_allocator()
     torch.cuda.set_device(0)
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
 
