@@ -3,6 +3,7 @@ operator sees: the Ray metrics scraped from the node's Prometheus endpoint, the 
 lines, the plots in run_dir; and `--dry-run` (config + placement plan, no Ray)."""
 import argparse
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -34,15 +35,18 @@ def ray_metrics():
         os.environ["RAY_metrics_report_interval_ms"] = saved
 
 
-def scrape(url: str, names: set[str], timeout_s: float = 30.0) -> dict:
-    """(sample name, frozenset of our tags) -> value, once every name in `names` is exported."""
+def scrape(url: str, expect: dict, timeout_s: float = 30.0) -> dict:
+    """(sample name, frozenset of our tags) -> value, once every sample in `expect` has its
+    expected value (the metrics agent exports what the driver recorded ~0.5-2 s later, one
+    metric at a time); after `timeout_s` the samples as they are, for the asserts to report."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
         samples = {(s.name, frozenset((k, v) for k, v in s.labels.items() if k in ("kind", "phase", "le"))): s.value
                    for fam in text_string_to_metric_families(text) for s in fam.samples
                    if s.name.startswith("ray_ft_")}
-        if names <= {n for n, _ in samples} or time.monotonic() > deadline:
+        if all(k in samples and math.isclose(samples[k], v, abs_tol=1e-6) for k, v in expect.items()) \
+                or time.monotonic() > deadline:
             return samples
         time.sleep(0.5)
 
@@ -71,16 +75,17 @@ def test_train_exports_metrics_logs_events_and_plots(ray_metrics, tmp_path, caps
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # metrics, read back from the Prometheus endpoint of the node's metrics agent
-    m = scrape(ray_metrics, {"ray_ft_recoveries_total", "ray_ft_spares_available",
-                             "ray_ft_checkpoint_save_stall_seconds_count", "ray_ft_step_seconds_count"})
-    assert m[("ray_ft_recoveries_total", frozenset({("kind", "crash")}))] == 1
-    assert m[("ray_ft_spares_available", frozenset())] == 0  # the one spare replaced rank 1
-    assert m[("ray_ft_step_seconds_count", frozenset())] == 4
-    assert m[("ray_ft_checkpoint_save_stall_seconds_count", frozenset())] == 2
+    expect = {("ray_ft_recoveries_total", frozenset({("kind", "crash")})): 1,
+              ("ray_ft_spares_available", frozenset()): 0,  # the one spare replaced rank 1
+              ("ray_ft_step_seconds_count", frozenset()): 4,
+              ("ray_ft_checkpoint_save_stall_seconds_count", frozenset()): 2,
+              ("ray_ft_loss", frozenset()): last_loss,
+              **{("ray_ft_recovery_phase_seconds_count", frozenset({("phase", phase)})): 1
+                 for phase in ("detect", "abort", "replace", "rebuild", "restore", "first_step", "total")}}
+    m = scrape(ray_metrics, expect)
+    for key, value in expect.items():
+        assert m.get(key) == pytest.approx(value, abs=1e-6), key
     assert m[("ray_ft_throughput_tokens_per_s", frozenset())] > 0
-    assert m[("ray_ft_loss", frozenset())] == pytest.approx(last_loss, abs=1e-6)
-    for phase in ("detect", "abort", "replace", "rebuild", "restore", "first_step", "total"):
-        assert m[("ray_ft_recovery_phase_seconds_count", frozenset({("phase", phase)}))] == 1
     assert m[("ray_ft_recovery_phase_seconds_sum", frozenset({("phase", "total")}))] > 0
 
 
