@@ -14,6 +14,7 @@ results of an aborted generation even when no error came (an aborted NCCL collec
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import logging
@@ -100,6 +101,62 @@ def abort_process_groups() -> None:
     _abort_process_group()
 
 
+@contextlib.contextmanager
+def recording_new_sockets(into: dict[int, str]):
+    """Record in `into` (fd -> 'socket:[inode]') every socket this process opens inside the block.
+
+    Why: gloo has no abort (torch 2.13's ProcessGroupGloo keeps Backend's no-op `abort`), so a
+    rank blocked in a gloo collective is freed only when a socket of that collective fails.
+    Without help that happens when a neighbour's process group is destroyed, one ring hop at a
+    time: measured with 24 ranks on 2 cores, the last survivor was freed 1.35 s after the first
+    (bench/scale.py). `shutdown_sockets` on what gloo opened frees every rank at once. Linux only
+    (/proc/self/fd); elsewhere nothing is recorded and aborts fall back to that cascade."""
+    before = set(_socket_links().values())
+    try:
+        yield into
+    finally:
+        into.update({fd: link for fd, link in _socket_links().items() if link not in before})
+
+
+def _socket_links() -> dict[int, str]:
+    links = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return links
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            links[int(fd)] = link
+    return links
+
+
+def shutdown_sockets(sockets: dict[int, str]) -> int:
+    """`shutdown(SHUT_RDWR)` each connected TCP socket of `sockets` (from `recording_new_sockets`)
+    that is still the same socket (its fd may have been closed and reused since); the fds stay
+    open for their owner to close. Both ends of each connection then fail their pending reads
+    and writes. Returns how many were shut down."""
+    import socket
+
+    live, n = _socket_links(), 0
+    for fd, link in sockets.items():
+        if live.get(fd) != link:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                # Not a listening socket: gloo's listener treats a failed accept as fatal
+                # (GLOO_ENFORCE in tcp/listener.cc: the process aborts).
+                if s.type == socket.SOCK_STREAM and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    s.shutdown(socket.SHUT_RDWR)
+                    n += 1
+        except OSError:  # closed meanwhile, or not connected
+            pass
+    return n
+
+
 def close_open_nccl_groups() -> None:
     """Close NCCL group calls left open on the calling thread. torch's `_coalescing_manager`
     (behind `batch_isend_irecv`, which Megatron's pipeline p2p uses) opens an ncclGroupStart and
@@ -168,6 +225,7 @@ class MegatronActor:
         self.faults: dict[str, str] = {}  # point -> kind, armed by arm_fault
         self._abort_epoch = 0             # bumped by abort(): cancels a join in progress
         self._store = None                # ((host, port), TCPStore client of the driver's store)
+        self._gloo_sockets: dict[int, str] = {}  # what this generation's gloo groups opened
         self._pending_save = None         # futures of an async checkpoint write
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
         self._send: threading.Thread | None = None  # the in-memory snapshot being sent
@@ -221,6 +279,8 @@ class MegatronActor:
         t0 = time.perf_counter()
         self.generation = None
         self._abort_epoch += 1
+        shutdown_sockets(self._gloo_sockets)
+        self._gloo_sockets = {}
         if dist.is_initialized():
             # An abort that does not return gets this actor replaced; leave the stacks of every
             # thread in its log so the cause can be read afterwards.
@@ -277,6 +337,7 @@ class MegatronActor:
         self.engine.disconnect()
         if dist.is_initialized():  # a generation whose forming was cancelled by an abort
             abort_process_groups()
+        self._gloo_sockets = {}
         cuda = self.cfg.cluster.device == "cuda"
         if cuda:
             close_open_nccl_groups()
@@ -301,10 +362,11 @@ class MegatronActor:
                                    f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s")
             time.sleep(0.01)
         t1 = time.perf_counter()
-        dist.init_process_group("nccl" if cuda else "gloo", store=store,
-                                rank=rank, world_size=dims.world_size,
-                                timeout=datetime.timedelta(seconds=ft.step_timeout_s),
-                                device_id=torch.device("cuda", 0) if cuda and ft.nccl_eager_init else None)
+        with recording_new_sockets(self._gloo_sockets) if not cuda else contextlib.nullcontext():
+            dist.init_process_group("nccl" if cuda else "gloo", store=store,
+                                    rank=rank, world_size=dims.world_size,
+                                    timeout=datetime.timedelta(seconds=ft.step_timeout_s),
+                                    device_id=torch.device("cuda", 0) if cuda and ft.nccl_eager_init else None)
         t2 = time.perf_counter()
         self.engine.connect(dims, rank)
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
@@ -419,7 +481,9 @@ class MegatronActor:
             engine.broadcast_from(src_rank)
             return
         import torch.distributed as dist
-        full, engine.dp_group = engine.dp_group, dist.new_group(sorted(ranks), use_local_synchronization=True)
+        with recording_new_sockets(self._gloo_sockets):
+            group = dist.new_group(sorted(ranks), use_local_synchronization=True)
+        full, engine.dp_group = engine.dp_group, group
         try:
             engine.broadcast_from(src_rank)
         finally:

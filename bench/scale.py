@@ -111,14 +111,14 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
         for line in group.placement_report:
             print("  " + line)
         trainer = Trainer(cfg, group)
-        trainer.train(2)
+        trainer.train(4)  # steps 2-4: the steady step time
         spares = len(group.pool)
         for i in range(repeats):  # (a) one killed actor
             victim = (1 + 5 * i) % len(group.workers)
             ray.kill(group.workers[victim].handle, no_restart=True)
             trainer.failed_at = time.time()
             trainer.train(trainer.committed_step + 2)
-            rows.append({"n": n, "failure": "actor", **_row(trainer.recoveries[-1])})
+            rows.append({"n": n, "failure": "actor", **_row(trainer.recoveries[-1]), "step_s": steady_step_s(trainer)})
             wait_refilled(group, spares)
         for i in range(repeats):  # (b) one killed node
             by_node: dict[str, int] = {}
@@ -135,7 +135,8 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
             cluster.remove_node(handle, allow_graceful=False)
             trainer.failed_at = time.time()
             trainer.train(trainer.committed_step + 2)
-            rows.append({"n": n, "failure": "node", "node_ranks": by_node[victim], **_row(trainer.recoveries[-1])})
+            rows.append({"n": n, "failure": "node", "node_ranks": by_node[victim], **_row(trainer.recoveries[-1]),
+                         "step_s": steady_step_s(trainer)})
     finally:
         if group is not None:
             group.shutdown()
@@ -146,11 +147,18 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
     return rows, actor_mb
 
 
+def steady_step_s(trainer: Trainer) -> float:
+    """Median seconds of the steps so far, first steps after a (re)formed group excluded: what
+    the first step after a recovery costs with no recovery at all."""
+    firsts = {1} | {tl.restored_step + 1 for tl in trainer.recoveries}
+    return round(statistics.median(t for s, t in enumerate(trainer.step_times, 1) if s not in firsts), 4)
+
+
 def _row(tl) -> dict:
     d = tl.to_dict()
     d["control_s"] = d["total_s"] - d["first_step_s"]  # without the first step (data plane)
     return {**{p: d[p] for p in PHASES}, "failed_ranks": len(tl.failed_ranks), "restore_source": tl.restore_source,
-            "steps_lost": tl.steps_lost, "attempts": tl.attempts}
+            "steps_lost": tl.steps_lost, "attempts": tl.attempts, "rebuild_detail": d.get("rebuild_detail", {})}
 
 
 def loglog_slope(ns: list[float], ys: list[float]) -> float:

@@ -1,14 +1,20 @@
 """Scenarios reported by people running such systems, restated as tests (real Ray actors, real
 gloo groups, real processes killed and stopped)."""
+import datetime
 import gc
+import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import ray
+import torch
+import torch.distributed as dist
 
 from config import load_config, resolve
-from megatron_actor import MegatronActorGroup
+from megatron_actor import MegatronActorGroup, recording_new_sockets, shutdown_sockets
+from storage_servers import free_port
 from trainer import Trainer
 
 
@@ -108,3 +114,55 @@ def test_new_group_forms_while_old_store_port_is_in_time_wait_or_taken(ray_sessi
             second.shutdown()
     finally:
         squatter.close()
+
+
+def _gloo_rank(rank: int, port: int, out) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    sockets: dict[int, str] = {}
+    with recording_new_sockets(sockets):
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=300))
+    if rank == 0:
+        errors: list[str] = []
+
+        def all_reduce():
+            try:
+                dist.all_reduce(torch.ones(4))
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        t = threading.Thread(target=all_reduce, daemon=True)
+        t.start()
+        t.join(1.0)
+        blocked = t.is_alive()
+        shut = shutdown_sockets(sockets)
+        t.join(20.0)
+        out.put({"blocked_before": blocked, "shut": shut, "freed": not t.is_alive(), "errors": errors})
+        store.set("done", "1")
+    else:  # hung but alive: never enters the collective, keeps its sockets open
+        store.wait(["done"])
+    out.close()
+    out.join_thread()
+    os._exit(0)  # no process-group teardown at exit: the point is what happened above
+
+
+def test_abort_frees_a_gloo_collective_whose_peer_is_alive_but_hung():
+    """gloo has no abort of its own: without `shutdown_sockets` a rank waiting in an all-reduce on
+    a hung (not dead) peer stays blocked until the group's timeout (300 s here)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        result = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert result["blocked_before"] and result["shut"] >= 1, result
+    assert result["freed"], result
+    assert result["errors"] and "closed" in result["errors"][0].lower(), result
