@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import threading
 import time
 
 import torch
@@ -45,6 +46,11 @@ def build_hf_model(cfg: Config) -> torch.nn.Module:
         hf_cfg, attn_implementation="eager")
 
 
+class Interrupted(RuntimeError):
+    """A step cut short by `TorchEngine.interrupt` (its generation was aborted); the rollback
+    that follows discards what it changed."""
+
+
 class TorchEngine:
     """Model, AdamW optimizer and cosine LR schedule of one rank (CPU, float32).
 
@@ -66,6 +72,14 @@ class TorchEngine:
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
+        # An aborted step stops at the next module or gradient instead of running to its end:
+        # with many ranks sharing a host's cores, the slowest survivor's remaining compute held
+        # up the next generation (bench/scale.py: rendezvous 1.13 s at N=64 on 2 cores).
+        self._interrupt = threading.Event()
+        for m in self.module.modules():
+            m.register_forward_pre_hook(self._check_interrupt)
+        for p in self.module.parameters():
+            p.register_post_accumulate_grad_hook(self._check_interrupt)
         self.reset()
 
     def _build_rl_modules(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
@@ -110,9 +124,20 @@ class TorchEngine:
         may be a fresh spare); recovery restores state explicitly (rollback / broadcast_from)."""
         # The torch engine is data-parallel only (config validation), so the DP group is WORLD.
         self.dp_group = dist.group.WORLD
+        self._interrupt.clear()
         self.ddp = DDP(self.module, process_group=self.dp_group, broadcast_buffers=False,
                        init_sync=False)
         self.ddp.register_comm_hook(self.dp_group, self._allreduce_hook)
+
+    def interrupt(self) -> None:
+        """Make the running step (or rollout) raise `Interrupted` at its next module forward or
+        parameter gradient; called from another thread when the generation is aborted. Cleared
+        by `connect`. A step's own collectives are freed by the abort itself."""
+        self._interrupt.set()
+
+    def _check_interrupt(self, *_) -> None:
+        if self._interrupt.is_set():
+            raise Interrupted("step interrupted: its process-group generation was aborted")
 
     def _allreduce_hook(self, group, bucket):
         """Average the bucket's gradients over the DP group, one collective per parameter.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 
@@ -31,10 +32,27 @@ GCS_BUCKET = "test-bucket"
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range.
+
+    Why not `bind(0)`: that hands out an ephemeral port, which any outgoing connection (Ray's,
+    gloo's) may later take as its local port; a server stopped and restarted on the same port
+    (the storage-outage test) then cannot bind it again. The range used, up to 12,000 ports
+    below the ephemeral ones, also stays clear of Ray's worker ports (10002-19999 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 below {low}")
 
 
 def _wait_listening(port: int, timeout_s: float = 10.0) -> None:

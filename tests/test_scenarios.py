@@ -2,11 +2,10 @@
 gloo groups, real processes killed and stopped)."""
 import datetime
 import gc
-import multiprocessing
+import math
 import os
 import signal
 import threading
-import time
 
 import ray
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 from config import load_config, resolve
 from megatron_actor import MegatronActorGroup, recording_new_sockets, shutdown_sockets
-from storage_servers import free_port
+from ranks import spawn_ranks
 from trainer import Trainer
 
 
@@ -116,53 +115,85 @@ def test_new_group_forms_while_old_store_port_is_in_time_wait_or_taken(ray_sessi
         squatter.close()
 
 
-def _gloo_rank(rank: int, port: int, out) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=60))
+
+def _gloo_rank(rank: int, world: int, store) -> dict:
     sockets: dict[int, str] = {}
     with recording_new_sockets(sockets):
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
-    if rank == 0:
-        errors: list[str] = []
-
-        def all_reduce():
-            try:
-                dist.all_reduce(torch.ones(4))
-            except RuntimeError as e:
-                errors.append(str(e))
-
-        t = threading.Thread(target=all_reduce, daemon=True)
-        t.start()
-        t.join(1.0)
-        blocked = t.is_alive()
-        shut = shutdown_sockets(sockets)
-        t.join(20.0)
-        out.put({"blocked_before": blocked, "shut": shut, "freed": not t.is_alive(), "errors": errors})
-        store.set("done", "1")
-    else:  # hung but alive: never enters the collective, keeps its sockets open
+    if rank == 1:  # hung but alive: never enters the collective, keeps its sockets open
         store.wait(["done"])
-    out.close()
-    out.join_thread()
-    os._exit(0)  # no process-group teardown at exit: the point is what happened above
+        return {}
+    errors: list[str] = []
+
+    def all_reduce():
+        try:
+            dist.all_reduce(torch.ones(4))
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=all_reduce, daemon=True)
+    t.start()
+    t.join(1.0)
+    blocked = t.is_alive()
+    shut = shutdown_sockets(sockets)
+    t.join(20.0)
+    store.set("done", "1")
+    return {"blocked_before": blocked, "shut": shut, "freed": not t.is_alive(), "errors": errors}
 
 
 def test_abort_frees_a_gloo_collective_whose_peer_is_alive_but_hung():
     """gloo has no abort of its own: without `shutdown_sockets` a rank waiting in an all-reduce on
     a hung (not dead) peer stays blocked until the group's timeout (300 s here)."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        result = out.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    result = spawn_ranks(_gloo_rank, 2, timeout_s=120)[0]
     assert result["blocked_before"] and result["shut"] >= 1, result
     assert result["freed"], result
     assert result["errors"] and "closed" in result["errors"][0].lower(), result
+
+
+def _interrupted_steps(rank: int, world: int, store, cfg) -> dict:
+    from parallel_dims import ParallelDims
+    from torch_engine import Interrupted, TorchEngine
+    from training_batch import synthetic_batch
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    engine = TorchEngine(cfg)
+    engine.connect(ParallelDims(1, 1, 1, 1), rank)
+    t = cfg.train
+    batch = synthetic_batch(t.seed, 1, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
+    weights = [p.detach().clone() for p in engine.module.parameters()]
+    raised = {}
+    # an abort arriving before the step's forward (at the fault point just before it) ...
+    engine.fault_point = lambda point: engine.interrupt() if point == "before_allreduce" else None
+    try:
+        engine.train_step(batch, 1)
+    except Interrupted as e:
+        raised["forward"] = str(e)
+    grads_after_forward_stop = sum(p.grad is not None for p in engine.module.parameters())
+    engine.fault_point = lambda point: None
+    engine.connect(ParallelDims(1, 1, 1, 1), rank)  # the next generation: cleared
+    # ... and one arriving when the forward is done: the first gradient stops the backward
+    # (the training forward: the one with autograd on; old log-probs are computed without)
+    hook = engine.module.register_forward_hook(lambda *_: engine.interrupt() if torch.is_grad_enabled() else None)
+    try:
+        engine.train_step(batch, 1)
+    except Interrupted as e:
+        raised["backward"] = str(e)
+    hook.remove()
+    unchanged = all(torch.equal(a, b.detach()) for a, b in zip(weights, engine.module.parameters()))
+    engine.connect(ParallelDims(1, 1, 1, 1), rank)
+    loss = engine.train_step(batch, 1)["loss"]
+    return {"raised": raised, "grads_after_forward_stop": grads_after_forward_stop, "unchanged": unchanged,
+            "loss": loss}
+
+
+def test_abort_interrupts_the_running_step_of_the_torch_engine(tmp_path):
+    """An aborted generation's step stops at the next module (forward) or gradient (backward)
+    without updating the weights; once the next generation is joined, steps run again."""
+    # one micro-batch, one optimizer step: an uninterrupted backward would end the step
+    cfg = make_cfg(tmp_path, "cluster.num_workers=1", "train.mini_batch_size=16", "train.micro_batch_size=16")
+    out = spawn_ranks(_interrupted_steps, 1, cfg, timeout_s=120)[0]
+    assert set(out["raised"]) == {"forward", "backward"}, out
+    assert out["grads_after_forward_stop"] == 0, out  # stopped in the forward, before any backward
+    assert out["unchanged"], out
+    assert math.isfinite(out["loss"]), out
