@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # after the root: bench/checkpoint.py must not shadow checkpoint.py
 
 import chaos  # noqa: E402
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # after the root: bench/checkpoint.py must not shadow checkpoint.py
 from plan import (STRATEGIES, Costs, Failure, daly_interval, failure_trace, simulate,  # noqa: E402
                   young_interval)
 
