@@ -113,7 +113,7 @@ def recording_new_sockets(into: dict[int, str]):
     (/proc/self/fd); elsewhere nothing is recorded and aborts fall back to that cascade."""
     before = set(_socket_links().values())
     try:
-        yield into
+        yield
     finally:
         into.update({fd: link for fd, link in _socket_links().items() if link not in before})
 
@@ -819,9 +819,10 @@ class MegatronActorGroup:
 
     def probe(self) -> set[int]:
         """Ranks whose actor is dead or does not answer a control-group ping within
-        `fault_tolerance.health_timeout_s` seconds. An actor that is only temporarily
-        unreachable (`ActorUnavailableError`, e.g. its node's agent restarting) is retried
-        until then and not reported."""
+        `fault_tolerance.health_timeout_s` seconds. An actor that is temporarily unreachable
+        (`ActorUnavailableError`, e.g. its node's agent restarting) is retried until then and
+        not reported if it answers; one still unreachable then is (its node is likely gone:
+        Ray marks a lost node dead only after ~15 s, measured with `Cluster.remove_node`)."""
         ft = self.cfg.fault_tolerance
         deadline = time.monotonic() + ft.health_timeout_s
         dead, todo = set(), set(range(len(self.workers)))
@@ -840,9 +841,12 @@ class MegatronActorGroup:
                     retry.add(r)
                 except ray.exceptions.RayActorError:
                     dead.add(r)
-            if retry and time.monotonic() < deadline:
+            if retry and time.monotonic() >= deadline:
+                dead |= retry  # still unreachable after health_timeout_s: not a transient
+                break
+            if retry:
                 time.sleep(min(0.1, ft.health_interval_s))
-            todo = retry if time.monotonic() < deadline else set()
+            todo = retry
         return dead
 
     def _new_actor(self, bundle_index: int):
