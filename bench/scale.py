@@ -134,7 +134,16 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
             (handle,) = [h for h in node_handles if h.node_id == victim]
             cluster.remove_node(handle, allow_graceful=False)
             trainer.failed_at = time.time()
-            trainer.train(trainer.committed_step + 2)
+            recoveries = len(trainer.recoveries)
+            # The node's workers exit some time after its raylet is gone: with short steps the
+            # run can commit a step or two before the failure shows; train until it does.
+            for _ in range(50):
+                trainer.train(trainer.committed_step + 1)
+                if len(trainer.recoveries) > recoveries:
+                    break
+            else:
+                raise RuntimeError(f"N={n}: no recovery within 50 steps of removing node {victim[:8]}")
+            trainer.train(trainer.committed_step + 1)
             rows.append({"n": n, "failure": "node", "node_ranks": by_node[victim], **_row(trainer.recoveries[-1]),
                          "step_s": steady_step_s(trainer)})
     finally:
