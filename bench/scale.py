@@ -118,7 +118,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
             ray.kill(group.workers[victim].handle, no_restart=True)
             trainer.failed_at = time.time()
             trainer.train(trainer.committed_step + 2)
-            rows.append({"n": n, "failure": "actor", **_row(trainer.recoveries[-1]), "step_s": steady_step_s(trainer)})
+            rows.append({"n": n, "failure": "actor", **_row(trainer)})
             wait_refilled(group, spares)
         for i in range(repeats):  # (b) one killed node
             by_node: dict[str, int] = {}
@@ -144,8 +144,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
             else:
                 raise RuntimeError(f"N={n}: no recovery within 50 steps of removing node {victim[:8]}")
             trainer.train(trainer.committed_step + 1)
-            rows.append({"n": n, "failure": "node", "node_ranks": by_node[victim], **_row(trainer.recoveries[-1]),
-                         "step_s": steady_step_s(trainer)})
+            rows.append({"n": n, "failure": "node", "node_ranks": by_node[victim], **_row(trainer)})
     finally:
         if group is not None:
             group.shutdown()
@@ -163,11 +162,14 @@ def steady_step_s(trainer: Trainer) -> float:
     return round(statistics.median(t for s, t in enumerate(trainer.step_times, 1) if s not in firsts), 4)
 
 
-def _row(tl) -> dict:
+def _row(trainer: Trainer) -> dict:
+    """The last recovery's phases and the run's steady step time, as one table row."""
+    tl = trainer.recoveries[-1]
     d = tl.to_dict()
     d["control_s"] = d["total_s"] - d["first_step_s"]  # without the first step (data plane)
     return {**{p: d[p] for p in PHASES}, "failed_ranks": len(tl.failed_ranks), "restore_source": tl.restore_source,
-            "steps_lost": tl.steps_lost, "attempts": tl.attempts, "rebuild_detail": d.get("rebuild_detail", {})}
+            "steps_lost": tl.steps_lost, "attempts": tl.attempts, "rebuild_detail": d.get("rebuild_detail", {}),
+            "step_s": steady_step_s(trainer)}
 
 
 def loglog_slope(ns: list[float], ys: list[float]) -> float:
