@@ -156,19 +156,25 @@ def state_nbytes(state) -> int:
 
 def carve(state, arena: torch.Tensor):
     """Buffers shaped like every tensor of `state` (same shapes and dtypes; other leaves kept),
-    as disjoint views into `arena` (uint8 [N], e.g. pinned host memory reserved earlier) at
-    64-byte-aligned offsets. Returns None when `arena` has fewer than `state_nbytes(state)` bytes."""
+    in disjoint parts of `arena` (uint8 [N] host memory, e.g. pinned and reserved earlier) at
+    64-byte-aligned offsets. Each buffer has a storage of its own bytes only (`torch.frombuffer`
+    over the arena's memory, which it keeps alive), not a view of the arena's storage:
+    `torch.save` and pickle write a tensor's whole storage, so a Megatron async save of
+    300 views wrote the 19 GB arena once per tensor until the disk was full ("unexpected pos"
+    in torch's zip writer, bench/results/gpu/checkpoint_megatron_1b_exactpin_*_2026-11-30c.log).
+    Returns None when `arena` has fewer than `state_nbytes(state)` bytes."""
     if arena.numel() < state_nbytes(state):
         return None
-    offset = 0
+    memory, offset = arena.numpy(), 0
 
     def view(x):
         nonlocal offset
         if not isinstance(x, torch.Tensor):
             return x
-        n = x.numel() * x.element_size()
-        out = arena[offset:offset + n].view(x.dtype).view(x.shape)
-        offset += -(-n // _ALIGN) * _ALIGN
+        if x.numel() == 0:  # frombuffer refuses count 0
+            return torch.empty(x.shape, dtype=x.dtype)
+        out = torch.frombuffer(memory, dtype=x.dtype, count=x.numel(), offset=offset).view(x.shape)
+        offset += -(-x.numel() * x.element_size() // _ALIGN) * _ALIGN
         return out
 
     return torch.utils._pytree.tree_map(view, state)

@@ -210,25 +210,35 @@ def test_engine_two_gpus(tmp_path, backend, request):
 
 
 def test_carve_host_buffers_from_a_reserved_arena():
-    """A spare's rollback snapshot buffers are views into memory it reserved before joining:
-    each has its tensor's shape and dtype, at an offset any dtype may start at, no two overlap,
-    non-tensor leaves are kept, and a too-small arena gives None (the engine allocates then)."""
+    """A spare's rollback snapshot buffers live in memory it reserved before joining: each has
+    its tensor's shape and dtype, at an offset any dtype may start at, no two overlap, non-tensor
+    leaves are kept, and a too-small arena gives None (the engine allocates then). Each buffer's
+    storage is its own bytes, so `torch.save` of one (Megatron's async save writes each tensor
+    so) writes that tensor, not the whole arena."""
+    import io
+
     from megatron_engine import _tensors, carve, state_nbytes
 
     state = {"model": [torch.randn(3, 5).bfloat16(), torch.randn(7)],
              "optimizer": [[torch.randn(3, 5), torch.zeros(3, 5), torch.ones(3, 5), torch.tensor(2.0)]],
-             "sched_steps": 4, "step": 9}
+             "sched_steps": 4, "step": 9, "empty": torch.zeros(0, 4)}
     need = state_nbytes(state)
     assert need == 64 * 6  # every tensor fits in one 64-byte slot
-    arena = torch.zeros(need + 3, dtype=torch.uint8)
+    arena = torch.zeros(need + (1 << 20), dtype=torch.uint8)
     buffers = carve(state, arena)
     assert buffers["sched_steps"] == 4 and buffers["step"] == 9
     for dst, src in zip(_tensors(buffers), _tensors(state), strict=True):
         assert (dst.shape, dst.dtype) == (src.shape, src.dtype)
-        assert dst.data_ptr() % 64 == 0 and dst.untyped_storage().data_ptr() == arena.data_ptr()
+        nbytes = dst.numel() * dst.element_size()
+        assert dst.untyped_storage().nbytes() == nbytes
+        assert nbytes == 0 or (dst.data_ptr() % 64 == 0 and 0 <= dst.data_ptr() - arena.data_ptr() < need)
         dst.copy_(src)
     for dst, src in zip(_tensors(buffers), _tensors(state), strict=True):
         assert torch.equal(dst, src)  # no buffer overwrote another
+        saved = io.BytesIO()
+        torch.save(dst, saved)
+        assert saved.tell() < 4096  # the arena is 1 MiB
+        assert torch.equal(torch.load(io.BytesIO(saved.getvalue())), src)
     assert carve(state, torch.zeros(need - 1, dtype=torch.uint8)) is None
 
 
