@@ -319,6 +319,12 @@ class MegatronActor:
         (`MegatronEngine.reserve_host_memory`)."""
         self.engine.reserve_host_memory(nbytes)
 
+    def warm_up(self) -> float:
+        """Spare (Megatron engine), before any failure: run a throwaway training step so the
+        first step after it joins does not pay the process's one-time costs
+        (`MegatronEngine.warm_up`). Returns seconds."""
+        return self.engine.warm_up()
+
     def noop(self) -> bool:
         """A compute-thread call that returns at once: answers only if that thread is free."""
         return True
@@ -662,18 +668,20 @@ class MegatronActorGroup:
                 self.placement_group, bundles[node])).remote() for node in sorted(bundles)]
             self.holders = dict(zip(ray.get([h.node_id.remote() for h in handles]), handles))
         self.form_generation()
-        # Megatron without the distributed optimizer keeps a pinned rollback snapshot per rank:
-        # spares pin theirs now (the largest rank's size), not in their first steps after a
-        # recovery, when pinning slows the step (bench/results/gpu/first_step_probe_*).
         self.snapshot_nbytes = 0
         if c.device == "cuda":
             self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers]))
-            self._reserve(self.pool.spares)
+            self._prepare(self.pool.spares)
 
-    def _reserve(self, spares: list) -> None:
-        if self.snapshot_nbytes:
-            for s in spares:
+    def _prepare(self, spares: list) -> None:
+        """GPU spares, in the background: pin the rollback snapshot memory (Megatron without the
+        distributed optimizer keeps one per rank; the largest rank's size) and run a warm-up
+        step, so neither slows the first steps after a recovery (pinning holds a CUDA driver
+        lock the step's kernel launches wait on: bench/results/gpu/first_step_probe_*)."""
+        for s in spares:
+            if self.snapshot_nbytes:
                 s.handle.reserve_host_memory.remote(self.snapshot_nbytes)
+            s.handle.warm_up.remote()
 
     @property
     def handles(self) -> list:
@@ -879,7 +887,8 @@ class MegatronActorGroup:
                 log.warning("refill spare failed: %s", str(e)[:200])
                 continue
             self.pool.spares.append(ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"]))
-            self._reserve(self.pool.spares[-1:])
+            if self.cfg.cluster.device == "cuda":
+                self._prepare(self.pool.spares[-1:])
             added += 1
         if added:
             log.info("spare pool refilled: %d spare(s) now", len(self.pool))

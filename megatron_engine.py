@@ -56,7 +56,7 @@ from checkpoint import CheckpointError, as_checkpoint_error
 from config import Config
 from parallel_dims import ParallelDims
 from ppo import aggregate, kl_penalty, policy_loss, value_loss
-from training_batch import TrainingBatch
+from training_batch import TrainingBatch, synthetic_batch
 
 log = logging.getLogger(__name__)
 VOCAB_MULTIPLE = 128
@@ -1023,6 +1023,53 @@ class MegatronEngine:
             return False
         self._arena = _pin_in_background(nbytes)
         return True
+
+    def warm_up(self) -> float:
+        """Pre-warmed spare, before any failure: pay the one-time costs of a process's first
+        training step now rather than in the first step after a recovery. Runs one step of a
+        one-layer model with this config's sizes (tp = pp = cp = 1, one micro-batch, no RL
+        terms, no HF weights: with `model.hf_path` the sizes are cfg.model's) in a private NCCL
+        world of one rank, then frees everything it built (Megatron's groups, the process
+        group, its GPU memory) and puts the CPU and CUDA RNG states back, so the spare later
+        builds its model exactly as without it. The costs (inferred causes: CUDA's lazily
+        loaded kernels, cuBLAS handles and workspaces, NCCL's first initialisation): the
+        first step of a fresh rank took 1.32-1.48 s against 0.62-0.77 s for the next ones
+        and for a survivor's first step after a reconnect, on one H200 at 1.36B params
+        (bench/results/gpu/first_step_probe_*_2026-11-30.json, variant no_snapshot).
+        Returns seconds; 0.0 without doing anything when this process is in a process group
+        or holds a model (it has trained: nothing left to warm)."""
+        import gc
+
+        from megatron.core import parallel_state as ps
+
+        if self.model is not None or dist.is_initialized():
+            return 0.0
+        t0 = time.perf_counter()
+        c, micro = self.cfg, self.cfg.train.micro_batch_size
+        cfg = dataclasses.replace(
+            c, parallel=dataclasses.replace(c.parallel, tp=1, pp=1, cp=1),
+            model=dataclasses.replace(c.model, num_layers=1, hf_path=None, distributed_optimizer=False),
+            train=dataclasses.replace(c.train, global_batch_size=micro, mini_batch_size=micro),
+            rl=dataclasses.replace(c.rl, enabled=False))
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=self.device)
+        engine = None
+        try:
+            engine = MegatronEngine(cfg)
+            engine.connect(ParallelDims(tp=1, pp=1, cp=1, dp=1), 0)
+            engine.step = 1  # not step 0: no host copy for `reset`
+            t = cfg.train
+            engine.train_step(synthetic_batch(t.seed, 1, micro, t.seq_len, cfg.model.vocab_size), 2)
+            torch.cuda.synchronize()
+        finally:
+            del engine
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.set_rng_state(rng[0])
+            torch.cuda.set_rng_state(rng[1])
+        return time.perf_counter() - t0
 
     def snapshot_nbytes(self) -> int:
         """Bytes of this rank's rollback snapshot (0 with the distributed optimizer: none kept)."""

@@ -10,9 +10,10 @@ step after a reconnect (a survivor's view of a recovery):
 - `spare_reserved`: the snapshot memory pinned before the rank joins (what `MegatronActorGroup`
   has pre-warmed spares do: `MegatronEngine.reserve_host_memory`), then as `spare`;
 - `no_snapshot`: no rollback snapshot at all (isolates the pinned allocation);
-- `warm`: a forward/backward pass on throwaway data right after the build (what a pre-warmed
-  spare could do before any failure), then as `spare`.
-Prints a table and writes --out: {"variants": {name: {"build_s", "steps_s": [...], "phases":
+- `warm_up`: what a pre-warmed spare does before any failure: `MegatronEngine.warm_up` (a
+  throwaway step of a one-layer model in a private world) and the reserved memory, then as
+  `spare_reserved`. (Until 2026-11-30 a variant `warm` ran a forward pass after the build.)
+Prints a table and writes --out: {"variants": {name: {"build_s" (includes warm_up_s), "warm_up_s", "steps_s": [...], "phases":
 first step's phases, "reconnect_step_s"}}, "device", "date"}.
 Usage (repo root, GPU machine): python3 bench/first_step_probe.py [--variants ...] [--out PATH]
 """
@@ -69,13 +70,10 @@ def _variant(name: str) -> dict:
         megatron_engine.MegatronEngine._snapshot_to_host = lambda self: None
     t0 = time.perf_counter()
     e = megatron_engine.MegatronEngine(cfg)
+    warm_up_s = e.warm_up() if name == "warm_up" else 0.0
     join(e, 1)
-    if name == "warm":
-        with torch.no_grad():
-            e._run(batch(0).to(e.device).chunk(cfg.train.global_batch_size), forward_only=True)
-        torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
-    if name == "spare_reserved":  # before any failure: not part of the steps timed below
+    if name in ("spare_reserved", "warm_up"):  # before any failure: not part of the steps timed below
         e.reserve_host_memory(e.snapshot_nbytes())
         e._arena.result()
     e.step = 3  # a restored spare: no step-0 host copy (`reset`)
@@ -86,13 +84,13 @@ def _variant(name: str) -> dict:
         phases = phases or ph
     join(e, 2)
     reconnect_s, _ = step(e, 7)
-    return {"build_s": round(build_s, 2), "steps_s": steps, "phases": phases,
+    return {"build_s": round(build_s, 2), "warm_up_s": round(warm_up_s, 2), "steps_s": steps, "phases": phases,
             "reconnect_step_s": round(reconnect_s, 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="+", default=["spare_reserved", "spare", "no_snapshot"])
+    ap.add_argument("--variants", nargs="+", default=["warm_up", "spare_reserved", "no_snapshot"])
     ap.add_argument("--out", default="bench/results/gpu/first_step_probe.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child process: run one variant
     args = ap.parse_args()

@@ -209,6 +209,44 @@ def test_engine_two_gpus(tmp_path, backend, request):
     assert results[0]["pp_step2"]["loss"] != results[0]["pp_step2"]["loss"]  # NaN off the last stage
 
 
+def _warm_up_ranks(rank, world, store) -> dict:
+    """A spare that ran `warm_up` before joining against one that did not (same process, one
+    after the other): the warm-up frees its GPU memory, keeps the RNG states and leaves no
+    process group; the warmed engine then builds the same step-0 state and trains the same
+    first step."""
+    import torch.distributed as dist
+
+    from megatron_engine import MegatronEngine
+
+    cfg = _cfg(dist_opt=False)
+    cold = MegatronEngine(cfg)
+    _join(cold, store, 1, rank, cfg.dims)
+    cold_state, cold_step = _digest(cold), cold.train_step(_batch(cfg, 1, cfg.dims, rank), 1)
+    del cold
+    dist.destroy_process_group()
+    warm = MegatronEngine(cfg)
+    memory, rng = torch.cuda.memory_allocated(), (torch.get_rng_state(), torch.cuda.get_rng_state())
+    out = {"seconds": warm.warm_up()}
+    out["freed"] = torch.cuda.memory_allocated() <= memory
+    out["rng_kept"] = torch.equal(rng[0], torch.get_rng_state()) and torch.equal(rng[1], torch.cuda.get_rng_state())
+    out["no_group_left"] = not dist.is_initialized()
+    _join(warm, store, 2, rank, cfg.dims)
+    out["same_state"] = _digest(warm) == cold_state
+    step = warm.train_step(_batch(cfg, 1, cfg.dims, rank), 1)
+    out["same_step"] = (step["loss"], step["grad_norm"]) == (cold_step["loss"], cold_step["grad_norm"])
+    out["rank_not_warmed_again"] = warm.warm_up() == 0.0
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_spare_warm_up_leaves_no_trace():
+    (res,) = spawn_ranks(_warm_up_ranks, 1)
+    assert res["seconds"] > 0
+    assert res["freed"] and res["rng_kept"] and res["no_group_left"]
+    assert res["same_state"] and res["same_step"] and res["rank_not_warmed_again"]
+
+
 def test_carve_host_buffers_from_a_reserved_arena():
     """A spare's rollback snapshot buffers live in memory it reserved before joining: each has
     its tensor's shape and dtype, at an offset any dtype may start at, no two overlap, non-tensor
