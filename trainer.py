@@ -81,6 +81,14 @@ class Trainer:
         median = statistics.median(self.step_times[-20:])
         return min(ft.step_timeout_s, max(ft.min_step_timeout_s, ft.hang_factor * median))
 
+    def steady_step_s(self) -> float:
+        """Median seconds of the steps run so far, without the first step and the first step
+        after each recovery: what the first step after a recovery would cost with no recovery
+        (that step's excess is the recovery's). Assumes no step was lost (step_times[i] is step
+        i + 1). Raises statistics.StatisticsError when no such step ran."""
+        firsts = {1} | {tl.restored_step + 1 for tl in self.recoveries}
+        return statistics.median(t for s, t in enumerate(self.step_times, 1) if s not in firsts)
+
     def _arm_chaos(self, step: int) -> None:
         """Arm the `chaos.events` of this step (each fires once, even if the step is re-run)."""
         for i, ev in enumerate(self.cfg.chaos.events):

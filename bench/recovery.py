@@ -10,7 +10,8 @@
 Usage: python bench/recovery.py [--repeats 3] [--config config.yaml] [--set a.b=v ...]
 Prints a table and writes bench/results/recovery_<device>.json:
 {"recovery_s", "full_restart_s", "ratio", "steps_lost", "full_restart_steps_lost", "detect_s",
- "timeline", "runs", "config"} (medians over repeats; `timeline` is the median run's).
+ "step_s", "timeline", "runs", "config"} (medians over repeats; `timeline` is the median run's;
+ `step_s`: the median step without a recovery, `Trainer.steady_step_s`, beside `first_step_s`).
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def main(argv=None) -> dict:
         committed_at_kill.append(trainer.committed_step)
         trainer.train(trainer.committed_step + 2)   # detect + recover + first step, then one more
     timelines = trainer.recoveries
+    step_s = trainer.steady_step_s()
     group.shutdown()
     restarts = []
     for i, tl in enumerate(timelines[: max(1, args.repeats - 1)]):
@@ -91,6 +93,7 @@ def main(argv=None) -> dict:
         "steps_lost": max(t.steps_lost for t in timelines),
         "full_restart_steps_lost": max(r["steps_lost"] for r in restarts),
         "detect_s": statistics.median(t.detect_s for t in timelines),
+        "step_s": step_s,
         "timeline": median_tl.to_dict(),
         "runs": {"recoveries": [t.to_dict() for t in timelines], "full_restarts": restarts},
         "config": {"device": cfg.cluster.device, "engine": cfg.model.engine,
@@ -102,6 +105,7 @@ def main(argv=None) -> dict:
     print(f"\n{'phase':<14}{'seconds':>10}")
     for phase in (*median_tl.PHASES, "total_s"):
         print(f"{phase[:-2]:<14}{median_tl.to_dict()[phase]:>10.3f}")
+    print(f"{'(steady step':<14}{step_s:>10.3f})")
     print(f"\n{'':<26}{'ours':>10}{'full restart':>14}")
     print(f"{'time to first step (s)':<26}{result['recovery_s']:>10.3f}{result['full_restart_s']:>14.3f}")
     print(f"{'steps lost':<26}{result['steps_lost']:>10}{result['full_restart_steps_lost']:>14}")

@@ -155,13 +155,6 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
     return rows, actor_mb
 
 
-def steady_step_s(trainer: Trainer) -> float:
-    """Median seconds of the steps so far, first steps after a (re)formed group excluded: what
-    the first step after a recovery costs with no recovery at all."""
-    firsts = {1} | {tl.restored_step + 1 for tl in trainer.recoveries}
-    return round(statistics.median(t for s, t in enumerate(trainer.step_times, 1) if s not in firsts), 4)
-
-
 def _row(trainer: Trainer) -> dict:
     """The last recovery's phases and the run's steady step time, as one table row."""
     tl = trainer.recoveries[-1]
@@ -169,7 +162,7 @@ def _row(trainer: Trainer) -> dict:
     d["control_s"] = d["total_s"] - d["first_step_s"]  # without the first step (data plane)
     return {**{p: d[p] for p in PHASES}, "failed_ranks": len(tl.failed_ranks), "restore_source": tl.restore_source,
             "steps_lost": tl.steps_lost, "attempts": tl.attempts, "rebuild_detail": d.get("rebuild_detail", {}),
-            "step_s": steady_step_s(trainer)}
+            "step_s": round(trainer.steady_step_s(), 4)}
 
 
 def loglog_slope(ns: list[float], ys: list[float]) -> float:
