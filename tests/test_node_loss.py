@@ -3,6 +3,8 @@ training; its actors (a worker and the spares on it) die, the lost rank is repla
 on another node, and the losses equal the run without failure."""
 import os
 
+import time
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -47,12 +49,44 @@ def reference(cluster, tmp_path_factory):
 def three_live_nodes(cluster) -> list:
     """The cluster's worker nodes, topped up to 3 (an earlier test may have removed one)."""
     c, nodes = cluster
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    nodes[:] = [n for n in nodes if n.node_id in alive]
+    nodes[:] = [n for n in nodes if n in c.worker_nodes]  # ray.nodes() lists a removed node alive for ~15 s
     while len(nodes) < 3:
         nodes.append(c.add_node(num_cpus=2))
     c.wait_for_nodes()
     return nodes
+
+
+def test_refuses_connections_only_when_nothing_listens():
+    """A port with a listener connects (False); the same port once closed refuses (True)."""
+    import socket
+
+    from megatron_actor import refuses_connections
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    assert not refuses_connections(address)
+    listener.close()
+    assert refuses_connections(address)
+
+
+def test_probe_finds_every_rank_of_a_lost_node_at_once(cluster, tmp_path):
+    """A node whose raylet is killed (no graceful shutdown: its workers outlive it for a while
+    and may still answer pings, and Ray lists the node as alive for ~15 s): one probe names
+    all its ranks through the raylet's refused connections, long before health_timeout_s
+    (60 s here) would have judged them."""
+    c, nodes = cluster[0], three_live_nodes(cluster)
+    cfg = make_cfg(tmp_path, 2, "cluster.num_workers=4", "fault_tolerance.health_timeout_s=60")
+    group = MegatronActorGroup(cfg)
+    try:
+        victim = group.workers[1].node_id
+        on_victim = {r for r, s in enumerate(group.workers) if s.node_id == victim}
+        assert len(on_victim) == 2  # 6 actors spread over 3 nodes
+        c.remove_node(next(n for n in nodes if n.node_id == victim), allow_graceful=False)
+        t0 = time.monotonic()
+        assert group.probe() == on_victim
+        assert time.monotonic() - t0 < 30
+    finally:
+        group.shutdown()
 
 
 def test_node_removed_mid_run_recovers_on_other_node(cluster, reference, tmp_path):
