@@ -1,10 +1,11 @@
-"""Shared fixtures: the repository root on sys.path, a local Ray session, storage servers."""
+"""Shared fixtures: the repository root (and bench/, last) on sys.path, a local Ray session, storage servers."""
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(ROOT, "bench"))  # after the root: bench/checkpoint.py must not shadow checkpoint.py
 
 import pytest  # noqa: E402
 

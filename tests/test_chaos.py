@@ -1,11 +1,7 @@
 """CI version of the chaos soak (bench/chaos.py): one fault of every kind over a CPU run on a
 3-node Ray cluster with checkpoints on a loopback S3 server; nothing may diverge or be lost."""
-import sys
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # after the root: bench/checkpoint.py must not shadow checkpoint.py
-
-import chaos  # noqa: E402
+import chaos
 
 
 def test_one_fault_of_every_kind():

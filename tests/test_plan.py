@@ -1,12 +1,9 @@
 """Capacity planner (bench/plan.py): the simulator against closed-form expectations."""
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # after the root: bench/checkpoint.py must not shadow checkpoint.py
-from plan import (STRATEGIES, Costs, Failure, daly_interval, failure_trace, simulate,  # noqa: E402
+from plan import (STRATEGIES, Costs, Failure, daly_interval, failure_trace, simulate,
                   young_interval)
 
 DAY = 86400.0

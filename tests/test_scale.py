@@ -97,9 +97,7 @@ def test_pool_take_prefers_other_node_and_fullest_node():
 
 
 def test_loglog_slope():
-    import sys
-    from pathlib import Path
-    sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # after the root: bench/checkpoint.py must not shadow checkpoint.py
     from scale import loglog_slope
+
     assert loglog_slope([8, 16, 32, 64], [1, 1, 1, 1]) == pytest.approx(0)
     assert loglog_slope([8, 16, 32, 64], [8, 16, 32, 64]) == pytest.approx(1)

@@ -4,12 +4,8 @@ few steps) whose JSON must be complete and sane, with the parameter formula equa
 model's count."""
 import json
 import math
-import sys
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # after the root: bench/checkpoint.py must not shadow checkpoint.py
-
-import train_speed  # noqa: E402
+import train_speed
 
 
 def test_flops_by_hand():
