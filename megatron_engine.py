@@ -159,9 +159,10 @@ def carve(state, arena: torch.Tensor):
     in disjoint parts of `arena` (uint8 [N] host memory, e.g. pinned and reserved earlier) at
     64-byte-aligned offsets. Each buffer has a storage of its own bytes only (`torch.frombuffer`
     over the arena's memory, which it keeps alive), not a view of the arena's storage:
-    `torch.save` and pickle write a tensor's whole storage, so a Megatron async save of
-    300 views wrote the 19 GB arena once per tensor until the disk was full ("unexpected pos"
-    in torch's zip writer, bench/results/gpu/checkpoint_megatron_1b_exactpin_*_2026-11-30c.log).
+    `torch.save` and pickle write a tensor's whole storage, so Megatron's async save of views
+    wrote the whole 19 GB arena for every tensor and failed ("unexpected pos" in torch's zip
+    writer, bench/results/gpu/checkpoint_megatron_1b_exactpin_*_2026-11-30c.log; a full disk
+    is the likely cause, not seen).
     Returns None when `arena` has fewer than `state_nbytes(state)` bytes."""
     if arena.numel() < state_nbytes(state):
         return None
