@@ -69,21 +69,24 @@ def test_refuses_connections_only_when_nothing_listens():
     assert refuses_connections(address)
 
 
-def test_probe_finds_every_rank_of_a_lost_node_at_once(cluster, tmp_path):
+def test_a_lost_node_is_found_at_once_with_all_its_actors(cluster, tmp_path):
     """A node whose raylet is killed (no graceful shutdown: its workers outlive it for a while
     and may still answer pings, and Ray lists the node as alive for ~15 s): one probe names
-    all its ranks through the raylet's refused connections, long before health_timeout_s
-    (60 s here) would have judged them."""
+    all its ranks, and pruning the pool drops its spare, through the raylet's refused
+    connections, long before health_timeout_s (60 s here) would have judged them."""
     c, nodes = cluster[0], three_live_nodes(cluster)
-    cfg = make_cfg(tmp_path, 2, "cluster.num_workers=4", "fault_tolerance.health_timeout_s=60")
+    cfg = make_cfg(tmp_path, 3, "cluster.num_workers=6", "train.global_batch_size=12",
+                   "train.mini_batch_size=6", "train.micro_batch_size=1", "fault_tolerance.health_timeout_s=60")
     group = MegatronActorGroup(cfg)
     try:
         victim = group.workers[1].node_id
         on_victim = {r for r, s in enumerate(group.workers) if s.node_id == victim}
-        assert len(on_victim) == 2  # 6 actors spread over 3 nodes
+        assert len(on_victim) == 2 and sum(s.node_id == victim for s in group.pool.spares) == 1  # 9 actors spread over 3 nodes
         c.remove_node(next(n for n in nodes if n.node_id == victim), allow_graceful=False)
         t0 = time.monotonic()
         assert group.probe() == on_victim
+        group.prune_pool()
+        assert len(group.pool) == 2 and all(s.node_id != victim for s in group.pool.spares)
         assert time.monotonic() - t0 < 30
     finally:
         group.shutdown()
