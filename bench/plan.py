@@ -241,7 +241,7 @@ def _load(path: Path):
 
 PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s")
 LOCAL_PHASES = ("first_step_s",)  # each rank's work does not grow with its peers (compute)
-GPU_RUN = "recovery_1b_hostreg_nvidia-h200-x2_2026-11-30.json"  # newest GPU recovery benchmark (1.36B)
+GPU_RUN = "recovery_1b_exactpin_nvidia-h200-x2_2026-11-30c.json"  # newest GPU recovery benchmark (1.36B)
 
 
 def host_load(n: int, cores: int | None, phase: str = "rebuild_s") -> float:

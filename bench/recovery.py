@@ -72,6 +72,9 @@ def main(argv=None) -> dict:
     group = MegatronActorGroup(cfg)
     trainer = Trainer(cfg, group)
     trainer.train(3)  # kills land between checkpoints (every 2 steps), as failures do
+    # Spares finish pre-warming first (GPU: `MegatronEngine.warm_up`), as in a long job: `noop`
+    # runs on a spare's compute thread once the warm-up queued there is done.
+    ray.get([s.handle.noop.remote() for s in group.pool.spares])
     committed_at_kill = []
     for i in range(args.repeats):
         kill_replica(trainer, 1 + i % (cfg.dims.dp - 1) if cfg.dims.dp > 1 else 0)
