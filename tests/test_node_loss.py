@@ -2,7 +2,6 @@
 training; its actors (a worker and the spares on it) die, the lost rank is replaced by a spare
 on another node, and the losses equal the run without failure."""
 import os
-
 import time
 
 import pytest
