@@ -687,13 +687,16 @@ class MegatronActorGroup:
         self.snapshot_nbytes = 0
         if c.device == "cuda":
             self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers]))
-            self._prepare(self.pool.spares)
+        self._prepare(self.pool.spares)
 
     def _prepare(self, spares: list) -> None:
         """GPU spares, in the background: pin the rollback snapshot memory (Megatron without the
         distributed optimizer keeps one per rank; the largest rank's size) and run a warm-up
         step, so neither slows the first steps after a recovery (pinning holds a CUDA driver
-        lock the step's kernel launches wait on: bench/results/gpu/first_step_probe_*)."""
+        lock the step's kernel launches wait on: bench/results/gpu/first_step_probe_*). CPU
+        spares need neither (a fresh torch engine's first step is as fast as its next ones)."""
+        if self.cfg.cluster.device != "cuda":
+            return
         for s in spares:
             if self.snapshot_nbytes:
                 s.handle.reserve_host_memory.remote(self.snapshot_nbytes)
@@ -854,8 +857,8 @@ class MegatronActorGroup:
         Every rank on that node is then dead at once, without waiting for the timeout:
         measured with `Cluster.remove_node` at N=8 (bench/scale.py), the node's ranks were
         otherwise found one after 10 s (health_timeout_s) and the other only when its abort
-        call failed 1.5 s later. Ray requires the node manager port to be reachable between
-        nodes, so a refusal is not a firewall's doing."""
+        call failed 1.5 s later. Caveat (not tested here): a firewall that rejects, rather than
+        drops, connections from the driver's node to a raylet port would make that node look lost."""
         ft = self.cfg.fault_tolerance
         deadline = time.monotonic() + ft.health_timeout_s
         lost = self._lost_nodes({s.node_id for s in self.workers})
@@ -931,8 +934,7 @@ class MegatronActorGroup:
                 log.warning("refill spare failed: %s", str(e)[:200])
                 continue
             self.pool.spares.append(ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"]))
-            if self.cfg.cluster.device == "cuda":
-                self._prepare(self.pool.spares[-1:])
+            self._prepare(self.pool.spares[-1:])
             added += 1
         if added:
             log.info("spare pool refilled: %d spare(s) now", len(self.pool))
