@@ -122,6 +122,7 @@ class FaultToleranceConfig:
     refill_spares: bool = True
     memory_snapshot_interval: int = 0
     nccl_eager_init: bool = True
+    nccl_split_share: bool = False
 
 
 @dataclass

@@ -317,6 +317,11 @@ class MegatronActor:
 
             from megatron_engine import MegatronEngine as Engine, configure_host_allocator
             configure_host_allocator()
+            if self.cfg.fault_tolerance.nccl_split_share:
+                # NCCL reads it at its first communicator, so set before any. Aborting 17
+                # communicators took 0.54 s with it and 1.02 s without (threaded; one after
+                # another 0.53 vs 9.0 s): bench/results/gpu/abort_probe*_2026-11-30d.json.
+                os.environ["NCCL_COMM_SPLIT_SHARE_RESOURCES"] = "1"
             torch.cuda.set_device(0)
         else:
             from torch_engine import TorchEngine as Engine

@@ -80,6 +80,8 @@ def configure_host_allocator() -> None:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "pinned_use_cuda_host_register" not in conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, HOST_ALLOC_CONF]))
+
+
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 

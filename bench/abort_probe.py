@@ -8,8 +8,11 @@ make `extra_groups` more groups over both ranks (Megatron makes ~15) and exchang
 group, or an all-reduce), rank 1 is killed, and rank 0's `abort` is called through its control
 concurrency group. Prints a table and writes --out (committed: bench/results/gpu/abort_probe_nvidia-h200-x2_2026-11-29.json):
 [{"case", "wait", "abort", "extra_groups", "first_s" (busy group aborted), "abort_s" (all
-aborted; null: not within the timeout), "freed" (stuck call returned, s after the abort call)}].
-Usage: python3 bench/abort_probe.py [--timeout S] [--out PATH]
+aborted; null: not within the timeout), "freed" (stuck call returned, s after the abort call),
+"init_s" (init_process_group), "groups_s" (the extra groups made: ncclCommSplit of the default's)}].
+--split-share sets NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (children share the parent's proxy and
+buffers); --cases picks rows of CASES by index.
+Usage: python3 bench/abort_probe.py [--timeout S] [--split-share] [--cases 4,5] [--out PATH]
 """
 import argparse
 import datetime
@@ -40,10 +43,13 @@ class Rank:
         torch.cuda.set_device(0)
         store = dist.PrefixStore("probe", dist.TCPStore(host, port, is_master=False,
                                                         timeout=datetime.timedelta(seconds=60)))
+        t0 = time.perf_counter()
         dist.init_process_group("nccl", store=store, rank=rank, world_size=2,
                                 device_id=torch.device("cuda:0"))
+        t1 = time.perf_counter()
         self.rank = rank
         self.groups = [dist.new_group([0, 1]) for _ in range(extra_groups)]
+        t2 = time.perf_counter()
         for g in [None] + self.groups:  # connect every communicator, p2p ones too
             x = torch.ones(4, device="cuda")
             dist.all_reduce(x, group=g)
@@ -52,7 +58,7 @@ class Rank:
             for r in dist.batch_isend_irecv(ops if rank == 0 else ops[::-1]):
                 r.wait()
         torch.cuda.synchronize()
-        return os.getpid()
+        return t1 - t0, t2 - t1
 
     def stuck(self, op, wait):
         t = time.perf_counter()
@@ -99,7 +105,7 @@ def run_case(op, wait, how, extra_groups, timeout):
     host, port = ray.util.get_node_ip_address(), free_port()
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
     a, b = Rank.remote(), Rank.remote()
-    ray.get([a.join.remote(host, port, 0, extra_groups), b.join.remote(host, port, 1, extra_groups)])
+    joins = ray.get([a.join.remote(host, port, 0, extra_groups), b.join.remote(host, port, 1, extra_groups)])
     f = a.stuck.remote(op, wait)
     time.sleep(2)
     ray.kill(b)
@@ -120,24 +126,32 @@ def run_case(op, wait, how, extra_groups, timeout):
     del store
     return {"case": op, "wait": wait, "abort": how, "extra_groups": extra_groups,
             "first_s": None if first_s is None else round(first_s, 3),
-            "abort_s": None if abort_s is None else round(abort_s, 3), "freed": freed}
+            "abort_s": None if abort_s is None else round(abort_s, 3), "freed": freed,
+            "init_s": round(max(j[0] for j in joins), 3), "groups_s": round(max(j[1] for j in joins), 3)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for abort (default 15)")
+    ap.add_argument("--split-share", action="store_true", help="NCCL_COMM_SPLIT_SHARE_RESOURCES=1")
+    ap.add_argument("--cases", default=None, help="comma-separated indices into CASES (default all)")
     ap.add_argument("--out", default="bench/results/gpu/abort_probe.json")
     args = ap.parse_args()
+    if args.split_share:  # before ray.init: the actors' processes inherit it
+        os.environ["NCCL_COMM_SPLIT_SHARE_RESOURCES"] = "1"
     ray.init(include_dashboard=False)
-    rows = [run_case(*c, args.timeout) for c in CASES]
-    print(f"{'op':10} {'wait':12} {'abort':11} {'groups':>6} {'first_s':>8} {'abort_s':>8} {'freed':>10}")
+    cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
+    rows = [run_case(*c, args.timeout) for c in cases]
+    print(f"{'op':10} {'wait':12} {'abort':11} {'groups':>6} {'first_s':>8} {'abort_s':>8} {'freed':>10} "
+          f"{'init_s':>7} {'groups_s':>8}")
     for r in rows:
         print(f"{r['case']:10} {r['wait']:12} {r['abort']:11} {r['extra_groups']:>6} {str(r['first_s']):>8} "
-              f"{str(r['abort_s']):>8} {str(r['freed']):>10}")
+              f"{str(r['abort_s']):>8} {str(r['freed']):>10} {r['init_s']:>7} {r['groups_s']:>8}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}, f, indent=1)
+                   "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                   "split_share": args.split_share, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

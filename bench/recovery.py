@@ -7,11 +7,13 @@
     and the placement group removed, a new placement group and actors (imports, model build),
     a new process-group generation, the newest checkpoint loaded, and the first step re-run.
 
-Usage: python bench/recovery.py [--repeats 3] [--config config.yaml] [--set a.b=v ...]
+Usage: python bench/recovery.py [--repeats 3] [--full-restarts N] [--config config.yaml] [--set a.b=v ...]
 Prints a table and writes bench/results/recovery_<device>.json:
 {"recovery_s", "full_restart_s", "ratio", "steps_lost", "full_restart_steps_lost", "detect_s",
  "step_s", "timeline", "runs", "config"} (medians over repeats; `timeline` is the median run's;
  `step_s`: the median step without a recovery, `Trainer.steady_step_s`, beside `first_step_s`).
+The JSON is first written before the full restarts (without their keys), so a run cut short
+there keeps its recoveries; `--full-restarts 0` skips them.
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def main(argv=None) -> dict:
     p.add_argument("--config", default=str(ROOT / "config.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--full-restarts", type=int, default=None,
+                   help="whole-job restarts to time for comparison (default max(1, repeats - 1); 0: none)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/recovery_<device>.json)")
     args = p.parse_args(argv)
     run_dir = f"/tmp/bench_recovery_{int(time.time())}"
@@ -83,43 +87,44 @@ def main(argv=None) -> dict:
     timelines = trainer.recoveries
     step_s = trainer.steady_step_s()
     group.shutdown()
-    restarts = []
-    for i, tl in enumerate(timelines[: max(1, args.repeats - 1)]):
-        restarts.append({"full_restart_s": full_restart(cfg, tl.detect_s),
-                         "steps_lost": committed_at_kill[i] % cfg.checkpoint.interval})
-
     totals = [t.total_s for t in timelines]
     median_tl = sorted(timelines, key=lambda t: t.total_s)[len(timelines) // 2]
     result = {
         "recovery_s": statistics.median(totals),
-        "full_restart_s": statistics.median(r["full_restart_s"] for r in restarts),
         "steps_lost": max(t.steps_lost for t in timelines),
-        "full_restart_steps_lost": max(r["steps_lost"] for r in restarts),
         "detect_s": statistics.median(t.detect_s for t in timelines),
         "step_s": step_s,
         "timeline": median_tl.to_dict(),
-        "runs": {"recoveries": [t.to_dict() for t in timelines], "full_restarts": restarts},
+        "runs": {"recoveries": [t.to_dict() for t in timelines], "full_restarts": []},
         "config": {"device": cfg.cluster.device, "engine": cfg.model.engine,
                    "workers": cfg.cluster.num_workers, "spares": cfg.cluster.num_spares,
                    "tp": cfg.dims.tp, "pp": cfg.dims.pp, "cp": cfg.dims.cp, "dp": cfg.dims.dp,
                    "date": time.strftime("%Y-%m-%d")},
     }
-    result["ratio"] = result["full_restart_s"] / result["recovery_s"]
     print(f"\n{'phase':<14}{'seconds':>10}")
     for phase in (*median_tl.PHASES, "total_s"):
         print(f"{phase[:-2]:<14}{median_tl.to_dict()[phase]:>10.3f}")
     print(f"{'(steady step':<14}{step_s:>10.3f})")
-    print(f"\n{'':<26}{'ours':>10}{'full restart':>14}")
-    print(f"{'time to first step (s)':<26}{result['recovery_s']:>10.3f}{result['full_restart_s']:>14.3f}")
-    print(f"{'steps lost':<26}{result['steps_lost']:>10}{result['full_restart_steps_lost']:>14}")
-    print(f"ratio full restart / ours: {result['ratio']:.1f}x  (medians over {args.repeats} recoveries, "
-          f"{len(restarts)} restarts)")
     out = Path(args.out or ROOT / "bench" / "results" / f"recovery_{cfg.cluster.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps(result, indent=1))  # kept even when the restarts below are cut short
+    n = max(1, len(timelines) - 1) if args.full_restarts is None else args.full_restarts
+    restarts = result["runs"]["full_restarts"]
+    for i, tl in enumerate(timelines[:n]):
+        restarts.append({"full_restart_s": full_restart(cfg, tl.detect_s),
+                         "steps_lost": committed_at_kill[i] % cfg.checkpoint.interval})
+    if restarts:
+        result["full_restart_s"] = statistics.median(r["full_restart_s"] for r in restarts)
+        result["full_restart_steps_lost"] = max(r["steps_lost"] for r in restarts)
+        result["ratio"] = result["full_restart_s"] / result["recovery_s"]
+        print(f"\n{'':<26}{'ours':>10}{'full restart':>14}")
+        print(f"{'time to first step (s)':<26}{result['recovery_s']:>10.3f}{result['full_restart_s']:>14.3f}")
+        print(f"{'steps lost':<26}{result['steps_lost']:>10}{result['full_restart_steps_lost']:>14}")
+        print(f"ratio full restart / ours: {result['ratio']:.1f}x  (medians over {args.repeats} recoveries, "
+              f"{len(restarts)} restarts)")
+        out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result
-
 
 if __name__ == "__main__":
     main()
