@@ -139,6 +139,14 @@ def _tensors(state) -> list[torch.Tensor]:
     return [x for x in torch.utils._pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
 
 
+def _copy_state(dst: dict, src: dict) -> None:
+    """Queue a non-blocking copy of every tensor of `src` into the same-structured `dst` on the
+    current stream (host <-> device; the caller synchronizes). Raises ValueError when the two
+    hold different numbers of tensors."""
+    for d, s in zip(_tensors(dst), _tensors(src), strict=True):
+        d.copy_(s, non_blocking=True)
+
+
 def _with_counters(into: dict, state: dict) -> dict:
     """`into` (a host copy of `state`'s tensors) with `state`'s python values: the schedule's
     update count, the step and, with RL, the rollout position."""
@@ -963,8 +971,7 @@ class MegatronEngine:
     def _set_train_state(self, state: dict) -> None:
         """Copy `state` (same structure as `_train_state`) into the live tensors in place."""
         self._wait_snapshot_copy()  # it may still be reading them
-        for dst, src in zip(_tensors(self._train_state()), _tensors(state), strict=True):
-            dst.copy_(src, non_blocking=True)
+        _copy_state(self._train_state(), state)
         torch.cuda.synchronize()
         self.scheduler.num_steps = int(state["sched_steps"])
         self.scheduler.step(increment=0)  # sets lr / weight decay of that update count
@@ -978,8 +985,7 @@ class MegatronEngine:
         if into is None:
             into = carve(state, pinned_empty(state_nbytes(state)) if pin else
                          torch.empty(state_nbytes(state), dtype=torch.uint8))
-        for dst, src in zip(_tensors(into), _tensors(state), strict=True):
-            dst.copy_(src, non_blocking=True)
+        _copy_state(into, state)
         torch.cuda.synchronize()
         return _with_counters(into, state)
 
@@ -991,8 +997,7 @@ class MegatronEngine:
             self._copy_stream = torch.cuda.Stream()
         self._copy_stream.wait_stream(torch.cuda.current_stream())  # the state as of now
         with torch.cuda.stream(self._copy_stream):
-            for dst, src in zip(_tensors(into), _tensors(state), strict=True):
-                dst.copy_(src, non_blocking=True)
+            _copy_state(into, state)
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
         return _with_counters(into, state)

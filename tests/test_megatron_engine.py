@@ -18,14 +18,15 @@ NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 LOSS_RTOL = 2e-2  # bf16 tolerance across layouts (see main.losses_match)
 
 
-def _cfg(tp=1, pp=1, world=1, dist_opt=True):
+def _cfg(tp=1, pp=1, world=1, dist_opt=True, extra=("ppo.loss_agg_mode=seq-mean-token-mean",)):
+    """The small GPT (4 layers, hidden 128, vocab 200) of the GPU tests; `extra`: more --set items."""
     from config import load_config, resolve
 
     sets = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"cluster.num_workers={world}",
             f"model.distributed_optimizer={str(dist_opt).lower()}", "model.num_layers=4",
             "model.hidden_size=128", "model.num_heads=4", "model.ffn_hidden_size=256",
             "model.vocab_size=200", "train.global_batch_size=8", "train.mini_batch_size=4",
-            "train.micro_batch_size=1", "train.steps=4", "ppo.loss_agg_mode=seq-mean-token-mean"]
+            "train.micro_batch_size=1", "train.steps=4", *extra]
     return resolve(load_config(None, sets), num_gpus=1)
 
 

@@ -252,17 +252,6 @@ def test_config_accepts_rl_with_megatron_refuses_cp():
 
 
 # -- GPU: the real MegatronEngine with rl.enabled (not run in CI) ---------------------------------
-def _gpu_cfg(tp: int, pp: int, world: int, extra: list):
-    from config import load_config, resolve
-
-    sets = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"cluster.num_workers={world}",
-            "model.distributed_optimizer=false", "model.num_layers=4", "model.hidden_size=128",
-            "model.num_heads=4", "model.ffn_hidden_size=256", "model.vocab_size=200",
-            "train.global_batch_size=8", "train.mini_batch_size=4", "train.micro_batch_size=1",
-            "train.steps=4", "rl.enabled=true", "rl.group_size=4", *extra]
-    return resolve(load_config(None, sets), num_gpus=1)
-
-
 def _gpu_rl_scenarios(rank: int, world: int, store, tmp: str, layouts: list) -> dict:
     """Per layout (tp, pp) and RL setting (GRPO; GAE with KL and entropy): generate on every
     rank (equal within a replica), RL train steps 1 and 2 (as Trainer.experience + train_step),
@@ -274,7 +263,7 @@ def _gpu_rl_scenarios(rank: int, world: int, store, tmp: str, layouts: list) -> 
     from dispatch import MeshDispatch
     from megatron_engine import MegatronEngine
     from rl import Rollouts
-    from test_megatron_engine import _digest, _join, _save
+    from test_megatron_engine import _cfg, _digest, _join, _save
 
     out, gen = {}, 0
     settings = {"grpo": ["rl.advantage=grpo"],
@@ -282,7 +271,7 @@ def _gpu_rl_scenarios(rank: int, world: int, store, tmp: str, layouts: list) -> 
     for tp, pp in layouts:
         for name, extra in settings.items():
             key = f"tp{tp}_pp{pp}_{name}"
-            cfg = _gpu_cfg(tp, pp, world, extra)
+            cfg = _cfg(tp, pp, world, False, ["rl.enabled=true", "rl.group_size=4", *extra])
             dims = cfg.dims
             e = MegatronEngine(cfg)
             gen += 1
