@@ -10,8 +10,8 @@ concurrency group. Prints a table and writes --out (committed: bench/results/gpu
 [{"case", "wait", "abort", "extra_groups", "first_s" (busy group aborted), "abort_s" (all
 aborted; null: not within the timeout), "freed" (stuck call returned, s after the abort call),
 "init_s" (init_process_group), "groups_s" (the extra groups made: ncclCommSplit of the default's)}].
---split-share sets NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (children share the parent's proxy and
-buffers); --cases picks rows of CASES by index.
+--split-share sets NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (the groups share the default group's
+NCCL resources); --cases picks rows of CASES by index.
 Usage: python3 bench/abort_probe.py [--timeout S] [--split-share] [--cases 4,5] [--out PATH]
 """
 import argparse
