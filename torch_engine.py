@@ -257,7 +257,7 @@ class TorchEngine:
         """
         if self.ddp is None:
             raise RuntimeError("train_step called before connect(): no process group generation")
-        t, p = self.cfg.train, self.cfg.ppo
+        t = self.cfg.train
         micro = t.micro_batch_size
         batch = self._with_behaviour(batch)
         minis = batch.chunk(t.global_batch_size // t.mini_batch_size)

@@ -49,7 +49,6 @@ Prints a table and writes bench/results/plan.json and bench/results/plan.png (go
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import math
 import random

@@ -168,7 +168,7 @@ def _spawn(world, tmp, storage=None) -> list[dict]:
 
 def _check_common(res: dict, rank: int, world: int) -> None:
     assert f"megatron/__{rank}_0.distcp" in res["files"]
-    assert (f"megatron/.metadata" in res["files"]) == (rank == 0)
+    assert ("megatron/.metadata" in res["files"]) == (rank == 0)
     assert res["rollback_dist_opt"] is False
     assert res["reconnect_keeps_state"] and res["load_digest_equal"]
     assert res["moments_equal"] and res["moments_nonzero"]

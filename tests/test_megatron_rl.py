@@ -271,7 +271,7 @@ def _gpu_rl_scenarios(rank: int, world: int, store, tmp: str, layouts: list) -> 
     for tp, pp in layouts:
         for name, extra in settings.items():
             key = f"tp{tp}_pp{pp}_{name}"
-            cfg = _cfg(tp, pp, world, False, ["rl.enabled=true", "rl.group_size=4", *extra])
+            cfg = _cfg(tp, pp, world, dist_opt=False, extra=["rl.enabled=true", "rl.group_size=4", *extra])
             dims = cfg.dims
             e = MegatronEngine(cfg)
             gen += 1

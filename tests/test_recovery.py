@@ -4,7 +4,6 @@ The demo scenario with 2 workers + 2 spares: a DP replica is killed with `ray.ki
 replaced by a pre-warmed spare, groups rebuilt, state restored (from peers, or from the newest
 committed checkpoint with replay), and the per-step losses equal a no-failure run bitwise.
 """
-import dataclasses
 
 import pytest
 import ray
