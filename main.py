@@ -306,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(plan_args: list[str]) -> int:
     """`main.py plan ARGS`: the capacity planner of bench/plan.py with ARGS (its own --help)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    # Appended, not prepended: bench/checkpoint.py must not shadow the root's checkpoint.py
+    # for imports later in this process.
+    sys.path.append(str(Path(__file__).resolve().parent / "bench"))
     import plan
 
     plan.main(plan_args)

@@ -53,7 +53,6 @@ import json
 import math
 import random
 import statistics
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -440,7 +439,6 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=str(RESULTS / "plan.json"))
     p.add_argument("--png", default=str(RESULTS / "plan.png"))
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     model = measured_model(Path(args.results), args.gpu_run)
     results = [plan_one(g, args, model) for g in args.gpus]
     checks = validate(model)
