@@ -1351,7 +1351,7 @@ class PendingSave:
     def _write(self, args) -> None:
         try:
             if self.request.async_fn is not None:
-                self.request.async_fn(*args, **self.request.async_fn_kwargs)
+                _write_buckets(self.request.async_fn, *args)
         except BaseException as exc:  # noqa: BLE001 (reported by result())
             self.error = exc
 
@@ -1375,6 +1375,35 @@ class PendingSave:
                 _SAVE_ARENA[:] = [self._arena]
             if self.owns_stage:
                 shutil.rmtree(self.stage, ignore_errors=True)
+
+
+def _write_buckets(async_fn, _rank: int, buckets: list, results_queue) -> None:
+    """What Megatron's async write (`async_fn`: `FileSystemWriterAsync.write_preloaded_data_multiproc`
+    bound to its transforms and `use_msc`) does, without its fork: each write bucket goes to
+    `FileSystemWriterAsync.write_preloaded_data` in a thread of this process, and the results
+    (bucket index -> write results, or the first exception) go to `results_queue` for the
+    request's finalize (`_rank`, Megatron's first argument, is not needed). Megatron forks one
+    writer process per bucket; here that fork happened in a background thread while the
+    training thread ran, and in one CI run (tests/test_megatron_checkpoint.py) a rank waited
+    until its 240 s timeout while its two forked writers stayed in futex_wait. A lock held by
+    another thread at the fork is the likely cause (inferred, the textbook hazard of fork in a
+    threaded process)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    transform_list, use_msc = async_fn.args
+
+    def write(i: int, bucket):
+        out, count = queue.Queue(), queue.Queue()
+        count.put(i)  # the writer marks its bucket done on this queue
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, out, count, True, use_msc=use_msc)
+        return out.get()[1]
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(buckets)), thread_name_prefix="mcore-write") as pool:
+        results = list(pool.map(write, range(len(buckets)), buckets))
+    error = next((r for r in results if isinstance(r, Exception)), None)
+    results_queue.put(error if error is not None else dict(enumerate(results)))
 
 
 def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:

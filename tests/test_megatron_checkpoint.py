@@ -71,11 +71,15 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
     resharded = load_sharded(ckpt, manifest, _state(rank, 1, -1.0))
     out["resharded"] = resharded["w"]
 
-    # async save: the state is copied when save_sharded returns; a later change is not saved
+    # async save: the state is copied when save_sharded returns; a later change is not saved.
+    # The write runs in threads: no os.fork (a fork from a threaded process can deadlock).
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))
     state = _state(rank, 0, None)
     (pending,) = save_sharded(ckpt, 5, rank, state, async_save=True)
     state["w"].data.add_(1000.0)
     dist.all_gather_object(gathered, pending.result())
+    out["async_forks"] = len(forks)
     if rank == 0:
         ckpt.commit(5, {"dp": WORLD}, [f for fs in gathered for f in fs])
     dist.barrier()
@@ -127,6 +131,7 @@ def test_save_commit_load_reshard(request, tmp_path):
         results = {r: by_rank[r][backend] for r in range(WORLD)}
         for r, out in results.items():
             assert "error" not in out, f"{backend} rank {r}:\n{out['error']}"
+            assert out["async_forks"] == 0, (backend, r, out["async_forks"])
         # 'mid_save' fires once, after the write: in place on local disk, before any upload
         own = {r: len([p for p in out["files"] if p.startswith(f"megatron/__{r}_")]) for r, out in results.items()}
         assert all(own[r] > 0 and out["mid_save"] == [own[r] if backend == "local" else 0]
