@@ -294,7 +294,7 @@ class MegatronActor:
         t0 = time.perf_counter()
         self.generation = None
         self._abort_epoch += 1
-        if hasattr(self.engine, "interrupt"):  # torch engine (a Megatron step's work is queued on the GPU)
+        if self.engine is not None:
             self.engine.interrupt()
         shutdown_sockets(self._gloo_sockets)
         self._gloo_sockets = {}

@@ -56,6 +56,7 @@ from checkpoint import CheckpointError, as_checkpoint_error
 from config import Config
 from parallel_dims import ParallelDims
 from ppo import aggregate, kl_penalty, policy_loss, value_loss
+from torch_engine import StepInterrupt
 from training_batch import TrainingBatch, synthetic_batch
 
 log = logging.getLogger(__name__)
@@ -672,6 +673,7 @@ class MegatronEngine:
         self._send_buffers: dict | None = None  # pinned buffers of `host_state`
         self.connect_phases: dict[str, float] = {}  # seconds of the last `connect`, by part
         self._connected = False
+        self._interrupt = StepInterrupt()  # hooks on each model `_build` makes
 
     # -- process groups ----------------------------------------------------------------------
     def connect(self, dims: ParallelDims, rank: int) -> None:
@@ -710,7 +712,16 @@ class MegatronEngine:
         del old
         self.connect_phases = {"groups_s": t1 - t0, "build_s": t2 - t1, "state_copy_s": time.perf_counter() - t2}
         self._trained_since_connect = False
+        self._interrupt.clear()
         self._connected = True
+
+    def interrupt(self) -> None:
+        """Make the running step (or rollout) raise `torch_engine.Interrupted` at its next
+        module forward or parameter gradient (`StepInterrupt`); called from another thread when
+        the generation is aborted (an aborted NCCL collective returns without raising, so the
+        step would run on). Kernels already queued still run; `rollback` or a restore follows.
+        Cleared by `connect`."""
+        self._interrupt.set()
 
     def disconnect(self) -> None:
         """Mark the generation's groups unusable (no collective); the state stays for `connect`."""
@@ -770,6 +781,9 @@ class MegatronEngine:
             return finalize_model_grads(*args, **kwargs)
 
         tc.finalize_model_grads_func = finalize_with_fault_point
+        for m in (self.ddp, self.ref_model):
+            if m is not None:
+                self._interrupt.watch(m)
         tc.grad_scale_func = self.optimizer.scale_loss
         self._init_optimizer_state()
 

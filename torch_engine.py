@@ -47,8 +47,41 @@ def build_hf_model(cfg: Config) -> torch.nn.Module:
 
 
 class Interrupted(RuntimeError):
-    """A step cut short by `TorchEngine.interrupt` (its generation was aborted); the rollback
+    """A step cut short by an engine's `interrupt` (its generation was aborted); the rollback
     that follows discards what it changed."""
+
+
+class StepInterrupt:
+    """Stops the running step (or rollout) of an aborted generation: once `set` (from another
+    thread), hooks on the watched modules raise `Interrupted` at the next module forward or
+    parameter gradient, instead of letting the step run to its end. Why: a survivor joins the
+    next generation only after its step returns; with many ranks sharing a host's cores the
+    slowest survivor's remaining compute held up the next generation (bench/scale.py:
+    rendezvous 1.13 s at N=64 on 2 cores), and on GPU an aborted NCCL collective returns
+    without raising, so the step would otherwise run on for up to a step time. One Python call
+    per module forward and per parameter gradient."""
+
+    def __init__(self):
+        self._event = threading.Event()
+
+    def watch(self, module: torch.nn.Module) -> None:
+        """Hook every submodule's forward and every trainable parameter's gradient."""
+        for m in module.modules():
+            m.register_forward_pre_hook(self.check)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.check)
+
+    def set(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def check(self, *_) -> None:
+        """Raises `Interrupted` when set."""
+        if self._event.is_set():
+            raise Interrupted("step interrupted: its process-group generation was aborted")
 
 
 class TorchEngine:
@@ -72,14 +105,10 @@ class TorchEngine:
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
-        # An aborted step stops at the next module or gradient instead of running to its end:
-        # with many ranks sharing a host's cores, the slowest survivor's remaining compute held
-        # up the next generation (bench/scale.py: rendezvous 1.13 s at N=64 on 2 cores).
-        self._interrupt = threading.Event()
-        for m in self.module.modules():
-            m.register_forward_pre_hook(self._check_interrupt)
-        for p in self.module.parameters():
-            p.register_post_accumulate_grad_hook(self._check_interrupt)
+        self._interrupt = StepInterrupt()
+        self._interrupt.watch(self.module)
+        if self.ref_model is not None:
+            self._interrupt.watch(self.ref_model)
         self.reset()
 
     def _build_rl_modules(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
@@ -131,13 +160,9 @@ class TorchEngine:
 
     def interrupt(self) -> None:
         """Make the running step (or rollout) raise `Interrupted` at its next module forward or
-        parameter gradient; called from another thread when the generation is aborted. Cleared
-        by `connect`. A step's own collectives are freed by the abort itself."""
+        parameter gradient (`StepInterrupt`); called from another thread when the generation
+        is aborted. Cleared by `connect`. A step's own collectives are freed by the abort itself."""
         self._interrupt.set()
-
-    def _check_interrupt(self, *_) -> None:
-        if self._interrupt.is_set():
-            raise Interrupted("step interrupted: its process-group generation was aborted")
 
     def _allreduce_hook(self, group, bucket):
         """Average the bucket's gradients over the DP group, one collective per parameter.

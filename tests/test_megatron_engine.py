@@ -248,6 +248,52 @@ def test_spare_warm_up_leaves_no_trace():
     assert res["same_state"] and res["same_step"] and res["rank_not_warmed_again"]
 
 
+def _interrupted_ranks(rank, world, store) -> dict:
+    """`MegatronEngine.interrupt` as `MegatronActor.abort` calls it: a step interrupted before
+    its training forward and one interrupted after it (in the backward) both raise
+    `Interrupted` and change no state; after the next `connect` the step runs as in an engine
+    that was never interrupted."""
+    import torch.distributed as dist
+
+    from megatron_engine import MegatronEngine
+    from torch_engine import Interrupted
+
+    cfg = _cfg(dist_opt=False)
+    batch = _batch(cfg, 1, cfg.dims, rank)
+    e = MegatronEngine(cfg)
+    _join(e, store, 1, rank, cfg.dims)
+    before, raised = _digest(e), []
+    e.fault_point = lambda point: e.interrupt() if point == "before_allreduce" else None
+    for stop_in in ("forward", "backward"):
+        if stop_in == "backward":  # interrupt when the training forward is done
+            e.fault_point = lambda point: None
+            hook = e.model.register_forward_hook(lambda *_: e.interrupt() if torch.is_grad_enabled() else None)
+        try:
+            e.snapshot()
+            e.train_step(batch, 1)
+        except Interrupted:
+            raised.append(stop_in)
+        _join(e, store, 2 if stop_in == "forward" else 3, rank, cfg.dims)  # clears the interrupt
+    hook.remove()
+    out = {"raised": raised, "unchanged": _digest(e) == before}  # no optimizer step ran
+    step = e.train_step(batch, 1)
+    e = None  # frees its GPU memory
+    dist.destroy_process_group()
+    fresh = MegatronEngine(cfg)
+    _join(fresh, store, 4, rank, cfg.dims)
+    ref = fresh.train_step(batch, 1)
+    out["same_step"] = (step["loss"], step["grad_norm"]) == (ref["loss"], ref["grad_norm"])
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_interrupt_stops_a_step_without_changing_state():
+    (res,) = spawn_ranks(_interrupted_ranks, 1)
+    assert res["raised"] == ["forward", "backward"], res
+    assert res["unchanged"] and res["same_step"], res
+
+
 def test_carve_host_buffers_from_a_reserved_arena():
     """A spare's rollback snapshot buffers live in memory it reserved before joining: each has
     its tensor's shape and dtype, at an offset any dtype may start at, no two overlap, non-tensor
