@@ -159,6 +159,22 @@ def shutdown_sockets(sockets: dict[int, str]) -> int:
     return n
 
 
+def left_collective(engine, timeout_s: float, poll_s: float = 0.01) -> bool:
+    """Wait up to `timeout_s` seconds for `engine.in_collective` to turn False; returns whether
+    it did. Why: gloo (tcp/pair.cc, torch 2.13) fails a pair's pending sends when its
+    connection fails, but not a send queued behind a partial write (a peer that stopped reading
+    mid-message): that send returns only at the process-group timeout (`step_timeout_s`).
+    Measured with 2 gloo ranks (`tests/test_scenarios.py`): a send with no receive posted was
+    freed at once by `shutdown_sockets`, a send behind a partial write waited out the timeout.
+    Seen at N=64 on 16 cores (bench/scale.py): 2 of 3 killed-actor recoveries took 120 s."""
+    deadline = time.monotonic() + timeout_s
+    while engine.in_collective:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def refuses_connections(address: tuple[str, int], timeout_s: float = 0.5) -> bool:
     """True when a TCP connect to `address` (host, port) is refused: the host is up and nothing
     listens there. False when it connects, or gives no answer within `timeout_s` seconds (a
@@ -288,7 +304,11 @@ class MegatronActor:
     @ray.method(concurrency_group=CONTROL)
     def abort(self) -> float:
         """Abort (not destroy) this actor's communicators: non-blocking, and it frees a compute
-        thread stuck in a collective whose peer died. Returns seconds taken."""
+        thread stuck in a collective whose peer died. Returns seconds taken.
+
+        Raises RuntimeError when the compute thread is still inside a collective
+        `health_timeout_s / 2` seconds later (`left_collective`): the caller must replace
+        this actor, whose step would otherwise return only at the process-group timeout."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
@@ -306,6 +326,11 @@ class MegatronActor:
                 abort_process_groups()
             finally:
                 faulthandler.cancel_dump_traceback_later()
+        grace = self.cfg.fault_tolerance.health_timeout_s / 2
+        if self.engine is not None and not left_collective(self.engine, grace):
+            raise RuntimeError(f"rank {self.rank}: compute thread still inside a collective {grace:g} s after "
+                               "the abort (a gloo send queued behind a partial write is not failed by the "
+                               "shutdown of its connection)")
         return time.perf_counter() - t0
 
     # -- compute -----------------------------------------------------------------------------

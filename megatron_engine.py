@@ -632,6 +632,8 @@ class MegatronEngine:
     broadcast, reset) and of the checkpoint.
     """
 
+    in_collective = False  # never stuck in one after an abort: NCCL's abort ends its collectives
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         m = cfg.model

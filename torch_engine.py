@@ -105,6 +105,7 @@ class TorchEngine:
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
+        self.in_collective = False     # the compute thread is inside a gloo collective
         self._interrupt = StepInterrupt()
         self._interrupt.watch(self.module)
         if self.ref_model is not None:
@@ -176,12 +177,23 @@ class TorchEngine:
         self.progress += 1
         self.fault_point("inside_allreduce")
         world = dist.get_world_size(group)
-        for grad in bucket.gradients():  # views into bucket.buffer()
-            grad.div_(world)
-            dist.all_reduce(grad, group=group)
+        with self._collective():
+            for grad in bucket.gradients():  # views into bucket.buffer()
+                grad.div_(world)
+                dist.all_reduce(grad, group=group)
         future = torch.futures.Future()
         future.set_result(bucket.buffer())
         return future
+
+    @contextlib.contextmanager
+    def _collective(self):
+        """Mark the compute thread as inside a collective (`in_collective`, read by
+        `MegatronActor.abort` from the control thread)."""
+        self.in_collective = True
+        try:
+            yield
+        finally:
+            self.in_collective = False
 
     def disconnect(self) -> None:
         """Forget the DDP wrapper and groups of an aborted generation (no collective)."""
@@ -406,11 +418,12 @@ class TorchEngine:
         (step, LR schedule, optimizer hyper-parameters such as the decayed lr) with
         `broadcast_object_list`. Both sides have the same state structure (same model)."""
         leaves, spec = torch.utils._pytree.tree_flatten(self._train_state())
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                dist.broadcast(leaf, src=src_rank, group=self.dp_group)
         others = [[x for x in leaves if not isinstance(x, torch.Tensor)]]
-        dist.broadcast_object_list(others, src=src_rank, group=self.dp_group)
+        with self._collective():
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    dist.broadcast(leaf, src=src_rank, group=self.dp_group)
+            dist.broadcast_object_list(others, src=src_rank, group=self.dp_group)
         it = iter(others[0])
         leaves = [x if isinstance(x, torch.Tensor) else next(it) for x in leaves]
         self._set_train_state(torch.utils._pytree.tree_unflatten(leaves, spec))

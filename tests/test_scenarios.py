@@ -151,6 +151,84 @@ def test_abort_frees_a_gloo_collective_whose_peer_is_alive_but_hung():
     assert result["errors"] and "closed" in result["errors"][0].lower(), result
 
 
+def _send_rank(rank: int, world: int, store, receiver_posts: bool) -> dict:
+    """Rank 0 sends 256 MB to rank 1 and its sockets are shut down while the send waits (what
+    `MegatronActor.abort` does). With `receiver_posts`, rank 1 posts the receive and stops
+    itself (SIGSTOP) at once, so rank 0's write stops part-way; otherwise rank 1 posts nothing
+    and rank 0's send waits for a receive."""
+    from types import SimpleNamespace
+
+    from megatron_actor import left_collective
+
+    sockets: dict[int, str] = {}
+    with recording_new_sockets(sockets):
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=10))
+    big = torch.ones(64 * 2**20)
+    if rank == 1:
+        store.set("pid1", str(os.getpid()))
+        if receiver_posts:
+            dist.irecv(big, 0)
+            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 sends SIGCONT when done
+        store.wait(["done"], datetime.timedelta(seconds=60))
+        return {}
+    work = dist.isend(big, 1)
+    engine, errors = SimpleNamespace(in_collective=True), []  # as the engine's compute thread
+
+    def wait():
+        try:
+            work.wait()
+        except RuntimeError as e:
+            errors.append(str(e))
+        finally:
+            engine.in_collective = False
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    pid1 = int(store.get("pid1"))
+    t.join(2.0)  # rank 1 has posted its receive (or not) by now
+    shutdown_sockets(sockets)
+    left = left_collective(engine, 3.0)
+    os.kill(pid1, signal.SIGCONT)
+    store.set("done", "1")
+    t.join(30.0)
+    return {"left": left, "errors": errors}
+
+
+def test_a_gloo_send_behind_a_partial_write_outlives_the_socket_shutdown():
+    """Why `MegatronActor.abort` checks that the compute thread left its collective: a pending
+    gloo send is freed at once when its connection is shut down, but one whose write stopped
+    part-way (the peer stopped reading) is not: it returns only at the group's timeout (10 s
+    here). `left_collective` tells the two apart within its grace (3 s)."""
+    freed = spawn_ranks(_send_rank, 2, False, timeout_s=120)[0]
+    assert freed["left"] and freed["errors"] and "closed" in freed["errors"][0].lower(), freed
+    stuck = spawn_ranks(_send_rank, 2, True, timeout_s=120)[0]
+    assert not stuck["left"], stuck
+    assert stuck["errors"] and "timed out" in stuck["errors"][0].lower(), stuck
+
+
+def test_a_survivor_still_in_a_collective_after_the_abort_is_replaced(ray_session, tmp_path):
+    """`_abort_and_kill` names a survivor whose abort reports its compute thread still inside a
+    collective (the gloo case above), so recovery replaces it instead of waiting for its step."""
+    from fault_tolerance import _abort_and_kill
+
+    group = MegatronActorGroup(make_cfg(tmp_path, "cluster.num_spares=0", "fault_tolerance.health_timeout_s=1"))
+    try:
+        Trainer(group.cfg, group).train(1)
+        stuck = group.workers[1].handle
+        ray.get(stuck.__ray_call__.remote(lambda self: setattr(self.engine, "in_collective", True)))
+        assert _abort_and_kill(group, set()) == {1}
+        try:
+            ray.get(stuck.ping.remote(), timeout=30)
+            alive = True
+        except ray.exceptions.RayActorError:
+            alive = False
+        assert not alive  # killed, to be replaced by a spare
+        assert ray.get(group.workers[0].handle.ping.remote(), timeout=30)["rank"] == 0
+    finally:
+        group.shutdown()
+
+
 def _interrupted_steps(rank: int, world: int, store, cfg) -> dict:
     from parallel_dims import ParallelDims
     from torch_engine import Interrupted, TorchEngine
