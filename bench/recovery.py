@@ -126,5 +126,6 @@ def main(argv=None) -> dict:
     print(f"wrote {out}")
     return result
 
+
 if __name__ == "__main__":
     main()
