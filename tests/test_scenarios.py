@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import threading
+import time
 
 import ray
 import torch
@@ -218,12 +219,15 @@ def test_a_survivor_still_in_a_collective_after_the_abort_is_replaced(ray_sessio
         stuck = group.workers[1].handle
         ray.get(stuck.__ray_call__.remote(lambda self: setattr(self.engine, "in_collective", True)))
         assert _abort_and_kill(group, set()) == {1}
-        try:
-            ray.get(stuck.ping.remote(), timeout=30)
-            alive = True
-        except ray.exceptions.RayActorError:
-            alive = False
-        assert not alive  # killed, to be replaced by a spare
+        # ray.kill is asynchronous: a ping sent just after it may still be served
+        deadline, killed = time.monotonic() + 30, False
+        while not killed and time.monotonic() < deadline:
+            try:
+                ray.get(stuck.ping.remote(), timeout=30)
+                time.sleep(0.2)
+            except ray.exceptions.RayActorError:
+                killed = True
+        assert killed  # to be replaced by a spare
         assert ray.get(group.workers[0].handle.ping.remote(), timeout=30)["rank"] == 0
     finally:
         group.shutdown()
