@@ -1408,6 +1408,10 @@ def _write_buckets(async_fn, _rank: int, buckets: list, results_queue) -> None:
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+    if not (isinstance(async_fn, functools.partial) and len(async_fn.args) == 2):
+        raise CheckpointError(f"megatron-core's async write is {async_fn!r}, not the partial of "
+                              "(transform_list, use_msc) of megatron-core 0.16.1: install the version "
+                              "pinned in requirements.txt")
     transform_list, use_msc = async_fn.args
 
     def write(i: int, bucket):

@@ -165,3 +165,14 @@ def test_local_put_files_must_be_in_place(tmp_path):
     (tmp_path / "elsewhere" / "f").write_bytes(b"abc")
     with pytest.raises(ValueError, match="in place"):
         ckpt.put_files(1, str(tmp_path / "elsewhere"), "megatron", ["f"])
+
+
+def test_an_unknown_megatron_async_write_is_named():
+    """The async save reuses megatron-core 0.16.1's write function through its bound arguments;
+    another layout is refused with the pinned version in the message, not unpacked blindly."""
+    import queue
+
+    from megatron_engine import _write_buckets
+
+    with pytest.raises(CheckpointError, match="0.16.1"):
+        _write_buckets(lambda *a: None, 0, [], queue.Queue())
