@@ -396,6 +396,28 @@ def validate(model: dict) -> list[dict]:
     return rows
 
 
+def validate_other_host(model: dict, rows: list[dict], cores: int) -> list[dict]:
+    """Does the cost per unit of load carry over to another host? That host's actor-kill runs
+    (`rows`, N ranks on one host of `cores` cores) are predicted from this model's costs b with
+    that host's own fixed latencies, from its smallest N: a = y(N_min) - b x host_load(N_min).
+    Compared: the control part (the total without the first step, whose cost per rank is the
+    host's compute speed), of the fastest run of each N (a run on a shared host is only ever
+    slowed down by it; the slowest 16-core runs held the 120 s gloo stall that is fixed since)."""
+    actor = [r for r in rows if r["failure"] == "actor"]
+    ns = sorted({r["n"] for r in actor})
+    ctrl = [p for p in PHASES if p not in LOCAL_PHASES]
+    best = {n: min((r for r in actor if r["n"] == n), key=lambda r: sum(r[p] for p in ctrl)) for n in ns}
+    b = model["per_rank"]
+    fixed = {p: best[ns[0]][p] - b[p] * host_load(ns[0], cores, p) for p in ctrl}
+    out = []
+    for n in ns:
+        measured = sum(best[n][p] for p in ctrl)
+        predicted = sum(fixed[p] + b[p] * host_load(n, cores, p) for p in ctrl)
+        out.append({"n": n, "cores": cores, "measured_s": measured, "predicted_s": predicted,
+                    "error": predicted / measured - 1})
+    return out
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -436,12 +458,22 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", default=str(RESULTS), help="where the benchmark JSON is read")
     p.add_argument("--gpu-run", default=GPU_RUN, help="GPU recovery JSON under RESULTS/gpu for the fixed phase costs")
+    p.add_argument("--other-host", nargs="*", default=[str(p) for p in sorted(
+                       RESULTS.glob("gpu/scale_cpu_h200host*_2026-11-30e.json"))],
+                   help="scale runs (bench/scale.py JSON, cores in its _fit.json) of another host, "
+                   "predicted with this model's costs per unit of load (validate_other_host)")
     p.add_argument("--out", default=str(RESULTS / "plan.json"))
     p.add_argument("--png", default=str(RESULTS / "plan.png"))
     args = p.parse_args(argv)
     model = measured_model(Path(args.results), args.gpu_run)
     results = [plan_one(g, args, model) for g in args.gpus]
     checks = validate(model)
+    other = []
+    if args.other_host and "host_cores" in model:
+        cores = {(_load(Path(f).with_name(Path(f).stem + "_fit.json")) or {}).get("cores") for f in args.other_host}
+        if len(cores) != 1 or None in cores:
+            raise SystemExit(f"--other-host: every file needs its _fit.json with the same 'cores', got {cores}")
+        other = validate_other_host(model, [r for f in args.other_host for r in _load(Path(f)) or []], cores.pop())
 
     print(f"phase model from {', '.join(model['source']) or 'defaults'}: seconds = fixed + b x load "
           f"(load on a cluster: N ranks, 1 for the first step): "
@@ -475,7 +507,14 @@ def main(argv=None) -> dict:
             print(f"  N={c['n']}: measured {c['measured_s']:.3f}s, predicted {c['fit_predicted_s']:.3f}s "
                   f"({100 * c['fit_error']:+.0f}%)" + (f", held out {c['held_out_predicted_s']:.3f}s "
                   f"({100 * c['held_out_error']:+.0f}%)" if "held_out_error" in c else ""))
-    out = {"args": vars(args), "model": model, "results": results, "validation": checks}
+    if other:
+        print(f"\nthe same costs per unit of load on a {other[0]['cores']}-core host (its fixed latencies from "
+              f"N={other[0]['n']}; control part = total without the first step; fastest run of each N):")
+        for c in other:
+            print(f"  N={c['n']}: measured {c['measured_s']:.3f}s, predicted {c['predicted_s']:.3f}s "
+                  f"({100 * c['error']:+.0f}%)")
+    out = {"args": vars(args), "model": model, "results": results, "validation": checks,
+           "validation_other_host": other}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     if args.png:

@@ -137,3 +137,29 @@ def test_phase_model_fits_and_predicts_oversubscribed_host_runs(tmp_path):
     assert phase_at(model, "rebuild_s", 1000, gpu=False) == pytest.approx(a + b * 1000)
     assert phase_at(model, "first_step_s", 1000, gpu=False) == pytest.approx(sum(truth["first_step_s"]))
     assert phase_at(model, "rebuild_s", 64, gpu=False, host_cores=2) == pytest.approx(a + b * 64 * 32)
+
+
+def test_other_host_is_predicted_from_the_costs_per_unit_of_load():
+    """Runs of a 16-core host generated with the model's costs per unit of load and other fixed
+    latencies are predicted exactly (the first step, that host's compute, is left out); of two
+    runs of one N the fastest counts (the slower one held a stall)."""
+    from plan import LOCAL_PHASES, PHASES, host_load, validate_other_host
+
+    b = {p: 0.001 * (i + 1) for i, p in enumerate(PHASES)}
+    model = {"per_rank": b}
+
+    def run(n, extra=0.0):
+        row = {"n": n, "failure": "actor", **{p: 0.02 + b[p] * host_load(n, 16, p) for p in PHASES}}
+        row["rebuild_s"] += extra
+        row["first_step_s"] = 7.0  # not compared
+        return row
+
+    rows = [run(n) for n in (8, 16, 32, 64)] + [run(64, extra=120.0), {**run(8), "failure": "node"}]
+    checks = validate_other_host(model, rows, 16)
+    assert [c["n"] for c in checks] == [8, 16, 32, 64]
+    assert all(abs(c["error"]) < 1e-9 for c in checks), checks
+    ctrl = [p for p in PHASES if p not in LOCAL_PHASES]
+    assert checks[-1]["measured_s"] == pytest.approx(sum(0.02 + b[p] * 64 * 4 for p in ctrl))
+    # costs twice too high are seen as over-prediction at the larger N
+    doubled = validate_other_host({"per_rank": {p: 2 * v for p, v in b.items()}}, rows, 16)
+    assert doubled[0]["error"] == pytest.approx(0) and doubled[-1]["error"] > 0.5
