@@ -31,7 +31,9 @@ Phase times come from our measurements: bench/results/recovery_cpu.json (full re
 in-place recovery at N=8 on CPU), bench/results/scale_cpu.json (how each phase grows with the
 number of ranks: a fixed latency plus a cost per rank, fitted with the oversubscription of the
 one host those runs share, extrapolated linearly to G: `measured_model`), and
-bench/results/gpu/ (the GPU recovery benchmark's phases replace the fixed parts). The
+bench/results/gpu/ (the GPU recovery benchmark's phases replace the fixed parts). Those costs
+per rank are checked on another host's scale runs (`--other-host`, default the 16-core device
+host's: `validate_other_host`). The
 measured CPU full restart does not include the scheduler relaunch of a real cluster (queueing,
 container start, NCCL warm-up at thousands of ranks): `--relaunch-s` (default 600 s, an
 assumption, not a measurement) is added to it. Checkpoint costs: `--ckpt-stall-s` (training
@@ -240,6 +242,7 @@ def _load(path: Path):
 PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s")
 LOCAL_PHASES = ("first_step_s",)  # each rank's work does not grow with its peers (compute)
 GPU_RUN = "recovery_1b_exactpin_nvidia-h200-x2_2026-11-30c.json"  # newest GPU recovery benchmark (1.36B)
+OTHER_HOST_RUNS = "gpu/scale_cpu_h200host*_2026-11-30e.json"  # bench/scale.py on the 16-core device host
 
 
 def host_load(n: int, cores: int | None, phase: str = "rebuild_s") -> float:
@@ -458,8 +461,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", default=str(RESULTS), help="where the benchmark JSON is read")
     p.add_argument("--gpu-run", default=GPU_RUN, help="GPU recovery JSON under RESULTS/gpu for the fixed phase costs")
-    p.add_argument("--other-host", nargs="*", default=[str(p) for p in sorted(
-                       RESULTS.glob("gpu/scale_cpu_h200host*_2026-11-30e.json"))],
+    p.add_argument("--other-host", nargs="*", default=[str(f) for f in sorted(RESULTS.glob(OTHER_HOST_RUNS))],
                    help="scale runs (bench/scale.py JSON, cores in its _fit.json) of another host, "
                    "predicted with this model's costs per unit of load (validate_other_host)")
     p.add_argument("--out", default=str(RESULTS / "plan.json"))
