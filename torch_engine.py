@@ -106,6 +106,8 @@ class TorchEngine:
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
         self.in_collective = False     # the compute thread is inside a gloo collective
+        self._param_index = {id(p): i for i, p in enumerate(self.module.parameters())}  # gradient layout
+        self._pending: list = []       # (bucket, future) of this backward, reduced with the last bucket
         self._interrupt = StepInterrupt()
         self._interrupt.watch(self.module)
         if self.ref_model is not None:
@@ -158,6 +160,7 @@ class TorchEngine:
         self.ddp = DDP(self.module, process_group=self.dp_group, broadcast_buffers=False,
                        init_sync=False)
         self.ddp.register_comm_hook(self.dp_group, self._allreduce_hook)
+        self._pending = []
 
     def interrupt(self) -> None:
         """Make the running step (or rollout) raise `Interrupted` at its next module forward or
@@ -166,23 +169,35 @@ class TorchEngine:
         self._interrupt.set()
 
     def _allreduce_hook(self, group, bucket):
-        """Average the bucket's gradients over the DP group, one collective per parameter.
+        """Average the gradients over the DP group: one collective per step, over every bucket's
+        gradients laid out in the module's parameter order (the futures of earlier buckets
+        complete with the last one: `bucket.is_last()`).
 
         DDP re-packs its buckets after the first iteration of every new wrapper (bucket order =
         gradient-ready order), and a multi-rank all-reduce sums each element in an order that
-        depends on its offset in the buffer. Per-parameter collectives make every sum independent
-        of the packing, so a run whose DDP was re-wrapped by a recovery stays bitwise equal to
-        one that never was. Also counts progress (a rank stuck before a collective shows a lower
-        count than peers waiting inside it) and is a fault-injection point."""
+        depends on its offset in the buffer. A fixed layout makes every sum independent of the
+        packing, so a run whose DDP was re-wrapped by a recovery stays bitwise equal to one that
+        never was. One collective, not one per parameter (as before): each gloo collective costs
+        a ring of 2 (N - 1) dependent transfers. Also counts progress (a rank stuck before the
+        collective shows a lower count than peers waiting inside it) and is a fault-injection
+        point."""
         self.progress += 1
-        self.fault_point("inside_allreduce")
-        world = dist.get_world_size(group)
-        with self._collective():
-            for grad in bucket.gradients():  # views into bucket.buffer()
-                grad.div_(world)
-                dist.all_reduce(grad, group=group)
         future = torch.futures.Future()
-        future.set_result(bucket.buffer())
+        self._pending.append((bucket, future))
+        if not bucket.is_last():
+            return future
+        pending, self._pending = self._pending, []
+        grads = sorted((self._param_index[id(p)], g) for b, _ in pending
+                       for p, g in zip(b.parameters(), b.gradients()))  # views into the buffers
+        flat = torch.cat([g.reshape(-1) for _, g in grads])
+        flat.div_(dist.get_world_size(group))
+        self.fault_point("inside_allreduce")
+        with self._collective():
+            dist.all_reduce(flat, group=group)
+        for (_, g), reduced in zip(grads, flat.split([g.numel() for _, g in grads])):
+            g.copy_(reduced.view_as(g))
+        for b, f in pending:
+            f.set_result(b.buffer())
         return future
 
     @contextlib.contextmanager
@@ -302,6 +317,7 @@ class TorchEngine:
         for mini in minis:
             micros = mini.chunk(len(mini) // micro)
             self.optimizer.zero_grad(set_to_none=True)
+            self._pending.clear()  # buckets of a backward that an interrupt cut short
             mini_loss = 0.0
             for i, mb in enumerate(micros):
                 sync = i == len(micros) - 1

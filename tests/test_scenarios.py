@@ -279,3 +279,36 @@ def test_abort_interrupts_the_running_step_of_the_torch_engine(tmp_path):
     assert out["grads_after_forward_stop"] == 0, out  # stopped in the forward, before any backward
     assert out["unchanged"], out
     assert math.isfinite(out["loss"]), out
+
+
+def _gradients_under_two_packings(rank: int, world: int, store, cfg) -> bool:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torch_engine import TorchEngine
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    engine = TorchEngine(cfg)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len),
+                        generator=torch.Generator().manual_seed(rank))
+    grads = []
+    # DDP's first iteration packs in reverse parameter order; from the second on, in the order
+    # the gradients were ready (what a run has that was not re-wrapped by a recovery)
+    for iterations in (2, 1):
+        ddp = DDP(engine.module, init_sync=False)
+        ddp.register_comm_hook(dist.group.WORLD, engine._allreduce_hook)
+        for _ in range(iterations):
+            engine.module.zero_grad(set_to_none=True)
+            # gradients of very different size per rank, so the order of the sum shows in the bits
+            (ddp(input_ids=ids).logits.float().square().mean() * 10.0 ** (3 * rank)).backward()
+        grads.append([p.grad.clone() for p in engine.module.parameters()])
+        del ddp
+        gc.collect()  # the next wrapper's reducer must be the only one on these parameters
+    return all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_the_gradient_average_does_not_depend_on_the_bucket_packing(tmp_path):
+    """4 gloo ranks: the same backward under a DDP wrapper in its first iteration and one in its
+    second (buckets re-packed in gradient-ready order) gives bitwise equal averaged gradients
+    (`TorchEngine._allreduce_hook` lays them out in parameter order), as a recovery's re-wrap needs."""
+    cfg = make_cfg(tmp_path, "cluster.num_workers=4")
+    assert spawn_ranks(_gradients_under_two_packings, 4, cfg, timeout_s=180) == [True] * 4
