@@ -37,6 +37,12 @@ from parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
 CONTROL = "control"
+# Every gloo group's set-up reads each rank's address record from the driver's store. gloo's
+# defaults (transport/tcp/context.cc): one blocking get per peer, and records that hold one
+# sequence number per rank, so each rank reads O(N^2) bytes in N round trips and the store
+# serves O(N^3) bytes. These make it one batched `multi_get` of records of constant size.
+# Measured (torch 2.13, 2 cores, slowest rank's `init_process_group`): 110 -> 50 ms at N=32.
+GLOO_ENV = {"GLOO_ENABLE_STORE_V2_API": "1", "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1"}
 
 
 class StaleGenerationError(RuntimeError):
@@ -261,6 +267,8 @@ class MegatronActor:
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
         self._send: threading.Thread | None = None  # the in-memory snapshot being sent
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        for k, v in GLOO_ENV.items():
+            os.environ.setdefault(k, v)
 
     def fault_point(self, point: str) -> None:
         """Fire the fault armed at `point`, once: SIGKILL of this process, an InjectedFault

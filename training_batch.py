@@ -41,6 +41,16 @@ class TrainingBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def __reduce__(self):
+        # Pickled (Ray task arguments, results) as numpy arrays: Ray pickles a torch tensor's
+        # bytes, slowly for small ones too. Measured on 2 cores: 48 actor calls, each given a
+        # 10.6 KB part of a batch, took 65 ms to submit as tensors, 26 ms as numpy (the driver
+        # submits one call per rank every step). Tensors numpy cannot hold (GPU, bf16) stay tensors.
+        tensors = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        if any(t is not None and (t.device.type != "cpu" or t.dtype == torch.bfloat16) for t in tensors):
+            return TrainingBatch, tuple(tensors)
+        return _batch_from_numpy, tuple(None if t is None else t.detach().numpy() for t in tensors)
+
     def _map(self, fn) -> TrainingBatch:
         """Apply fn to every tensor field (None stays None)."""
         return TrainingBatch(
@@ -181,3 +191,9 @@ def synthetic_batch(
         loss_mask=response.float(),
         advantages=advantage * response,
     )
+
+
+def _batch_from_numpy(*arrays) -> TrainingBatch:
+    """Inverse of `TrainingBatch.__reduce__` (copies arrays that Ray hands over read-only)."""
+    return TrainingBatch(*(None if a is None else torch.from_numpy(a if a.flags.writeable else a.copy())
+                           for a in arrays))

@@ -137,3 +137,25 @@ def test_synthetic_batch_bad_args():
         synthetic_batch(seed=0, step=0, batch_size=2, seq_len=4, vocab_size=5, prompt_len=4)
     with pytest.raises(ValueError, match="prompt_len"):
         synthetic_batch(seed=0, step=0, batch_size=2, seq_len=4, vocab_size=5, prompt_len=0)
+
+
+def test_a_batch_travels_as_numpy_and_comes_back_bitwise(ray_session):
+    """Task arguments carry a TrainingBatch as numpy arrays (the fast path for Ray); through a
+    real Ray object it comes back bitwise, with dtypes, None fields and writability intact.
+    A batch numpy cannot hold (bf16) still travels, as tensors."""
+    import pickle
+
+    import numpy as np
+    import ray
+
+    b = synthetic_batch(3, 7, 8, 6, 50).with_old_log_probs(torch.randn(8, 6))
+    _, args = b.__reduce__()
+    assert all(a is None or isinstance(a, np.ndarray) for a in args)
+    for back in (ray.get(ray.put(b)), pickle.loads(pickle.dumps(b, protocol=5))):
+        for f in ("input_ids", "attention_mask", "loss_mask", "advantages", "old_log_probs"):
+            assert getattr(back, f).dtype == getattr(b, f).dtype
+            assert torch.equal(getattr(back, f), getattr(b, f)), f
+        assert back.returns is None and back.old_values is None and back.ref_log_probs is None
+        back.advantages += 1  # writable (Ray hands numpy buffers over read-only)
+    bf = b.with_old_log_probs(b.old_log_probs.to(torch.bfloat16))
+    assert torch.equal(ray.get(ray.put(bf)).old_log_probs, bf.old_log_probs)
