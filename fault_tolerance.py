@@ -106,8 +106,8 @@ class RecoveryTimeline:
 
 def _abort_and_kill(group: MegatronActorGroup, failed: set[int]) -> set[int]:
     """Abort survivors' communicators (control group, in parallel), kill failed actors.
-    Returns survivors that did not answer the abort in time, or whose abort raised (compute
-    thread still stuck in a collective: `MegatronActor.abort`), to be treated as failed."""
+    Returns survivors that died too, did not answer the abort in time, or whose abort raised
+    (compute thread still stuck in a collective: `MegatronActor.abort`), to be treated as failed."""
     survivors = [r for r in range(group.dims.world_size) if r not in failed]
     refs = {r: group.workers[r].handle.abort.remote() for r in survivors}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
@@ -118,6 +118,9 @@ def _abort_and_kill(group: MegatronActorGroup, failed: set[int]) -> set[int]:
             if ref not in ready:
                 raise TimeoutError
             ray.get(ref)
+        except ray.exceptions.RayActorError as e:  # died too (detection names the first death only)
+            log.warning("rank %d is replaced: its actor died or is unreachable (%s)", r, str(e)[-200:])
+            unanswered.add(r)
         except (TimeoutError, ray.exceptions.RayError) as e:
             log.warning("rank %d is replaced: its abort %s", r, "timed out" if isinstance(e, TimeoutError)
                         else f"failed: {str(e)[-300:]}")

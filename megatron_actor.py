@@ -822,7 +822,9 @@ class MegatronActorGroup:
                 try:
                     results[i] = ray.get(done[0])
                 except ray.exceptions.RayActorError as e:
-                    raise WorkerFailure({rank_of[i]} | self.probe(), "crash", str(e)[:300]) from None
+                    # No ping round here: the abort that follows calls every other rank anyway
+                    # and replaces those that died too (`fault_tolerance._abort_and_kill`).
+                    raise WorkerFailure({rank_of[i]} | self.on_lost_nodes(), "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
                     dead = self.probe()
                     if dead:
@@ -899,8 +901,7 @@ class MegatronActorGroup:
         drops, connections from the driver's node to a raylet port would make that node look lost."""
         ft = self.cfg.fault_tolerance
         deadline = time.monotonic() + ft.health_timeout_s
-        lost = self._lost_nodes({s.node_id for s in self.workers})
-        dead = {r for r, s in enumerate(self.workers) if s.node_id in lost}
+        dead = self.on_lost_nodes()
         todo = set(range(len(self.workers))) - dead
         while todo:
             refs = {r: self.workers[r].handle.ping.remote() for r in todo}
@@ -927,6 +928,11 @@ class MegatronActorGroup:
                 time.sleep(min(0.1, ft.health_interval_s))
             todo = retry
         return dead
+
+    def on_lost_nodes(self) -> set[int]:
+        """Ranks on a node whose raylet refuses connections (`_lost_nodes`): dead, no ping needed."""
+        lost = self._lost_nodes({s.node_id for s in self.workers})
+        return {r for r, s in enumerate(self.workers) if s.node_id in lost}
 
     def _lost_nodes(self, node_ids: set[str]) -> set[str]:
         """Those of `node_ids` whose raylet refuses connections (its address from `ray.nodes()`,
