@@ -118,6 +118,8 @@ class TorchEngine:
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
         self.in_collective = False     # the compute thread is inside a gloo collective
+        self._work = None              # the last collective's Work (see `disconnect`)
+        self._retired: list = []       # (DDP, group, Work) of aborted generations, see `disconnect`
         self._param_index = {id(p): i for i, p in enumerate(self.module.parameters())}  # gradient layout
         self._pending: list = []       # (bucket, future) of this backward, reduced with the last bucket
         self._interrupt = StepInterrupt()
@@ -205,7 +207,7 @@ class TorchEngine:
             flat.div_(dist.get_world_size(group))
             self.fault_point("inside_allreduce")
             with self._collective():
-                dist.all_reduce(flat, group=group)
+                self._wait(dist.all_reduce(flat, group=group, async_op=True))
 
         flat_collective([g for _, g in grads], average)
         for b, f in pending:
@@ -222,9 +224,31 @@ class TorchEngine:
         finally:
             self.in_collective = False
 
+    def _wait(self, work) -> None:
+        """Wait for the collective `work` (async_op=True), and re-raise its error; raises
+        `Interrupted` within 10 ms of `interrupt` instead. Why: the abort's socket shutdown
+        (`MegatronActor.abort`) fails most gloo operations, but not a send of an unbound buffer
+        whose write failed before the pair saw the shutdown (gloo tcp/pair.cc: the write
+        returns EPIPE silently in async mode, and a failing pair signals the bound-buffer sends
+        of its transmit queue only). Such a send waits out the group's timeout
+        (`step_timeout_s`). Seen at N=64 on 32 cores (bench/scale.py): 2 of 3 killed-actor
+        recoveries had 2-3 survivors still inside the all-reduce 5 s after the abort."""
+        self._work = work
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        while not done.wait(0.01):
+            self._interrupt.check()
+        work.wait()
+
     def disconnect(self) -> None:
-        """Forget the DDP wrapper and groups of an aborted generation (no collective)."""
-        self.ddp, self.dp_group = None, None
+        """Forget the DDP wrapper and groups of an aborted generation (no collective). A gloo
+        group whose collective is still stuck (`_wait`) is kept until that collective ends at
+        its timeout: destroying a group joins its worker threads, which would hold up the
+        next generation (measured: 5.6 s for a group with a 6 s timeout, 0 s when kept)."""
+        if self._work is not None and not self._work.is_completed():
+            self._retired.append((self.ddp, self.dp_group, self._work))
+        self._retired = [r for r in self._retired if not r[2].is_completed()]
+        self.ddp, self.dp_group, self._work = None, None, None
 
     # -- compute -----------------------------------------------------------------------------
     def _forward(self, module: torch.nn.Module, batch: TrainingBatch):
@@ -450,7 +474,8 @@ class TorchEngine:
         others = [[x for x in leaves if not isinstance(x, torch.Tensor)]]
         with self._collective():
             flat_collective([x for x in leaves if isinstance(x, torch.Tensor)],
-                            lambda flat: dist.broadcast(flat, src=src_rank, group=self.dp_group))
+                            lambda flat: self._wait(dist.broadcast(flat, src=src_rank, group=self.dp_group,
+                                                                   async_op=True)))
             dist.broadcast_object_list(others, src=src_rank, group=self.dp_group)
         it = iter(others[0])
         leaves = [x if isinstance(x, torch.Tensor) else next(it) for x in leaves]
