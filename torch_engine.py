@@ -119,7 +119,7 @@ class TorchEngine:
         self._snapshot: dict | None = None
         self.in_collective = False     # the compute thread is inside a gloo collective
         self._work = None              # the last collective's Work (see `disconnect`)
-        self._retired: list = []       # (DDP, group, Work) of aborted generations, see `disconnect`
+        self._retired: list = []       # (group, Work) of aborted generations, see `disconnect`
         self._param_index = {id(p): i for i, p in enumerate(self.module.parameters())}  # gradient layout
         self._pending: list = []       # (bucket, future) of this backward, reduced with the last bucket
         self._interrupt = StepInterrupt()
@@ -227,12 +227,12 @@ class TorchEngine:
     def _wait(self, work) -> None:
         """Wait for the collective `work` (async_op=True), and re-raise its error; raises
         `Interrupted` within 10 ms of `interrupt` instead. Why: the abort's socket shutdown
-        (`MegatronActor.abort`) fails most gloo operations, but not a send of an unbound buffer
-        whose write failed before the pair saw the shutdown (gloo tcp/pair.cc: the write
-        returns EPIPE silently in async mode, and a failing pair signals the bound-buffer sends
-        of its transmit queue only). Such a send waits out the group's timeout
-        (`step_timeout_s`). Seen at N=64 on 32 cores (bench/scale.py): 2 of 3 killed-actor
-        recoveries had 2-3 survivors still inside the all-reduce 5 s after the abort."""
+        (`MegatronActor.abort`) does not fail every gloo operation: a send queued behind a
+        partial write waits out the group's timeout (`step_timeout_s`; reproduced with two
+        ranks in tests/test_scenarios.py; gloo's tcp/pair.cc signals a failing pair's
+        bound-buffer sends only). Seen at N=64 on 32 cores (bench/scale.py): 2 of 3
+        killed-actor recoveries had 2-3 survivors still inside the all-reduce 5 s after the
+        abort (that the cause is the same is inferred)."""
         self._work = work
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
@@ -246,8 +246,8 @@ class TorchEngine:
         its timeout: destroying a group joins its worker threads, which would hold up the
         next generation (measured: 5.6 s for a group with a 6 s timeout, 0 s when kept)."""
         if self._work is not None and not self._work.is_completed():
-            self._retired.append((self.ddp, self.dp_group, self._work))
-        self._retired = [r for r in self._retired if not r[2].is_completed()]
+            self._retired.append((self.dp_group, self._work))
+        self._retired = [r for r in self._retired if not r[1].is_completed()]
         self.ddp, self.dp_group, self._work = None, None, None
 
     # -- compute -----------------------------------------------------------------------------

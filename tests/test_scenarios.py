@@ -212,52 +212,64 @@ def _engine_stuck_rank(rank: int, world: int, store, cfg) -> dict:
     """Rank 0 all-reduces, waiting as the torch engine waits for its collectives
     (`TorchEngine._wait`); rank 1 never joins and its sockets stay open, so nothing frees the
     collective before gloo's timeout (10 s): it stands for the send above that outlives the
-    socket shutdown. Then the rest of an abort: engine interrupted, groups dropped from
-    torch's registry, engine disconnected."""
+    socket shutdown. Then the rest of an abort (engine interrupted, groups dropped from
+    torch's registry, engine disconnected) and a next generation in which both ranks train
+    a step while the stuck group is still kept."""
     from torch.distributed.distributed_c10d import _abort_process_group
 
     from megatron_actor import left_collective
+    from parallel_dims import ParallelDims
     from torch_engine import Interrupted, TorchEngine
+    from training_batch import synthetic_batch
 
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.PrefixStore("gen1", store), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=10))
-    if rank == 1:
-        store.wait(["done"], datetime.timedelta(seconds=60))
-        return {}
-    engine, raised = TorchEngine(cfg), []
-    engine.dp_group = dist.group.WORLD
+    engine, out = TorchEngine(cfg), {}
+    if rank == 0:
+        engine.dp_group, raised = dist.group.WORLD, []
 
-    def step():
-        try:
-            with engine._collective():
-                engine._wait(dist.all_reduce(torch.ones(4), async_op=True))
-        except Interrupted as e:
-            raised.append(str(e))
+        def step():
+            try:
+                with engine._collective():
+                    engine._wait(dist.all_reduce(torch.ones(4), async_op=True))
+            except Interrupted as e:
+                raised.append(str(e))
 
-    t = threading.Thread(target=step, daemon=True)
-    t.start()
-    t.join(1.0)
-    blocked = t.is_alive()
-    engine.interrupt()
-    left = left_collective(engine, 3.0)
+        t = threading.Thread(target=step, daemon=True)
+        t.start()
+        t.join(1.0)
+        blocked = t.is_alive()
+        engine.interrupt()
+        left = left_collective(engine, 3.0)
+        work = engine._work
+        out = {"blocked": blocked, "left": left, "raised": raised}
+    hung_group = dist.group.WORLD if rank == 1 else None  # alive and hung: its sockets stay open
     _abort_process_group()
-    work = engine._work
     engine.disconnect()  # destroying the group would join gloo's worker thread (stuck until 10 s)
-    out = {"blocked": blocked, "left": left, "raised": raised,
-           "still_stuck_after_disconnect": not work.is_completed(), "retired": len(engine._retired)}
-    store.set("done", "1")
+    dist.init_process_group("gloo", store=dist.PrefixStore("gen2", store), rank=rank, world_size=world)
+    engine.connect(ParallelDims(1, 1, 2, 1), rank)
+    t = cfg.train
+    batch = synthetic_batch(t.seed, 1, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
+    loss = engine.train_step(batch.strided(rank, world), 1)["loss"]
+    if rank == 0:
+        out.update(still_stuck_after_next_step=not work.is_completed(), retired=len(engine._retired), loss=loss)
+        store.set("checked", "1")
+    else:
+        store.wait(["checked"], datetime.timedelta(seconds=60))
+    del hung_group
     return out
 
 
 def test_the_torch_engine_leaves_a_collective_that_gloo_does_not_free(tmp_path):
     """An interrupted torch engine's compute thread leaves its collective even when gloo keeps
-    it (no replacement needed), and `disconnect` keeps the stuck group alive instead of
-    destroying it, which would wait for gloo's timeout: the work is still pending when
-    `disconnect` has returned."""
+    it (no replacement needed). `disconnect` keeps the stuck group alive instead of
+    destroying it, which would wait for gloo's timeout (its work is still pending after the
+    next generation's step), and that kept group does not disturb the next generation."""
     cfg = make_cfg(tmp_path, "cluster.num_workers=2")
     out = spawn_ranks(_engine_stuck_rank, 2, cfg, timeout_s=120)[0]
     assert out["blocked"] and out["left"] and out["raised"], out
-    assert out["still_stuck_after_disconnect"] and out["retired"] == 1, out
+    assert out["still_stuck_after_next_step"] and out["retired"] == 1, out
+    assert math.isfinite(out["loss"]), out
 
 
 def test_a_survivor_still_in_a_collective_after_the_abort_is_replaced(ray_session, tmp_path):
