@@ -42,6 +42,8 @@ CONTROL = "control"
 # sequence number per rank, so each rank reads O(N^2) bytes in N round trips and the store
 # serves O(N^3) bytes. These make it one batched `multi_get` of records of constant size.
 # Measured (torch 2.13, 2 cores, slowest rank's `init_process_group`): 110 -> 50 ms at N=32.
+# Set for the CPU engine only: the GPU runs (whose Megatron makes gloo groups too) were not
+# re-run with it.
 GLOO_ENV = {"GLOO_ENABLE_STORE_V2_API": "1", "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1"}
 
 
@@ -267,8 +269,9 @@ class MegatronActor:
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
         self._send: threading.Thread | None = None  # the in-memory snapshot being sent
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        for k, v in GLOO_ENV.items():
-            os.environ.setdefault(k, v)
+        if cfg.cluster.device != "cuda":
+            for k, v in GLOO_ENV.items():
+                os.environ.setdefault(k, v)
 
     def fault_point(self, point: str) -> None:
         """Fire the fault armed at `point`, once: SIGKILL of this process, an InjectedFault
