@@ -117,6 +117,24 @@ def test_new_group_forms_while_old_store_port_is_in_time_wait_or_taken(ray_sessi
 
 
 
+def _blocked_after(fn, catch: type, seconds: float = 1.0) -> tuple[threading.Thread, list[str], bool]:
+    """Run `fn` in a daemon thread (as an engine's compute thread), collecting the messages of
+    the `catch` exceptions it raises; returns the thread, those messages and whether it was
+    still running `seconds` later."""
+    errors: list[str] = []
+
+    def run():
+        try:
+            fn()
+        except catch as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return t, errors, t.is_alive()
+
+
 def _gloo_rank(rank: int, world: int, store) -> dict:
     sockets: dict[int, str] = {}
     with recording_new_sockets(sockets):
@@ -125,18 +143,7 @@ def _gloo_rank(rank: int, world: int, store) -> dict:
     if rank == 1:  # hung but alive: never enters the collective, keeps its sockets open
         store.wait(["done"])
         return {}
-    errors: list[str] = []
-
-    def all_reduce():
-        try:
-            dist.all_reduce(torch.ones(4))
-        except RuntimeError as e:
-            errors.append(str(e))
-
-    t = threading.Thread(target=all_reduce, daemon=True)
-    t.start()
-    t.join(1.0)
-    blocked = t.is_alive()
+    t, errors, blocked = _blocked_after(lambda: dist.all_reduce(torch.ones(4)), RuntimeError)
     shut = shutdown_sockets(sockets)
     t.join(20.0)
     store.set("done", "1")
@@ -226,19 +233,13 @@ def _engine_stuck_rank(rank: int, world: int, store, cfg) -> dict:
                             timeout=datetime.timedelta(seconds=10))
     engine, out = TorchEngine(cfg), {}
     if rank == 0:
-        engine.dp_group, raised = dist.group.WORLD, []
+        engine.dp_group = dist.group.WORLD
 
         def step():
-            try:
-                with engine._collective():
-                    engine._wait(dist.all_reduce(torch.ones(4), async_op=True))
-            except Interrupted as e:
-                raised.append(str(e))
+            with engine._collective():
+                engine._wait(dist.all_reduce(torch.ones(4), async_op=True))
 
-        t = threading.Thread(target=step, daemon=True)
-        t.start()
-        t.join(1.0)
-        blocked = t.is_alive()
+        _, raised, blocked = _blocked_after(step, Interrupted)
         engine.interrupt()
         left = left_collective(engine, 3.0)
         work = engine._work
