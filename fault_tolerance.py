@@ -67,7 +67,10 @@ class BackupPool:
 @dataclass
 class RecoveryTimeline:
     """One recovery, phases in seconds. `detect_s` runs from the failure (when its time is known,
-    e.g. an injected kill) to its detection; `steps_lost` counts committed steps redone."""
+    e.g. an injected kill) to its detection; `steps_lost` counts committed steps redone.
+    `total_s` is the time the failure cost the run, the MTTR that goodput counts: the control
+    phases (detect .. restore) plus the first step's excess over a steady step. The rest of
+    that first step is training the run would have done anyway."""
     kind: str
     failed_ranks: list[int]
     failed_nodes: list[str]
@@ -78,6 +81,7 @@ class RecoveryTimeline:
     rebuild_s: float = 0.0
     restore_s: float = 0.0
     first_step_s: float = 0.0
+    steady_step_s: float = 0.0   # median step without a recovery before the first step; 0: none ran
     restore_source: str = ""
     committed_step: int = 0
     restored_step: int = 0
@@ -86,18 +90,25 @@ class RecoveryTimeline:
     rebuild_detail: dict = field(default_factory=dict)      # slowest rank's seconds per part of its join
     first_step_detail: dict = field(default_factory=dict)   # slowest rank's seconds per part of the step
 
-    PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s")
+    CONTROL = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s")
+    PHASES = (*CONTROL, "first_step_s")
 
     @property
     def steps_lost(self) -> int:
         return self.committed_step - self.restored_step
 
     @property
+    def first_step_excess_s(self) -> float:
+        """The first step's seconds beyond a steady step (all of it when no steady step ran)."""
+        return max(0.0, self.first_step_s - self.steady_step_s)
+
+    @property
     def total_s(self) -> float:
-        return sum(getattr(self, p) for p in self.PHASES)
+        return sum(getattr(self, p) for p in self.CONTROL) + self.first_step_excess_s
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "steps_lost": self.steps_lost, "total_s": self.total_s}
+        return {**asdict(self), "steps_lost": self.steps_lost, "first_step_excess_s": self.first_step_excess_s,
+                "total_s": self.total_s}
 
     def append_jsonl(self, path) -> None:
         with open(path, "a") as f:

@@ -168,7 +168,8 @@ def print_report(ref: dict, run: dict, cfg: Config) -> bool:
         print(f"\nrecovery ({tl['kind']}): ranks {tl['failed_ranks']} on {tl['failed_nodes']}, "
               f"restored step {tl['restored_step']} from {tl['restore_source']}, "
               f"steps lost {tl['steps_lost']}, attempts {tl['attempts']}")
-        for phase in ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s", "total_s"):
+        for phase in ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s",
+                      "first_step_excess_s", "total_s"):
             print(f"  {phase[:-2]:<11} {tl[phase]:8.3f} s")
     if not run["recoveries"]:
         ok = False

@@ -15,7 +15,7 @@ a checkpoint save) and fans each out to
 | `ft_loss` | gauge | loss of the last committed step |
 | `ft_reward` | gauge | RL: mean reward of the last committed step's samples |
 | `ft_recoveries` | counter | recoveries finished; tag `kind` (crash, hang, exception) |
-| `ft_recovery_phase_seconds` | histogram | seconds per recovery phase; tag `phase` (detect ... first_step, total) |
+| `ft_recovery_phase_seconds` | histogram | seconds per recovery phase; tag `phase` (detect ... first_step, first_step_excess, total) |
 | `ft_spares_available` | gauge | spares in the backup pool |
 | `ft_checkpoint_save_stall_seconds` | histogram | seconds training waited for a checkpoint save |
 """
@@ -93,6 +93,7 @@ class RunMetrics:
         self.recoveries.inc(1, tags={"kind": timeline.kind})
         for phase in timeline.PHASES:
             self.phase_seconds.observe(getattr(timeline, phase), tags={"phase": phase[:-2]})
+        self.phase_seconds.observe(timeline.first_step_excess_s, tags={"phase": "first_step_excess"})
         self.phase_seconds.observe(timeline.total_s, tags={"phase": "total"})
         nodes = ",".join(n[:8] for n in timeline.failed_nodes)
         log.warning("event=recovery kind=%s ranks=%s nodes=%s step=%d restored_step=%d source=%s "

@@ -61,6 +61,7 @@ class Trainer:
         self.failed_at: float | None = None  # set by fault injection: when the fault happened
         self._resume_t: float | None = None
         self.step_times: list[float] = []
+        self._steady_times: list[float] = []  # step times, without the first and the first after a recovery
         self.save_stalls: list[float] = []   # seconds training waited for each save
         self._pending_save: tuple[int, float] | None = None  # (step, start) of an async save
         self._chaos_fired: set[int] = set()
@@ -82,12 +83,11 @@ class Trainer:
         return min(ft.step_timeout_s, max(ft.min_step_timeout_s, ft.hang_factor * median))
 
     def steady_step_s(self) -> float:
-        """Median seconds of the steps run so far, without the first step and the first step
-        after each recovery: what the first step after a recovery would cost with no recovery
-        (that step's excess is the recovery's). Assumes no step was lost (step_times[i] is step
-        i + 1). Raises statistics.StatisticsError when no such step ran."""
-        firsts = {1} | {tl.restored_step + 1 for tl in self.recoveries}
-        return statistics.median(t for s, t in enumerate(self.step_times, 1) if s not in firsts)
+        """Median seconds of the steps run so far, without this trainer's first step and the
+        first step after each recovery: what the first step after a recovery would cost with no
+        recovery (that step's excess is the recovery's). Raises statistics.StatisticsError when
+        no such step ran."""
+        return statistics.median(self._steady_times)
 
     def _arm_chaos(self, step: int) -> None:
         """Arm the `chaos.events` of this step (each fires once, even if the step is re-run)."""
@@ -119,6 +119,8 @@ class Trainer:
         results = self.group.call("train_step", step, batch, dispatch="mesh",
                                   timeout=self.step_deadline())
         self.step_times.append(time.perf_counter() - t0)
+        if self._resume_t is None and len(self.step_times) > 1:
+            self._steady_times.append(self.step_times[-1])
         if self._resume_t is not None:  # first step after a recovery: where its time went
             parts = [r["phases"] for r in results if "phases" in r]
             if parts:
@@ -161,6 +163,7 @@ class Trainer:
         self.committed_step = step
         if self._resume_t is not None:
             self.recoveries[-1].first_step_s = time.perf_counter() - self._resume_t
+            self.recoveries[-1].steady_step_s = statistics.median(self._steady_times) if self._steady_times else 0.0
             self.recoveries[-1].append_jsonl(self.run_dir / "recoveries.jsonl")
             self.metrics.on_recovery(self.recoveries[-1])
             self._resume_t = None
@@ -206,11 +209,12 @@ class Trainer:
         log.info("checkpoint step %d committed %.2f s after the save started", step, time.perf_counter() - t0)
 
     def report(self) -> str:
-        """A table of every recovery's phases (seconds), source and steps lost."""
+        """A table of every recovery's phases (seconds), source and steps lost; total = the
+        control phases + the first step's excess over a steady step (`RecoveryTimeline.total_s`)."""
         head = ("kind", "ranks", "detect", "abort", "replace", "rebuild", "restore", "first step",
-                "total", "source", "lost")
+                "(excess)", "total", "source", "lost")
         rows = [(t.kind, ",".join(map(str, t.failed_ranks)), *(f"{getattr(t, p):.3f}" for p in t.PHASES),
-                 f"{t.total_s:.3f}", t.restore_source, str(t.steps_lost)) for t in self.recoveries]
+                 f"{t.first_step_excess_s:.3f}", f"{t.total_s:.3f}", t.restore_source, str(t.steps_lost)) for t in self.recoveries]
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
         return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in (head, *rows))
 

@@ -84,7 +84,7 @@ def daly_interval(delta_s: float, mtbf_s: float) -> float:
 class Costs:
     """Seconds of each recovery at G GPUs (already scaled) and the checkpoint costs."""
     detect_s: float
-    inplace_s: float          # abort + replace + rebuild + first step, no restore (spare strategies)
+    inplace_s: float          # abort + replace + rebuild + first step's excess, no restore (spare strategies)
     peer_restore_s: float     # restore from peers / host memory
     ckpt_load_s: float        # every rank reloads the newest checkpoint
     restart_s: float          # relaunch + full restart (placement, build, groups, first step)
@@ -239,10 +239,19 @@ def _load(path: Path):
         return None
 
 
-PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s")
-LOCAL_PHASES = ("first_step_s",)  # each rank's work does not grow with its peers (compute)
+PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_excess_s")
+LOCAL_PHASES = ("first_step_excess_s",)  # each rank's work does not grow with its peers (compute)
 GPU_RUN = "recovery_1b_exactpin_nvidia-h200-x2_2026-11-30c.json"  # newest GPU recovery benchmark (1.36B)
 OTHER_HOST_RUNS = "gpu/scale_cpu_h200host*_2026-11-30e.json"  # bench/scale.py on the 16-core device host
+
+
+def phase_of(row: dict, phase: str) -> float:
+    """`row[phase]`, a recovery's seconds; a row written before `first_step_excess_s` existed
+    (2026-12-01) gets it as its first step less its steady step `step_s`, or the whole first step
+    when the row has no steady step."""
+    if phase == "first_step_excess_s" and phase not in row:
+        return max(0.0, row["first_step_s"] - row.get("step_s", 0.0))
+    return row[phase]
 
 
 def host_load(n: int, cores: int | None, phase: str = "rebuild_s") -> float:
@@ -276,18 +285,18 @@ def measured_model(results: Path = RESULTS, gpu_run: str = GPU_RUN) -> dict:
     scale_cpu.json. Those runs put all N actors on one host of few cores, so each rank's work
     (connecting to its N - 1 peers, the store's N clients) is also shared among the cores:
     host_load = N * N / cores there, N on a cluster (N / cores and 1 for the first step's
-    compute). Without scale runs: the in-place recovery of recovery_cpu.json, flat (b = 0).
+    excess, compute). Without scale runs: the in-place recovery of recovery_cpu.json, flat (b = 0).
     The GPU run `gpu/<gpu_run>` (bench/recovery.py on 2 x H200), when present, gives the fixed parts."""
     rec = _load(results / "recovery_cpu.json") or {}
     tl = rec.get("timeline", {})
-    model = {"base": {p: tl.get(p, 0.0) for p in PHASES}, "per_rank": {p: 0.0 for p in PHASES},
+    model = {"base": {p: phase_of(tl, p) if tl else 0.0 for p in PHASES}, "per_rank": {p: 0.0 for p in PHASES},
              "full_restart_s": rec.get("full_restart_s", 30.0), "source": ["recovery_cpu.json"] if rec else []}
     rows = _load(results / "scale_cpu.json")
     actor = [r for r in rows or [] if r["failure"] == "actor"]
     ns = sorted({r["n"] for r in actor})
     if len(ns) >= 2:
         cores = (_load(results / "scale_cpu_fit.json") or {}).get("cores", 2)
-        med = {p: [statistics.median(r[p] for r in actor if r["n"] == n) for n in ns] for p in PHASES}
+        med = {p: [statistics.median(phase_of(r, p) for r in actor if r["n"] == n) for n in ns] for p in PHASES}
         fits = {p: fit_phase(ns, med[p], cores, p) for p in PHASES}
         held_out = {p: fit_phase(ns[:-1], med[p][:-1], cores, p) for p in PHASES} if len(ns) >= 3 else None
         model.update(base={p: a for p, (a, _) in fits.items()}, per_rank={p: b for p, (_, b) in fits.items()},
@@ -300,7 +309,7 @@ def measured_model(results: Path = RESULTS, gpu_run: str = GPU_RUN) -> dict:
         model["source"].append("scale_cpu.json")
     gpu = _load(results / "gpu" / gpu_run)
     if gpu and gpu.get("timeline"):
-        model["gpu_base"] = {p: gpu["timeline"].get(p, 0.0) for p in PHASES}
+        model["gpu_base"] = {p: phase_of(gpu["timeline"], p) for p in PHASES}
         model["source"].append(f"gpu/{gpu_run}")
     return model
 
@@ -323,7 +332,7 @@ def predicted_recovery_s(model: dict, n: int, gpu: bool = False, host_cores: int
 
 
 def costs_for(model: dict, gpus: int, args) -> Costs:
-    inplace = sum(phase_at(model, p, gpus) for p in ("abort_s", "replace_s", "rebuild_s", "first_step_s"))
+    inplace = sum(phase_at(model, p, gpus) for p in ("abort_s", "replace_s", "rebuild_s", "first_step_excess_s"))
     rebuild_growth = phase_at(model, "rebuild_s", gpus, gpu=False) - model["base"]["rebuild_s"]
     return Costs(detect_s=phase_at(model, "detect_s", gpus), inplace_s=inplace,
                  peer_restore_s=phase_at(model, "restore_s", gpus), ckpt_load_s=args.ckpt_load_s,
@@ -403,8 +412,8 @@ def validate_other_host(model: dict, rows: list[dict], cores: int) -> list[dict]
     """Does the cost per unit of load carry over to another host? That host's actor-kill runs
     (`rows`, N ranks on one host of `cores` cores) are predicted from this model's costs b with
     that host's own fixed latencies, from its smallest N: a = y(N_min) - b x host_load(N_min).
-    Compared: the control part (the total without the first step, whose cost per rank is the
-    host's compute speed), of the fastest run of each N (a run on a shared host is only ever
+    Compared: the control part (the total without the first step's excess, whose cost per rank
+    is the host's compute speed), of the fastest run of each N (a run on a shared host is only ever
     slowed down by it; the slowest 16-core runs held the 120 s gloo stall that is fixed since)."""
     actor = [r for r in rows if r["failure"] == "actor"]
     ns = sorted({r["n"] for r in actor})
@@ -478,7 +487,7 @@ def main(argv=None) -> dict:
         other = validate_other_host(model, [r for f in args.other_host for r in _load(Path(f)) or []], cores.pop())
 
     print(f"phase model from {', '.join(model['source']) or 'defaults'}: seconds = fixed + b x load "
-          f"(load on a cluster: N ranks, 1 for the first step): "
+          f"(load on a cluster: N ranks, 1 for the first step's excess): "
           + ", ".join(f"{k[:-2]} {model.get('gpu_base', model['base'])[k]:.3f} + {model['per_rank'][k]:.2g}"
                       for k in PHASES))
     print(f"failure rates: {args.gpu_rate:.3g}/GPU-h, {args.node_rate:.3g}/node-h; {args.days:g} days; "
@@ -511,7 +520,7 @@ def main(argv=None) -> dict:
                   f"({100 * c['held_out_error']:+.0f}%)" if "held_out_error" in c else ""))
     if other:
         print(f"\nthe same costs per unit of load on a {other[0]['cores']}-core host (its fixed latencies from "
-              f"N={other[0]['n']}; control part = total without the first step; fastest run of each N):")
+              f"N={other[0]['n']}; control part = detect .. restore; fastest run of each N):")
         for c in other:
             print(f"  N={c['n']}: measured {c['measured_s']:.3f}s, predicted {c['predicted_s']:.3f}s "
                   f"({100 * c['error']:+.0f}%)")

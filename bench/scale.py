@@ -1,15 +1,18 @@
 """Scale benchmark of the control plane: recovery phases for N = 8 .. 64 actors on one machine.
 
-A Ray cluster of `--nodes` nodes is started on this machine (`ray.cluster_utils.Cluster`, logical
-CPUs; the head node holds no actors). N actors are placed on it: 3/4 of them workers (CPU engine,
+A Ray cluster is started on this machine (`ray.cluster_utils.Cluster`, logical CPUs; the head
+node holds no actors): `--nodes` nodes, or N / `--ranks-per-node` when that is more, so that a
+lost node holds as many ranks at every N, as on a cluster of 8-GPU nodes. N actors are placed on it: 3/4 of them workers (CPU engine,
 smallest model, gloo, pure DP), 1/4 spares spread over the nodes by `assign_roles`. For each N:
 (a) one killed actor (`ray.kill` of a worker between steps), the pool is then refilled;
 (b) one killed node (`Cluster.remove_node` of a node holding workers, chosen so the spares left on
     other nodes cover its ranks).
 Each recovery's phases come from its `RecoveryTimeline`: detect (kill -> WorkerFailure), abort,
-replace, rebuild (new process-group generation), restore (peer), first step, total, and
-control = total - first step (the first step is data-plane compute: N ranks share this machine's
-cores, so its time grows with N here whatever the control plane does).
+replace, rebuild (new process-group generation), restore (peer), control = the sum of those five,
+first step (the whole step after resuming) and its excess over the steady step, and total =
+control + that excess (`RecoveryTimeline.total_s`, the time the failure cost the run). The
+steady step is data-plane compute: N ranks share this machine's cores, so it grows with N here
+whatever the control plane does; only its excess counts.
 `detect_s` of a node loss is timed from the return of `remove_node` (the node's processes are
 gone by then).
 
@@ -17,10 +20,12 @@ Memory: every actor imports torch + transformers. Before the run the benchmark m
 proportional set size (PSS, shared library pages split between processes) of the actors of the
 first N and refuses to start an N whose projected total exceeds `--max-mem-gb` (default 12).
 
-Usage: python bench/scale.py [--sizes 8 16 32 64] [--nodes 4] [--repeats 1] [--set a.b=v ...]
+Usage: python bench/scale.py [--sizes 8 16 32 64] [--nodes 4] [--ranks-per-node R] [--repeats 1]
+                              [--set a.b=v ...] [--out FILE [--append]]
 Prints a table and a log-log fit (slope of each phase against N) and writes
 bench/results/scale_cpu.json: a list of {"n", "failure", "detect_s", "abort_s", "replace_s",
-"rebuild_s", "restore_s", "first_step_s", "total_s", ...} (one row per recovery), followed by
+"rebuild_s", "restore_s", "first_step_s", "first_step_excess_s", "total_s", ...} (one row per
+recovery), followed by
 nothing else; the fit is written to bench/results/scale_cpu_fit.json.
 """
 from __future__ import annotations
@@ -42,10 +47,11 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from config import load_config, resolve  # noqa: E402
+from fault_tolerance import RecoveryTimeline  # noqa: E402
 from megatron_actor import MegatronActorGroup  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
-PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s", "total_s", "control_s")
+PHASES = (*RecoveryTimeline.CONTROL, "control_s", "first_step_s", "first_step_excess_s", "total_s")
 
 
 def pss_mb(pid: int) -> float:
@@ -159,7 +165,7 @@ def _row(trainer: Trainer) -> dict:
     """The last recovery's phases and the run's steady step time, as one table row."""
     tl = trainer.recoveries[-1]
     d = tl.to_dict()
-    d["control_s"] = d["total_s"] - d["first_step_s"]  # without the first step (data plane)
+    d["control_s"] = sum(d[p] for p in tl.CONTROL)
     return {**{p: d[p] for p in PHASES}, "failed_ranks": len(tl.failed_ranks), "restore_source": tl.restore_source,
             "steps_lost": tl.steps_lost, "attempts": tl.attempts, "rebuild_detail": d.get("rebuild_detail", {}),
             "step_s": round(trainer.steady_step_s(), 4)}
@@ -205,7 +211,9 @@ def print_table(rows: list[dict], fits: dict) -> None:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64])
-    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--nodes", type=int, default=4, help="logical nodes (at least)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="use N / this many nodes when that is more than --nodes (0: always --nodes)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--max-mem-gb", type=float, default=12.0,
                    help="skip an N whose projected actor memory (PSS) exceeds this")
@@ -213,9 +221,12 @@ def main(argv=None) -> list[dict]:
                    "(e.g. TORCH_GLOO_LAZY_INIT=1)")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale_cpu.json"))
+    p.add_argument("--append", action="store_true", help="keep the rows already in --out (an earlier "
+                   "run of other N, same settings) and fit them together with this run's")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    rows, actor_mb, skipped = [], 0.0, []
+    rows = json.loads(Path(args.out).read_text()) if args.append else []
+    actor_mb, skipped = 0.0, []
     for n in sorted(args.sizes):
         if actor_mb and n * actor_mb / 1024 > args.max_mem_gb:
             skipped.append(n)
@@ -223,7 +234,8 @@ def main(argv=None) -> list[dict]:
                   f"{args.max_mem_gb}")
             continue
         env = dict(e.split("=", 1) for e in args.env)
-        got, mb = run_n(n, args.nodes, args.repeats, args.overrides, env)
+        nodes = max(args.nodes, -(-n // args.ranks_per_node) if args.ranks_per_node else 0)
+        got, mb = run_n(n, nodes, args.repeats, args.overrides, env)
         actor_mb = max(actor_mb, mb)
         rows += got
         Path(args.out).write_text(json.dumps(rows, indent=1))  # partial results survive a crash
@@ -233,7 +245,8 @@ def main(argv=None) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     fit_out = out.with_name(out.stem + "_fit.json")
-    fit_out.write_text(json.dumps({"fit": fits, "skipped_n": skipped, "nodes": args.nodes, "env": args.env,
+    fit_out.write_text(json.dumps({"fit": fits, "skipped_n": skipped, "nodes": args.nodes,
+                                   "ranks_per_node": args.ranks_per_node, "env": args.env,
                                    "overrides": args.overrides,
                                    "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, indent=1))
     print(f"wrote {out} and {fit_out}")

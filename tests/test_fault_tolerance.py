@@ -5,6 +5,8 @@ compute thread, a kill inside the gradient all-reduce together with a failure du
 recovery, a failure during a checkpoint save, a slow-but-progressing rank) finishes every step
 with losses bitwise equal to the run without faults.
 """
+import statistics
+
 import pytest
 import ray
 
@@ -72,6 +74,12 @@ def test_empty_pool_shrinks_dp_when_allowed(reference, tmp_path):
     assert dims.dp == 1 and len(trainer.losses) == 6
     assert [trainer.losses[s] for s in (1, 2)] == [reference[0][s] for s in (1, 2)]
     assert trainer.recoveries[0].restore_source == "peer"
+    # step times: 1, 2, the re-run 3 (first after the recovery), 4, 5, 6. The steady step the
+    # recovery is charged against is step 2 alone: neither the run's first step nor the re-run.
+    tl, times = trainer.recoveries[0], trainer.step_times
+    assert len(times) == 6 and tl.steady_step_s == times[1]
+    assert tl.total_s == pytest.approx(sum(getattr(tl, p) for p in tl.CONTROL) + max(0.0, tl.first_step_s - times[1]))
+    assert trainer.steady_step_s() == statistics.median([times[1], *times[3:]])
 
 
 def test_empty_pool_without_shrink_stops_with_clear_error(ray_session, tmp_path):
