@@ -694,7 +694,7 @@ class MegatronActorGroup:
                 f"cluster.num_spares={c.num_spares}) could not be placed within {placement_timeout_s:.0f} s; "
                 f"cluster has {ray.cluster_resources()}. Lower cluster.num_spares / cpus_per_actor / "
                 f"gpus_per_actor or add nodes")
-        self._refills: dict = {}  # build ObjectRef -> handle of a spare being refilled
+        self._refills: dict = {}  # build ObjectRef -> (handle, bundle index, attempt) of a spare being refilled
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (host, port)
         handles = [self._new_actor(i) for i in range(n)]
         infos = ray.get([h.info.remote() for h in handles])
@@ -825,9 +825,11 @@ class MegatronActorGroup:
                 try:
                     results[i] = ray.get(done[0])
                 except ray.exceptions.RayActorError as e:
-                    # No ping round here: the abort that follows calls every other rank anyway
-                    # and replaces those that died too (`fault_tolerance._abort_and_kill`).
-                    raise WorkerFailure({rank_of[i]} | self.on_lost_nodes(), "crash", str(e)[:300]) from None
+                    # No ping round, and only this rank's node is checked (a lost node takes all
+                    # its ranks): the abort that follows calls every other rank anyway and
+                    # replaces those that died too (`fault_tolerance._abort_and_kill`).
+                    lost = self.on_lost_nodes({self.workers[rank_of[i]].node_id})
+                    raise WorkerFailure({rank_of[i]} | lost, "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
                     dead = self.probe()
                     if dead:
@@ -932,9 +934,10 @@ class MegatronActorGroup:
             todo = retry
         return dead
 
-    def on_lost_nodes(self) -> set[int]:
-        """Ranks on a node whose raylet refuses connections (`_lost_nodes`): dead, no ping needed."""
-        lost = self._lost_nodes({s.node_id for s in self.workers})
+    def on_lost_nodes(self, node_ids: set[str] | None = None) -> set[int]:
+        """Ranks on a node (of `node_ids`; default: every worker's) whose raylet refuses
+        connections (`_lost_nodes`): dead, no ping needed."""
+        lost = self._lost_nodes({s.node_id for s in self.workers} if node_ids is None else node_ids)
         return {r for r, s in enumerate(self.workers) if s.node_id in lost}
 
     def _lost_nodes(self, node_ids: set[str]) -> set[str]:
@@ -959,12 +962,14 @@ class MegatronActorGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
         ).remote(self.cfg, bundle_index)
 
-    def refill(self, bundle_indices: list[int]) -> None:
+    REFILL_ATTEMPTS = 3
+
+    def refill(self, bundle_indices: list[int], attempt: int = 1) -> None:
         """Start new spares on the bundles of killed actors, in the background: Ray places each
         when its bundle is free again (on the same node, or re-placed after a node loss)."""
         for i in bundle_indices:
             handle = self._new_actor(i)
-            self._refills[handle.build.remote()] = handle
+            self._refills[handle.build.remote()] = (handle, i, attempt)
 
     def poll_refills(self) -> int:
         """Move refilled spares whose model is built into the pool (non-blocking); returns how many."""
@@ -973,12 +978,19 @@ class MegatronActorGroup:
         ready, _ = ray.wait(list(self._refills), num_returns=len(self._refills), timeout=0)
         added = 0
         for ref in ready:
-            handle = self._refills.pop(ref)
+            handle, bundle, attempt = self._refills.pop(ref)
             try:
                 ray.get(ref)
                 i = ray.get(handle.info.remote(), timeout=self.cfg.fault_tolerance.health_timeout_s)
             except (ray.exceptions.RayError, TimeoutError) as e:
-                log.warning("refill spare failed: %s", str(e)[:200])
+                # E.g. placed on a lost node before Ray marked it dead (~15 s): Ray re-places
+                # the bundle on a live node once it has room, so try again there.
+                again = attempt < self.REFILL_ATTEMPTS
+                log.warning("refill spare on bundle %d failed (attempt %d of %d%s): %s", bundle, attempt,
+                            self.REFILL_ATTEMPTS, ", retrying" if again else "", str(e)[:200])
+                if again:
+                    ray.kill(handle, no_restart=True)
+                    self.refill([bundle], attempt + 1)
                 continue
             self.pool.spares.append(ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"]))
             self._prepare(self.pool.spares[-1:])
@@ -1051,6 +1063,6 @@ class MegatronActorGroup:
         """Kill every actor (spares and refills too) and release the placement group."""
         for s in self.workers + self.pool.spares:
             ray.kill(s.handle, no_restart=True)
-        for handle in [*self._refills.values(), *self.holders.values()]:
+        for handle in [*(h for h, _, _ in self._refills.values()), *self.holders.values()]:
             ray.kill(handle, no_restart=True)
         remove_placement_group(self.placement_group)

@@ -6,7 +6,7 @@ lost node holds as many ranks at every N, as on a cluster of 8-GPU nodes. N acto
 smallest model, gloo, pure DP), 1/4 spares spread over the nodes by `assign_roles`. For each N:
 (a) one killed actor (`ray.kill` of a worker between steps), the pool is then refilled;
 (b) one killed node (`Cluster.remove_node` of a node holding workers, chosen so the spares left on
-    other nodes cover its ranks).
+    other nodes cover its ranks); a replacement node then joins and the pool is refilled.
 Each recovery's phases come from its `RecoveryTimeline`: detect (kill -> WorkerFailure), abort,
 replace, rebuild (new process-group generation), restore (peer), control = the sum of those five,
 first step (the whole step after resuming) and its excess over the steady step, and total =
@@ -21,7 +21,7 @@ proportional set size (PSS, shared library pages split between processes) of the
 first N and refuses to start an N whose projected total exceeds `--max-mem-gb` (default 12).
 
 Usage: python bench/scale.py [--sizes 8 16 32 64] [--nodes 4] [--ranks-per-node R] [--repeats 1]
-                              [--set a.b=v ...] [--out FILE [--append]]
+                              [--failures actor node] [--set a.b=v ...] [--out FILE [--append]]
 Prints a table and a log-log fit (slope of each phase against N) and writes
 bench/results/scale_cpu.json: a list of {"n", "failure", "detect_s", "abort_s", "replace_s",
 "rebuild_s", "restore_s", "first_step_s", "first_step_excess_s", "total_s", ...} (one row per
@@ -85,16 +85,19 @@ def make_cfg(n: int, nodes: int, run_dir: str, overrides: list[str]):
         f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt", *overrides]), num_gpus=0)
 
 
-def wait_refilled(group: MegatronActorGroup, want: int, timeout: float = 300.0) -> None:
+def wait_refilled(group: MegatronActorGroup, want: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while len(group.pool) < want and time.monotonic() < deadline:
         group.poll_refills()
         time.sleep(0.2)
+    if len(group.pool) < want:
+        print(f"pool not refilled within {timeout:.0f} s: {len(group.pool)} of {want} spares", flush=True)
 
 
-def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> tuple[list[dict], float]:
-    """Start a cluster, run the (a) and (b) failures for N actors; returns rows and the PSS of
-    one actor (MB)."""
+def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict,
+          failures: tuple[str, ...] = ("actor", "node")) -> tuple[list[dict], float]:
+    """Start a cluster, run the (a) "actor" and (b) "node" failures of `failures` for N actors;
+    returns rows and the PSS of one actor (MB)."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     node_handles = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
     cluster.wait_for_nodes()
@@ -119,14 +122,14 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
         trainer = Trainer(cfg, group)
         trainer.train(4)  # steps 2-4: the steady step time
         spares = len(group.pool)
-        for i in range(repeats):  # (a) one killed actor
+        for i in range(repeats if "actor" in failures else 0):  # (a) one killed actor
             victim = (1 + 5 * i) % len(group.workers)
             ray.kill(group.workers[victim].handle, no_restart=True)
             trainer.failed_at = time.time()
             trainer.train(trainer.committed_step + 2)
             rows.append({"n": n, "failure": "actor", **_row(trainer)})
             wait_refilled(group, spares)
-        for i in range(repeats):  # (b) one killed node
+        for i in range(repeats if "node" in failures else 0):  # (b) one killed node
             by_node: dict[str, int] = {}
             for s in group.workers:
                 by_node[s.node_id] = by_node.get(s.node_id, 0) + 1
@@ -151,13 +154,17 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict) -> 
                 raise RuntimeError(f"N={n}: no recovery within 50 steps of removing node {victim[:8]}")
             trainer.train(trainer.committed_step + 1)
             rows.append({"n": n, "failure": "node", "node_ranks": by_node[victim], **_row(trainer)})
+            # A replacement node joins (as on a cluster): the lost node's bundles are placed
+            # there again and the pool refilled, so the next repetition finds the same cluster.
+            node_handles.append(cluster.add_node(num_cpus=1))
+            wait_refilled(group, spares)
     finally:
         if group is not None:
             group.shutdown()
         ray.shutdown()
         cluster.shutdown()
     for r in rows:
-        r["actor_pss_mb"] = round(actor_mb, 1)
+        r["actor_pss_mb"], r["nodes"] = round(actor_mb, 1), nodes
     return rows, actor_mb
 
 
@@ -215,6 +222,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="use N / this many nodes when that is more than --nodes (0: always --nodes)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--failures", nargs="+", choices=("actor", "node"), default=["actor", "node"])
     p.add_argument("--max-mem-gb", type=float, default=12.0,
                    help="skip an N whose projected actor memory (PSS) exceeds this")
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the actors' environment "
@@ -235,7 +243,7 @@ def main(argv=None) -> list[dict]:
             continue
         env = dict(e.split("=", 1) for e in args.env)
         nodes = max(args.nodes, -(-n // args.ranks_per_node) if args.ranks_per_node else 0)
-        got, mb = run_n(n, nodes, args.repeats, args.overrides, env)
+        got, mb = run_n(n, nodes, args.repeats, args.overrides, env, tuple(args.failures))
         actor_mb = max(actor_mb, mb)
         rows += got
         Path(args.out).write_text(json.dumps(rows, indent=1))  # partial results survive a crash
