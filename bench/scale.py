@@ -21,12 +21,12 @@ proportional set size (PSS, shared library pages split between processes) of the
 first N and refuses to start an N whose projected total exceeds `--max-mem-gb` (default 12).
 
 Usage: python bench/scale.py [--sizes 8 16 32 64] [--nodes 4] [--ranks-per-node R] [--repeats 1]
-                              [--failures actor node] [--set a.b=v ...] [--out FILE [--append]]
+                              [--failures actor node] [--set a.b=v ...] [--out FILE]
+       python bench/scale.py --merge RUN.json ... --out FILE
 Prints a table and a log-log fit (slope of each phase against N) and writes
 bench/results/scale_cpu.json: a list of {"n", "failure", "detect_s", "abort_s", "replace_s",
-"rebuild_s", "restore_s", "first_step_s", "first_step_excess_s", "total_s", ...} (one row per
-recovery), followed by
-nothing else; the fit is written to bench/results/scale_cpu_fit.json.
+"rebuild_s", "restore_s", "first_step_s", "first_step_excess_s", "total_s", "nodes", ...} (one
+row per recovery); the fit and the run's settings go to bench/results/scale_cpu_fit.json.
 """
 from __future__ import annotations
 
@@ -229,13 +229,19 @@ def main(argv=None) -> list[dict]:
                    "(e.g. TORCH_GLOO_LAZY_INIT=1)")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale_cpu.json"))
-    p.add_argument("--append", action="store_true", help="keep the rows already in --out (an earlier "
-                   "run of other N, same settings) and fit them together with this run's")
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="run nothing: fit and write the rows of these earlier runs (of one host: "
+                   "the 'cores' of their _fit.json files must agree) together")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    rows = json.loads(Path(args.out).read_text()) if args.append else []
+    rows, cores = [], os.cpu_count()
+    if args.merge:
+        metas = [json.loads(Path(f).with_name(Path(f).stem + "_fit.json").read_text()) for f in args.merge]
+        if len({m["cores"] for m in metas}) != 1:
+            raise SystemExit(f"--merge: runs of different hosts (cores {[m['cores'] for m in metas]})")
+        rows, cores = [r for f in args.merge for r in json.loads(Path(f).read_text())], metas[0]["cores"]
     actor_mb, skipped = 0.0, []
-    for n in sorted(args.sizes):
+    for n in sorted(args.sizes) if not args.merge else []:
         if actor_mb and n * actor_mb / 1024 > args.max_mem_gb:
             skipped.append(n)
             print(f"N={n}: skipped, projected {n * actor_mb / 1024:.1f} GB of actor PSS > --max-mem-gb "
@@ -253,10 +259,11 @@ def main(argv=None) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     fit_out = out.with_name(out.stem + "_fit.json")
-    fit_out.write_text(json.dumps({"fit": fits, "skipped_n": skipped, "nodes": args.nodes,
-                                   "ranks_per_node": args.ranks_per_node, "env": args.env,
-                                   "overrides": args.overrides,
-                                   "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, indent=1))
+    settings = ({"merged_from": args.merge} if args.merge else
+                {"skipped_n": skipped, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
+                 "env": args.env, "overrides": args.overrides})
+    fit_out.write_text(json.dumps({"fit": fits, **settings, "cores": cores, "date": time.strftime("%Y-%m-%d")},
+                                  indent=1))
     print(f"wrote {out} and {fit_out}")
     return rows
 
