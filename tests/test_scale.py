@@ -101,3 +101,29 @@ def test_loglog_slope():
 
     assert loglog_slope([8, 16, 32, 64], [1, 1, 1, 1]) == pytest.approx(0)
     assert loglog_slope([8, 16, 32, 64], [8, 16, 32, 64]) == pytest.approx(1)
+
+
+def test_merge_fits_runs_of_one_host_together_and_refuses_two_hosts(tmp_path):
+    """`bench/scale.py --merge` runs nothing: the rows of earlier runs are fitted together
+    (N=8 from one run, N=64 from the other), and runs of hosts with different core counts
+    are refused."""
+    import json
+
+    from scale import main
+
+    def run(name, n, total, cores):
+        row = {"n": n, "failure": "actor", "failed_ranks": 1, "detect_s": 0.0, "abort_s": 0.0, "replace_s": 0.0,
+               "rebuild_s": 0.0, "restore_s": total, "control_s": total, "first_step_s": 0.0,
+               "first_step_excess_s": 0.0, "total_s": total}
+        (tmp_path / f"{name}.json").write_text(json.dumps([row]))
+        (tmp_path / f"{name}_fit.json").write_text(json.dumps({"cores": cores}))
+        return str(tmp_path / f"{name}.json")
+
+    a, b = run("a", 8, 0.2, 32), run("b", 64, 0.3, 32)
+    out = tmp_path / "merged.json"
+    assert [r["n"] for r in main(["--merge", a, b, "--out", str(out)])] == [8, 64]
+    fit = json.loads((tmp_path / "merged_fit.json").read_text())
+    assert fit["cores"] == 32 and fit["merged_from"] == [a, b]
+    assert fit["fit"]["actor"]["ratio_max_min"]["total_s"] == pytest.approx(1.5)
+    with pytest.raises(SystemExit, match="different hosts"):
+        main(["--merge", a, run("c", 64, 0.3, 2), "--out", str(out)])
