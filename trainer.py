@@ -214,7 +214,8 @@ class Trainer:
         head = ("kind", "ranks", "detect", "abort", "replace", "rebuild", "restore", "first step",
                 "(excess)", "total", "source", "lost")
         rows = [(t.kind, ",".join(map(str, t.failed_ranks)), *(f"{getattr(t, p):.3f}" for p in t.PHASES),
-                 f"{t.first_step_excess_s:.3f}", f"{t.total_s:.3f}", t.restore_source, str(t.steps_lost)) for t in self.recoveries]
+                 f"{t.first_step_excess_s:.3f}", f"{t.total_s:.3f}", t.restore_source, str(t.steps_lost))
+                for t in self.recoveries]
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
         return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in (head, *rows))
 

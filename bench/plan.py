@@ -284,8 +284,8 @@ def measured_model(results: Path = RESULTS, gpu_run: str = GPU_RUN) -> dict:
     of load, t(N) = a + b * host_load(N), fitted (`fit_phase`) to the actor-kill recoveries of
     scale_cpu.json. Those runs put all N actors on one host of few cores, so each rank's work
     (connecting to its N - 1 peers, the store's N clients) is also shared among the cores:
-    host_load = N * N / cores there, N on a cluster (N / cores and 1 for the first step's
-    excess, compute). Without scale runs: the in-place recovery of recovery_cpu.json, flat (b = 0).
+    host_load = N * max(1, N / cores) there, N on a cluster (max(1, N / cores) and 1 for the
+    first step's excess, compute). Without scale runs: the in-place recovery of recovery_cpu.json, flat (b = 0).
     The GPU run `gpu/<gpu_run>` (bench/recovery.py on 2 x H200), when present, gives the fixed parts."""
     rec = _load(results / "recovery_cpu.json") or {}
     tl = rec.get("timeline", {})

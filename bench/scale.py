@@ -2,8 +2,9 @@
 
 A Ray cluster is started on this machine (`ray.cluster_utils.Cluster`, logical CPUs; the head
 node holds no actors): `--nodes` nodes, or N / `--ranks-per-node` when that is more, so that a
-lost node holds as many ranks at every N, as on a cluster of 8-GPU nodes. N actors are placed on it: 3/4 of them workers (CPU engine,
-smallest model, gloo, pure DP), 1/4 spares spread over the nodes by `assign_roles`. For each N:
+lost node holds as many ranks at every N, as on a cluster of 8-GPU nodes. N actors are placed
+on it: 3/4 of them workers (CPU engine, smallest model, gloo, pure DP), 1/4 spares spread over
+the nodes by `assign_roles`. For each N:
 (a) one killed actor (`ray.kill` of a worker between steps), the pool is then refilled;
 (b) one killed node (`Cluster.remove_node` of a node holding workers, chosen so the spares left on
     other nodes cover its ranks); a replacement node then joins and the pool is refilled.
