@@ -170,7 +170,7 @@ def print_report(ref: dict, run: dict, cfg: Config) -> bool:
               f"steps lost {tl['steps_lost']}, attempts {tl['attempts']}")
         for phase in ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_s",
                       "first_step_excess_s", "total_s"):
-            print(f"  {phase[:-2]:<11} {tl[phase]:8.3f} s")
+            print(f"  {phase[:-2]:<17} {tl[phase]:8.3f} s")
     if not run["recoveries"]:
         ok = False
         print("no recovery happened")
