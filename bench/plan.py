@@ -242,7 +242,7 @@ def _load(path: Path):
 PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_excess_s")
 LOCAL_PHASES = ("first_step_excess_s",)  # each rank's work does not grow with its peers (compute)
 GPU_RUN = "recovery_1b_exactpin_nvidia-h200-x2_2026-11-30c.json"  # newest GPU recovery benchmark (1.36B)
-OTHER_HOST_RUNS = "gpu/scale_cpu_h200host*_2026-11-30e.json"  # bench/scale.py on the 16-core device host
+OTHER_HOST_RUNS = "gpu/scale_cpu_h200host_nvidia-h200_2026-12-01.json"  # bench/scale.py on the 16-core device host
 
 
 def phase_of(row: dict, phase: str) -> float:
