@@ -129,12 +129,12 @@ def _abort_and_kill(group: MegatronActorGroup, failed: set[int]) -> set[int]:
             if ref not in ready:
                 raise TimeoutError
             ray.get(ref)
-        except ray.exceptions.RayActorError as e:  # died too (detection names the first death only)
-            log.warning("rank %d is replaced: its actor died or is unreachable (%s)", r, str(e)[-200:])
-            unanswered.add(r)
         except (TimeoutError, ray.exceptions.RayError) as e:
-            log.warning("rank %d is replaced: its abort %s", r, "timed out" if isinstance(e, TimeoutError)
-                        else f"failed: {str(e)[-300:]}")
+            # RayActorError: it died too (detection names the first death only).
+            why = ("its abort timed out" if isinstance(e, TimeoutError) else
+                   "its actor died or is unreachable" if isinstance(e, ray.exceptions.RayActorError) else
+                   "its abort failed")
+            log.warning("rank %d is replaced: %s %s", r, why, str(e)[-300:])
             unanswered.add(r)
     for r in failed | unanswered:
         ray.kill(group.workers[r].handle, no_restart=True)

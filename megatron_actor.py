@@ -673,6 +673,8 @@ class MegatronActorGroup:
     when the cluster cannot place the bundles within `placement_timeout_s` seconds.
     """
 
+    REFILL_ATTEMPTS = 3  # starts of a spare on a freed bundle (one that dies, e.g. on a lost node, is retried)
+
     def __init__(self, cfg: Config, placement_timeout_s: float = 60.0):
         import torch.distributed as dist
         from fault_tolerance import BackupPool
@@ -961,8 +963,6 @@ class MegatronActorGroup:
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
         ).remote(self.cfg, bundle_index)
-
-    REFILL_ATTEMPTS = 3
 
     def refill(self, bundle_indices: list[int], attempt: int = 1) -> None:
         """Start new spares on the bundles of killed actors, in the background: Ray places each

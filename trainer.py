@@ -119,12 +119,12 @@ class Trainer:
         results = self.group.call("train_step", step, batch, dispatch="mesh",
                                   timeout=self.step_deadline())
         self.step_times.append(time.perf_counter() - t0)
-        if self._resume_t is None and len(self.step_times) > 1:
-            self._steady_times.append(self.step_times[-1])
         if self._resume_t is not None:  # first step after a recovery: where its time went
             parts = [r["phases"] for r in results if "phases" in r]
             if parts:
                 self.recoveries[-1].first_step_detail = slowest(parts)
+        elif len(self.step_times) > 1:
+            self._steady_times.append(self.step_times[-1])
         return sum(r["loss"] for r in results) / len(results)
 
     def train(self, until_step: int, after_step=None) -> None:
@@ -163,7 +163,7 @@ class Trainer:
         self.committed_step = step
         if self._resume_t is not None:
             self.recoveries[-1].first_step_s = time.perf_counter() - self._resume_t
-            self.recoveries[-1].steady_step_s = statistics.median(self._steady_times) if self._steady_times else 0.0
+            self.recoveries[-1].steady_step_s = self.steady_step_s() if self._steady_times else 0.0
             self.recoveries[-1].append_jsonl(self.run_dir / "recoveries.jsonl")
             self.metrics.on_recovery(self.recoveries[-1])
             self._resume_t = None

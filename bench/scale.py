@@ -242,13 +242,13 @@ def main(argv=None) -> list[dict]:
             raise SystemExit(f"--merge: runs of different hosts (cores {[m['cores'] for m in metas]})")
         rows, cores = [r for f in args.merge for r in json.loads(Path(f).read_text())], metas[0]["cores"]
     actor_mb, skipped = 0.0, []
+    env = dict(e.split("=", 1) for e in args.env)
     for n in sorted(args.sizes) if not args.merge else []:
         if actor_mb and n * actor_mb / 1024 > args.max_mem_gb:
             skipped.append(n)
             print(f"N={n}: skipped, projected {n * actor_mb / 1024:.1f} GB of actor PSS > --max-mem-gb "
                   f"{args.max_mem_gb}")
             continue
-        env = dict(e.split("=", 1) for e in args.env)
         nodes = max(args.nodes, -(-n // args.ranks_per_node) if args.ranks_per_node else 0)
         got, mb = run_n(n, nodes, args.repeats, args.overrides, env, tuple(args.failures))
         actor_mb = max(actor_mb, mb)
