@@ -56,7 +56,7 @@ from checkpoint import CheckpointError, as_checkpoint_error
 from config import Config
 from parallel_dims import ParallelDims
 from ppo import aggregate, kl_penalty, policy_loss, value_loss
-from torch_engine import StepInterrupt
+from engine import StepInterrupt
 from training_batch import TrainingBatch, synthetic_batch
 
 log = logging.getLogger(__name__)

@@ -254,3 +254,42 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 def aggregate(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
     """Public form of the loss reduction used by `policy_loss` (see `_aggregate`)."""
     return _aggregate(loss_mat, mask, mode)
+
+
+def ppo_objective(log_probs: Tensor, mb, ppo_cfg, rl_cfg=None, values: Tensor | None = None,
+                  entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The loss of one micro-batch, as both engines train it: the dual-clip PPO policy loss
+    (`policy_loss`), and with RL (`rl_cfg` given) plus `value_coef` x the clipped value loss
+    (when `values` are given: GAE's value head), `kl_coef` x KL(policy || reference) (when the
+    micro-batch has `ref_log_probs`), and - `entropy_coef` x the entropy (when `entropy` is
+    given), each aggregated with `ppo_cfg.loss_agg_mode`.
+
+    Args:
+        log_probs: float32 [B, S] of the current policy (carries the gradient).
+        mb: the micro-batch (`training_batch.TrainingBatch`: old_log_probs, advantages,
+            loss_mask, and for RL old_values, returns, ref_log_probs).
+        values: float32 [B, S] or None; entropy: float32 [B, S] (`token_entropy`) or None.
+
+    Returns:
+        (loss, metrics): a scalar tensor and python floats (`policy_loss`'s, plus with RL
+        `pg_loss` and `vf_loss` / `kl` / `entropy` for the terms that are on).
+    """
+    p, r = ppo_cfg, rl_cfg
+    loss, metrics = policy_loss(log_probs, mb.old_log_probs, mb.advantages, mb.loss_mask,
+                                p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c, p.loss_agg_mode)
+    if r is None:
+        return loss, metrics
+    metrics["pg_loss"] = loss.item()
+    if values is not None:
+        vf = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, r.value_clip, p.loss_agg_mode)
+        loss = loss + r.value_coef * vf
+        metrics["vf_loss"] = vf.item()
+    if mb.ref_log_probs is not None:
+        kl = _aggregate(kl_penalty(log_probs, mb.ref_log_probs, r.kl_estimator), mb.loss_mask, p.loss_agg_mode)
+        loss = loss + r.kl_coef * kl
+        metrics["kl"] = kl.item()
+    if entropy is not None:
+        ent = _aggregate(entropy, mb.loss_mask, p.loss_agg_mode)
+        loss = loss - r.entropy_coef * ent
+        metrics["entropy"] = ent.item()
+    return loss, metrics

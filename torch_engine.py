@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import Config, check_compatible
+from engine import StepInterrupt
 from parallel_dims import ParallelDims
-from ppo import aggregate, kl_penalty, policy_loss, token_entropy, token_log_probs, value_loss
+from ppo import ppo_objective, token_entropy, token_log_probs
 from training_batch import TrainingBatch
 
 
@@ -46,11 +47,6 @@ def build_hf_model(cfg: Config) -> torch.nn.Module:
         hf_cfg, attn_implementation="eager")
 
 
-class Interrupted(RuntimeError):
-    """A step cut short by an engine's `interrupt` (its generation was aborted); the rollback
-    that follows discards what it changed."""
-
-
 def flat_collective(tensors: list[torch.Tensor], collective) -> None:
     """Run `collective(flat)` (in place) on one flat copy of `tensors` per dtype, in their order,
     and copy the result back into them: one collective per dtype instead of one per tensor
@@ -61,39 +57,6 @@ def flat_collective(tensors: list[torch.Tensor], collective) -> None:
         collective(flat)
         for t, out in zip(same, flat.split([t.numel() for t in same])):
             t.copy_(out.view_as(t))
-
-
-class StepInterrupt:
-    """Stops the running step (or rollout) of an aborted generation: once `set` (from another
-    thread), hooks on the watched modules raise `Interrupted` at the next module forward or
-    parameter gradient, instead of letting the step run to its end. Why: a survivor joins the
-    next generation only after its step returns; with many ranks sharing a host's cores the
-    slowest survivor's remaining compute held up the next generation (bench/scale.py:
-    rendezvous 1.13 s at N=64 on 2 cores), and on GPU an aborted NCCL collective returns
-    without raising, so the step would otherwise run on for up to a step time. One Python call
-    per module forward and per parameter gradient."""
-
-    def __init__(self):
-        self._event = threading.Event()
-
-    def watch(self, module: torch.nn.Module) -> None:
-        """Hook every submodule's forward and every trainable parameter's gradient."""
-        for m in module.modules():
-            m.register_forward_pre_hook(self.check)
-        for p in module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self.check)
-
-    def set(self) -> None:
-        self._event.set()
-
-    def clear(self) -> None:
-        self._event.clear()
-
-    def check(self, *_) -> None:
-        """Raises `Interrupted` when set."""
-        if self._event.is_set():
-            raise Interrupted("step interrupted: its process-group generation was aborted")
 
 
 class TorchEngine:
@@ -278,31 +241,12 @@ class TorchEngine:
         return batch
 
     def _loss(self, mb: TrainingBatch) -> tuple[torch.Tensor, dict]:
-        """Loss of one micro-batch through DDP: the dual-clip PPO policy loss, plus with RL
-        `value_coef` x clipped value loss (GAE), `kl_coef` x KL(policy || reference) (k1/k3)
-        and - `entropy_coef` x entropy, each aggregated with `ppo.loss_agg_mode`."""
-        p, r = self.cfg.ppo, self.rl
+        """Loss of one micro-batch through DDP (`ppo.ppo_objective`: the PPO policy loss, and
+        with RL the value, KL and entropy terms)."""
         logits, values = self._forward(self.ddp, mb)
-        log_probs = token_log_probs(logits, mb.input_ids)
-        loss, metrics = policy_loss(log_probs, mb.old_log_probs, mb.advantages, mb.loss_mask,
-                                    p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c, p.loss_agg_mode)
-        if r is None:
-            return loss, metrics
-        metrics = {**metrics, "pg_loss": loss.item()}
-        if values is not None:
-            vf = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, r.value_clip, p.loss_agg_mode)
-            loss = loss + r.value_coef * vf
-            metrics["vf_loss"] = vf.item()
-        if mb.ref_log_probs is not None:
-            kl = aggregate(kl_penalty(log_probs, mb.ref_log_probs, r.kl_estimator), mb.loss_mask,
-                           p.loss_agg_mode)
-            loss = loss + r.kl_coef * kl
-            metrics["kl"] = kl.item()
-        if r.entropy_coef > 0:
-            entropy = aggregate(token_entropy(logits), mb.loss_mask, p.loss_agg_mode)
-            loss = loss - r.entropy_coef * entropy
-            metrics["entropy"] = entropy.item()
-        return loss, metrics
+        r = self.rl
+        entropy = token_entropy(logits) if r is not None and r.entropy_coef > 0 else None
+        return ppo_objective(token_log_probs(logits, mb.input_ids), mb, self.cfg.ppo, r, values, entropy)
 
     @torch.no_grad()
     def generate(self, prompts: TrainingBatch, step: int, rows: list[int]) -> dict:

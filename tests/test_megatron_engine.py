@@ -256,7 +256,7 @@ def _interrupted_ranks(rank, world, store) -> dict:
     import torch.distributed as dist
 
     from megatron_engine import MegatronEngine
-    from torch_engine import Interrupted
+    from engine import Interrupted
 
     cfg = _cfg(dist_opt=False)
     batch = _batch(cfg, 1, cfg.dims, rank)

@@ -226,7 +226,8 @@ def _engine_stuck_rank(rank: int, world: int, store, cfg) -> dict:
 
     from megatron_actor import left_collective
     from parallel_dims import ParallelDims
-    from torch_engine import Interrupted, TorchEngine
+    from engine import Interrupted
+    from torch_engine import TorchEngine
     from training_batch import synthetic_batch
 
     dist.init_process_group("gloo", store=dist.PrefixStore("gen1", store), rank=rank, world_size=world,
@@ -300,7 +301,8 @@ def test_a_survivor_still_in_a_collective_after_the_abort_is_replaced(ray_sessio
 
 def _interrupted_steps(rank: int, world: int, store, cfg) -> dict:
     from parallel_dims import ParallelDims
-    from torch_engine import Interrupted, TorchEngine
+    from engine import Interrupted
+    from torch_engine import TorchEngine
     from training_batch import synthetic_batch
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
