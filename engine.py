@@ -154,3 +154,17 @@ class Engine(Protocol):
     def warm_up(self) -> float:
         """Spare: pay the process's one-time first-step costs before any failure. Returns
         seconds (0.0 when there is nothing to warm)."""
+
+
+def params_digest(module: torch.nn.Module) -> str:
+    """SHA-256 over the tensors of `module.state_dict()` (names and bytes, in name order; other
+    entries, such as Megatron's `_extra_state`, are skipped): `Engine.state_digest`."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        if not torch.is_tensor(p):
+            continue
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -59,7 +59,7 @@ def test_refuses_connections_only_when_nothing_listens():
     """A port with a listener connects (False); the same port once closed refuses (True)."""
     import socket
 
-    from megatron_actor import refuses_connections
+    from comms import refuses_connections
 
     listener = socket.create_server(("127.0.0.1", 0))
     address = listener.getsockname()

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from config import load_config, resolve
-from megatron_actor import MegatronActorGroup, recording_new_sockets, shutdown_sockets
+from comms import recording_new_sockets, shutdown_sockets
+from megatron_actor import MegatronActorGroup
 from ranks import spawn_ranks
 from trainer import Trainer
 
@@ -166,7 +167,7 @@ def _send_rank(rank: int, world: int, store, receiver_posts: bool) -> dict:
     and rank 0's send waits for a receive."""
     from types import SimpleNamespace
 
-    from megatron_actor import left_collective
+    from comms import left_collective
 
     sockets: dict[int, str] = {}
     with recording_new_sockets(sockets):
@@ -224,7 +225,7 @@ def _engine_stuck_rank(rank: int, world: int, store, cfg) -> dict:
     a step while the stuck group is still kept."""
     from torch.distributed.distributed_c10d import _abort_process_group
 
-    from megatron_actor import left_collective
+    from comms import left_collective
     from parallel_dims import ParallelDims
     from engine import Interrupted
     from torch_engine import TorchEngine

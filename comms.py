@@ -1,0 +1,136 @@
+"""Process-group lifecycle of one process: abort every communicator (each in its own thread),
+free gloo collectives by shutting down their sockets, close NCCL group calls left open by an
+aborted step, and tell a lost node (its raylet refuses connections) from an unreachable one.
+
+Why these exist: torch aborts communicators one after another and gloo has no abort at all,
+so a rank blocked in a collective whose peer died would otherwise wait for the process-group
+timeout. See docs/recovery.md for the measurements behind each.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process, each in its own thread, then drop them from
+    torch's registry (`_abort_process_group`, whose own aborts are then no-ops).
+
+    Why threads: torch aborts the groups one after another (inside one ncclGroupStart/End), and
+    each NCCL communicator abort took ~0.53 s on H200 (NCCL 2.28, torch 2.11); with a collective
+    blocked on a killed peer and 17 groups (the default + 16; Megatron makes many, not counted) the sequential abort
+    had not returned after 25 s, while the threaded one returned in 0.87-0.96 s and freed the
+    stuck collective (bench/abort_probe.py, bench/results/gpu/abort_probe_nvidia-h200-x2_2026-11-29.json)."""
+    from torch.distributed.distributed_c10d import _abort_process_group, _world
+
+    threads = [threading.Thread(target=pg.abort, daemon=True) for pg in list(_world.pg_names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _abort_process_group()
+
+
+@contextlib.contextmanager
+def recording_new_sockets(into: dict[int, str]):
+    """Record in `into` (fd -> 'socket:[inode]') every socket this process opens inside the block.
+
+    Why: gloo has no abort (torch 2.13's ProcessGroupGloo keeps Backend's no-op `abort`), so a
+    rank blocked in a gloo collective is freed only when a socket of that collective fails.
+    Without help that happens when a neighbour's process group is destroyed, one ring hop at a
+    time: measured with 24 ranks on 2 cores, the last survivor was freed 1.35 s after the first
+    (bench/scale.py). `shutdown_sockets` on what gloo opened frees every rank at once. Linux only
+    (/proc/self/fd); elsewhere nothing is recorded and aborts fall back to that cascade."""
+    before = set(_socket_links().values())
+    try:
+        yield
+    finally:
+        into.update({fd: link for fd, link in _socket_links().items() if link not in before})
+
+
+def _socket_links() -> dict[int, str]:
+    links = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return links
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            links[int(fd)] = link
+    return links
+
+
+def shutdown_sockets(sockets: dict[int, str]) -> int:
+    """`shutdown(SHUT_RDWR)` each connected TCP socket of `sockets` (from `recording_new_sockets`)
+    that is still the same socket (its fd may have been closed and reused since); the fds stay
+    open for their owner to close. Both ends of each connection then fail their pending reads
+    and writes. Returns how many were shut down."""
+    import socket
+
+    live, n = _socket_links(), 0
+    for fd, link in sockets.items():
+        if live.get(fd) != link:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                # Not a listening socket: gloo's listener treats a failed accept as fatal
+                # (GLOO_ENFORCE in tcp/listener.cc: the process aborts).
+                if s.type == socket.SOCK_STREAM and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    s.shutdown(socket.SHUT_RDWR)
+                    n += 1
+        except OSError:  # closed meanwhile, or not connected
+            pass
+    return n
+
+
+def left_collective(engine, timeout_s: float, poll_s: float = 0.01) -> bool:
+    """Wait up to `timeout_s` seconds for `engine.in_collective` to turn False; returns whether
+    it did. Why: gloo (tcp/pair.cc, torch 2.13) fails a pair's pending sends when its
+    connection fails, but not a send queued behind a partial write (a peer that stopped reading
+    mid-message): that send returns only at the process-group timeout (`step_timeout_s`).
+    Measured with 2 gloo ranks (`tests/test_scenarios.py`): a send with no receive posted was
+    freed at once by `shutdown_sockets`, a send behind a partial write waited out the timeout.
+    Seen at N=64 on 16 cores (bench/scale.py): 2 of 3 killed-actor recoveries took 120 s."""
+    deadline = time.monotonic() + timeout_s
+    while engine.in_collective:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def refuses_connections(address: tuple[str, int], timeout_s: float = 0.5) -> bool:
+    """True when a TCP connect to `address` (host, port) is refused: the host is up and nothing
+    listens there. False when it connects, or gives no answer within `timeout_s` seconds (a
+    host that is down or cut off refuses nothing: that is no proof)."""
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def close_open_nccl_groups() -> None:
+    """Close NCCL group calls left open on the calling thread. torch's `_coalescing_manager`
+    (behind `batch_isend_irecv`, which Megatron's pipeline p2p uses) opens an ncclGroupStart and
+    has no `finally`: when a send or receive raises inside it, as one does on a communicator that
+    `abort` aborted under a running step, the group stays open on the compute thread, and the
+    next communicator made there (the next generation's) would be deferred to a group end that
+    never comes. ncclGroupEnd on a thread with no open group fails: that ends the loop."""
+    import torch.distributed as dist
+
+    nccl = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1)  # makes no communicator
+    for _ in range(8):
+        try:
+            nccl._group_end()
+        except Exception:  # noqa: BLE001 - 'invalid usage': no group was open
+            return
