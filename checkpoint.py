@@ -119,6 +119,10 @@ class CheckpointManager:
             start later than this many seconds after its first attempt.
     """
 
+    @classmethod
+    def from_config(cls, k):
+        return cls(k.uri, k.keep_last, retry_budget_s=k.retry_budget_s)
+
     def __init__(
         self,
         uri: str,
@@ -659,3 +663,29 @@ def _is_transient(exc: BaseException) -> bool:
         code = getattr(exc, "code", None)
         return code is None or code == 429 or (isinstance(code, int) and code >= 500)
     return False
+
+
+def model_signature(cfg: Config) -> dict:
+    """What a checkpoint must match to be loaded into this run's model (recorded in manifests)."""
+    m = cfg.model
+    return {"engine": m.engine, "hf_path": m.hf_path, "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
+            "ffn_hidden_size": m.ffn_hidden_size,
+            **({"rl": {"value_head": cfg.rl.advantage == "gae", "reference": cfg.rl.kl_coef > 0}}
+               if cfg.rl.enabled else {})}
+
+
+def check_compatible(cfg: Config, manifest) -> None:
+    """Raise ConfigError naming both sides when `manifest` (a committed checkpoint) was written by
+    another model or a layout this engine cannot load."""
+    saved = manifest.extra.get("model")
+    ours = model_signature(cfg)
+    if saved is not None and saved != ours:
+        diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+        raise __import__("config").ConfigError(f"model: checkpoint step {manifest.step} was written by another model "
+                          f"(field: checkpoint value vs this run: {diff}); point checkpoint.uri elsewhere "
+                          f"or use the model it was written with")
+    layout = manifest.layout
+    if ours["engine"] == "torch" and any(layout.get(k, 1) != 1 for k in ("tp", "pp", "cp")):
+        raise __import__("config").ConfigError(f"parallel: checkpoint step {manifest.step} has layout {layout}; the torch "
+                          f"engine loads data-parallel checkpoints only (tp=pp=cp=1)")

@@ -47,6 +47,10 @@ class ParallelDims:
                 raise ValueError(f"parallel size {name}={getattr(self, name)} must be >= 1")
 
     @classmethod
+    def from_config(cls, cfg) -> ParallelDims:
+        return cls.from_world(cfg.cluster.num_workers, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
+
+    @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelDims:
         """Derive dp = world_size / (tp * pp * cp).
 

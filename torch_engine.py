@@ -1,9 +1,9 @@
 """The CPU engine: an HF `transformers` causal LM trained with PPO under torch DDP over gloo.
 
-It implements the engine interface that `MegatronActor` drives (the Megatron engine implements
-the same methods): `connect` / `disconnect` a process-group generation, `train_step`,
-`save_checkpoint` / `load_checkpoint`, `snapshot` / `rollback` (host-memory copy of the
-last committed step), `broadcast_from` (peer restore inside the DP group).
+It implements `engine.Engine` (the contract `MegatronActor` drives): `connect` / `abort` /
+`disconnect` a process-group generation, `train_step`, `generate`, `save_checkpoint` /
+`load_checkpoint`, `snapshot` / `rollback` (host-memory copy of the last committed step),
+`broadcast_from` (peer restore inside the DP group).
 
 Determinism: the model is built from `train.seed` with the global RNG reseeded first, every
 rank uses one intra-op thread, and data are a pure function of (seed, step, dp rank), so a
@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import datetime
+import os
 import threading
 import time
 
@@ -22,10 +24,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import Config, check_compatible
-from engine import StepInterrupt
+from comms import abort_process_groups, left_collective, recording_new_sockets, shutdown_sockets
+from engine import StepInterrupt, params_digest
 from parallel_dims import ParallelDims
 from ppo import ppo_objective, token_entropy, token_log_probs
 from training_batch import TrainingBatch
+
+# Every gloo group's set-up reads each rank's address record from the driver's store. gloo's
+# defaults (transport/tcp/context.cc): one blocking get per peer and records that hold one
+# sequence number per rank, so each rank reads O(N^2) bytes in N round trips. These make it one
+# batched `multi_get` of records of constant size. Read by gloo when a group is made.
+GLOO_ENV = {"GLOO_ENABLE_STORE_V2_API": "1", "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1"}
 
 
 def build_hf_model(cfg: Config) -> torch.nn.Module:
@@ -68,6 +77,8 @@ class TorchEngine:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        for k, v in GLOO_ENV.items():
+            os.environ.setdefault(k, v)
         torch.set_num_threads(1)
         self.model = build_hf_model(cfg)
         self.rl = cfg.rl if cfg.rl.enabled else None
@@ -81,6 +92,7 @@ class TorchEngine:
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
         self.in_collective = False     # the compute thread is inside a gloo collective
+        self._sockets: dict[int, str] = {}  # what this generation's gloo groups opened (`abort`)
         self._work = None              # the last collective's Work (see `disconnect`)
         self._retired: list = []       # (group, Work) of aborted generations, see `disconnect`
         self._param_index = {id(p): i for i, p in enumerate(self.module.parameters())}  # gradient layout
@@ -127,16 +139,38 @@ class TorchEngine:
         self._dirty = False            # True while a step may have partly updated the state
 
     # -- process groups ----------------------------------------------------------------------
-    def connect(self, dims: ParallelDims, rank: int) -> None:
-        """Wrap the model in DDP over this generation's DP group (the default group must exist).
-        `init_sync=False`: DDP must not broadcast rank 0's weights when a generation forms (rank 0
-        may be a fresh spare); recovery restores state explicitly (rollback / broadcast_from)."""
+    def connect(self, store, dims: ParallelDims, rank: int) -> dict[str, float]:
+        """Create this generation's gloo group from `store` (its sockets recorded for `abort`)
+        and wrap the model in DDP over it. `init_sync=False`: DDP must not broadcast rank 0's
+        weights when a generation forms (rank 0 may be a fresh spare); recovery restores state
+        explicitly (rollback / broadcast_from). Returns seconds: `process_group_s`, `connect_s`."""
+        t0 = time.perf_counter()
+        with recording_new_sockets(self._sockets):
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=dims.world_size,
+                                    timeout=datetime.timedelta(seconds=self.cfg.fault_tolerance.step_timeout_s))
+        t1 = time.perf_counter()
         # The torch engine is data-parallel only (config validation), so the DP group is WORLD.
         self.dp_group = dist.group.WORLD
         self._interrupt.clear()
         self.ddp = DDP(self.module, process_group=self.dp_group, broadcast_buffers=False,
                        init_sync=False)
         self.ddp.register_comm_hook(self.dp_group, self._allreduce_hook)
+        return {"process_group_s": t1 - t0, "connect_s": time.perf_counter() - t1}
+
+    def abort(self, grace_s: float) -> None:
+        """Control thread: `interrupt`, shut down the sockets of this generation's gloo groups
+        (gloo has no communicator abort: a collective is freed only when its sockets fail),
+        abort the groups, and wait up to `grace_s` seconds for the compute thread to leave its
+        collective (`comms.left_collective`). Raises RuntimeError when it has not."""
+        self.interrupt()
+        shutdown_sockets(self._sockets)
+        self._sockets = {}
+        if dist.is_initialized():
+            abort_process_groups()
+        if not left_collective(self, grace_s):
+            raise RuntimeError(f"compute thread still inside a collective {grace_s:g} s after the abort "
+                               "(a gloo send queued behind a partial write is not failed by the shutdown "
+                               "of its connection)")
 
     def interrupt(self) -> None:
         """Make the running step (or rollout) raise `Interrupted` at its next module forward or
@@ -212,6 +246,9 @@ class TorchEngine:
             self._retired.append((self.dp_group, self._work))
         self._retired = [r for r in self._retired if not r[1].is_completed()]
         self.ddp, self.dp_group, self._work = None, None, None
+        if dist.is_initialized():  # a generation whose forming was cancelled by an abort
+            abort_process_groups()
+        self._sockets = {}
 
     # -- compute -----------------------------------------------------------------------------
     def _forward(self, module: torch.nn.Module, batch: TrainingBatch):
@@ -408,12 +445,25 @@ class TorchEngine:
         """Make `state` (from `host_state`, possibly of another process) the live state."""
         self._set_train_state(copy.deepcopy(state))
 
-    def broadcast_from(self, src_rank: int) -> None:
+    def broadcast_from(self, src_rank: int, ranks: list[int] | None = None) -> None:
         """Make this rank's training state equal to `src_rank`'s (a member of the same DP group):
-        the tensors of the state are broadcast over the DP group (one flat broadcast per dtype:
-        `flat_collective`), the python leaves (step, LR schedule, optimizer hyper-parameters
-        such as the decayed lr) with `broadcast_object_list`. Both sides have the same state
-        structure (same model)."""
+        the tensors of the state are broadcast (one flat broadcast per dtype: `flat_collective`),
+        the python leaves (step, LR schedule, optimizer hyper-parameters such as the decayed lr)
+        with `broadcast_object_list`. Both sides have the same state structure (same model).
+        `ranks`: only these members take part, over a group made among them alone (the other
+        members make no call); None: the whole DP group."""
+        if ranks is None:
+            self._broadcast_state(src_rank)
+            return
+        with recording_new_sockets(self._sockets):
+            group = dist.new_group(sorted(ranks), use_local_synchronization=True)
+        full, self.dp_group = self.dp_group, group
+        try:
+            self._broadcast_state(src_rank)
+        finally:
+            self.dp_group = full
+
+    def _broadcast_state(self, src_rank: int) -> None:
         leaves, spec = torch.utils._pytree.tree_flatten(self._train_state())
         others = [[x for x in leaves if not isinstance(x, torch.Tensor)]]
         with self._collective():
@@ -424,3 +474,16 @@ class TorchEngine:
         it = iter(others[0])
         leaves = [x if isinstance(x, torch.Tensor) else next(it) for x in leaves]
         self._set_train_state(torch.utils._pytree.tree_unflatten(leaves, spec))
+
+    def state_digest(self) -> str:
+        return params_digest(self.model)
+
+    # -- spare preparation: nothing to do (a fresh engine's first step is as fast as the next) --
+    def snapshot_nbytes(self) -> int:
+        return 0
+
+    def reserve_host_memory(self, nbytes: int) -> bool:
+        return False
+
+    def warm_up(self) -> float:
+        return 0.0

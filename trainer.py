@@ -16,12 +16,11 @@ import statistics
 import time
 from pathlib import Path
 
-import ray
-
-from checkpoint import CheckpointError
-from config import Config, model_signature
-from fault_tolerance import RecoveryTimeline, recover
-from megatron_actor import MegatronActorGroup, WorkerFailure, slowest
+from actor_group import ActorGroup
+from checkpoint import CheckpointError, CheckpointManager, check_compatible, model_signature
+from config import Config
+from failures import RecoveryTimeline, WorkerFailure, slowest
+from fault_tolerance import recover
 from metrics import RunMetrics
 from training_batch import synthetic_batch
 
@@ -29,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Drives one run over a `MegatronActorGroup`.
+    """Drives one run over an `ActorGroup`.
 
     Attributes: `losses` (step -> mean over DP replicas of the replica's PPO loss, float),
     `rewards` (RL: step -> mean reward of the step's samples), `replayed_rewards`,
@@ -38,10 +37,10 @@ class Trainer:
     `recoveries` (list of RecoveryTimeline), `committed_step`, `checkpoints` (committed steps).
     """
 
-    def __init__(self, cfg: Config, group: MegatronActorGroup, metrics: RunMetrics | None = None):
+    def __init__(self, cfg: Config, group: ActorGroup, metrics: RunMetrics | None = None):
         self.cfg, self.group = cfg, group
         self.metrics = metrics or RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len)
-        self.ckpt = cfg.checkpoint_manager()
+        self.ckpt = CheckpointManager.from_config(cfg.checkpoint)
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.committed_step = 0
@@ -58,7 +57,6 @@ class Trainer:
         self.recoveries: list[RecoveryTimeline] = []
         self.checkpoints: list[int] = []
         self.failed_saves: list[int] = []   # steps whose save hit a storage error
-        self.failed_at: float | None = None  # set by fault injection: when the fault happened
         self._resume_t: float | None = None
         self.step_times: list[float] = []
         self._steady_times: list[float] = []  # step times, without the first and the first after a recovery
@@ -96,11 +94,10 @@ class Trainer:
                 continue
             self._chaos_fired.add(i)
             log.warning("chaos: %s", ev)
-            self.failed_at = time.time()
             if ev["kind"] == "node":
                 self.group.kill_node_of(ev["rank"])
             else:
-                ray.get(self.group.workers[ev["rank"]].handle.arm_fault.remote(ev["kind"], ev["point"]))
+                self.group.arm_fault(ev["rank"], ev["kind"], ev["point"])
 
     def experience(self, step: int):
         """RL: the step's prompts, sampled by every DP replica (`generate`, interleaved rows as
@@ -223,8 +220,8 @@ class Trainer:
         """Recover from `failure` and move `committed_step` back to the restored step."""
         log.warning("failure detected: %s", failure)
         self._pending_save = None  # its shards stay uncommitted: never loaded, later deleted
-        tl = recover(self.group, failure, self.ckpt, self.committed_step, self.failed_at)
-        self.failed_at = None
+        tl = recover(self.group, failure, self.ckpt, self.committed_step, self.cfg.fault_tolerance,
+                     lambda manifest: check_compatible(self.cfg, manifest))
         self.recoveries.append(tl)
         self.committed_step = tl.restored_step
         self._resume_t = time.perf_counter()

@@ -249,8 +249,7 @@ def _engine_stuck_rank(rank: int, world: int, store, cfg) -> dict:
     hung_group = dist.group.WORLD if rank == 1 else None  # alive and hung: its sockets stay open
     _abort_process_group()
     engine.disconnect()  # destroying the group would join gloo's worker thread (stuck until 10 s)
-    dist.init_process_group("gloo", store=dist.PrefixStore("gen2", store), rank=rank, world_size=world)
-    engine.connect(ParallelDims(1, 1, 2, 1), rank)
+    engine.connect(dist.PrefixStore("gen2", store), ParallelDims(1, 1, 2, 1), rank)
     t = cfg.train
     batch = synthetic_batch(t.seed, 1, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
     loss = engine.train_step(batch.strided(rank, world), 1)["loss"]
@@ -306,9 +305,8 @@ def _interrupted_steps(rank: int, world: int, store, cfg) -> dict:
     from torch_engine import TorchEngine
     from training_batch import synthetic_batch
 
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     engine = TorchEngine(cfg)
-    engine.connect(ParallelDims(1, 1, 1, 1), rank)
+    engine.connect(dist.PrefixStore("gen1", store), ParallelDims(1, 1, 1, 1), rank)
     t = cfg.train
     batch = synthetic_batch(t.seed, 1, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
     weights = [p.detach().clone() for p in engine.module.parameters()]
@@ -321,7 +319,8 @@ def _interrupted_steps(rank: int, world: int, store, cfg) -> dict:
         raised["forward"] = str(e)
     grads_after_forward_stop = sum(p.grad is not None for p in engine.module.parameters())
     engine.fault_point = lambda point: None
-    engine.connect(ParallelDims(1, 1, 1, 1), rank)  # the next generation: cleared
+    engine.disconnect()
+    engine.connect(dist.PrefixStore("gen2", store), ParallelDims(1, 1, 1, 1), rank)  # the next generation: cleared
     # ... and one arriving when the forward is done: the first gradient stops the backward
     # (the training forward: the one with autograd on; old log-probs are computed without)
     hook = engine.module.register_forward_hook(lambda *_: engine.interrupt() if torch.is_grad_enabled() else None)
@@ -331,7 +330,8 @@ def _interrupted_steps(rank: int, world: int, store, cfg) -> dict:
         raised["backward"] = str(e)
     hook.remove()
     unchanged = all(torch.equal(a, b.detach()) for a, b in zip(weights, engine.module.parameters()))
-    engine.connect(ParallelDims(1, 1, 1, 1), rank)
+    engine.disconnect()
+    engine.connect(dist.PrefixStore("gen3", store), ParallelDims(1, 1, 1, 1), rank)
     loss = engine.train_step(batch, 1)["loss"]
     return {"raised": raised, "grads_after_forward_stop": grads_after_forward_stop, "unchanged": unchanged,
             "loss": loss}

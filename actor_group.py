@@ -1,0 +1,465 @@
+"""The driver's actor group: placement, roles, membership generations and the backup pool.
+
+`ActorGroup` is the only owner of the worker list (index = rank) and of the pool of pre-warmed
+spares: it places one actor per placement-group bundle, splits them into workers and spares
+over failure domains (`assign_roles`), forms each process-group generation through the
+rendezvous store it hosts, kills failed actors, puts spares in their place, shrinks DP when
+no spare is left, and refills the pool in the background. Failure detection is its
+`HealthMonitor` (`health.py`); the recovery protocol that drives it is `fault_tolerance.py`.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from checkpoint import CheckpointError, CheckpointManager
+from config import Config, ConfigError
+from dispatch import dispatch_remote, get_dispatch_type
+from failures import slowest
+from health import HealthMonitor
+from megatron_actor import MegatronActor
+from parallel_dims import ParallelDims, RankCoords
+from snapshots import SnapshotHolder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ActorSlot:
+    """A placed actor and where it runs. `device` is (node IP, GPU id) on GPU machines and
+    (node IP, bundle index) on CPU, the unit that must not hold two ranks of one group."""
+    handle: object
+    node_ip: str
+    node_id: str
+    gpu_ids: list
+    bundle_index: int
+
+    @property
+    def device(self) -> tuple:
+        return (self.node_id, self.gpu_ids[0] if self.gpu_ids else f"b{self.bundle_index}")
+
+
+def _device_order(slots: list[ActorSlot]) -> list[ActorSlot]:
+    """Slots of one node, one per device round-robin (first slot of every device, then the
+    second, ...), so workers taken from the front never share a device while one is free."""
+    by_device: dict[tuple, list[ActorSlot]] = {}
+    for s in sorted(slots, key=lambda s: (s.device[1] if s.gpu_ids else 0, s.bundle_index)):
+        by_device.setdefault(s.device, []).append(s)
+    rounds = max(len(v) for v in by_device.values())
+    return [v[i] for i in range(rounds) for v in by_device.values() if i < len(v)]
+
+
+def _slot_key(s: ActorSlot) -> tuple:
+    return (s.node_ip, s.node_id, s.device[1] if s.gpu_ids else 0, s.bundle_index)
+
+
+def assign_roles(slots: list[ActorSlot], num_workers: int) -> tuple[list[ActorSlot], list[ActorSlot]]:
+    """Split placed actors into workers (index = rank) and spares, spreading spares over nodes
+    (failure domains).
+
+    Losing node n loses its w_n workers and its s_n spares; the spares left elsewhere cover its
+    ranks when S - s_n >= w_n, i.e. when the pool S is at least the node's slot count. Given
+    that, the split maximises the pool left after the worst node loss: spares are handed out one
+    at a time to the node holding the fewest so far (ties: the node with more slots, then the
+    later node), never leaving a node more workers than devices while free devices exist.
+    Within a node, workers take one slot per device round-robin, so no two ranks share a GPU
+    while there are free GPUs. Ranks follow (node IP, node id, GPU id, bundle index): Ray does
+    not return bundles in node order, and tp neighbours share a node.
+    `placement_report(workers, spares)` explains the result, one line per node.
+    """
+    if not 0 <= num_workers <= len(slots):
+        raise ValueError(f"{num_workers} workers asked for {len(slots)} placed actors")
+    nodes: dict[str, list[ActorSlot]] = {}
+    for s in sorted(slots, key=_slot_key):
+        nodes.setdefault(s.node_id, []).append(s)
+    ordered = {n: _device_order(v) for n, v in nodes.items()}
+    devices = {n: len({s.device for s in v}) for n, v in nodes.items()}
+    spares_on = {n: max(0, len(v) - devices[n]) for n, v in nodes.items()}  # workers <= devices
+    num_spares = len(slots) - num_workers
+    while sum(spares_on.values()) > num_spares:  # too few slots for one worker per device
+        n = max((n for n in nodes if spares_on[n]), key=lambda n: (spares_on[n], list(nodes).index(n)))
+        spares_on[n] -= 1
+    order = list(nodes)
+    while sum(spares_on.values()) < num_spares:
+        n = min((n for n in nodes if spares_on[n] < len(nodes[n])),
+                key=lambda n: (spares_on[n], -len(nodes[n]), -order.index(n)))
+        spares_on[n] += 1
+    workers, spares = [], []
+    for n, v in ordered.items():
+        k = len(v) - spares_on[n]
+        workers += v[:k]
+        spares += v[k:]
+    return sorted(workers, key=_slot_key), spares
+
+
+def placement_report(workers: list[ActorSlot], spares: list[ActorSlot]) -> list[str]:
+    """One line per node: its workers and spares, and whether the spares on other nodes cover
+    its ranks if the node is lost (the failure-domain rule of `assign_roles`)."""
+    nodes: dict[str, list[int]] = {}
+    for s in workers:
+        nodes.setdefault(s.node_id, [0, 0])[0] += 1
+    for s in spares:
+        nodes.setdefault(s.node_id, [0, 0])[1] += 1
+    ip = {s.node_id: s.node_ip for s in workers + spares}
+    lines = []
+    for n, (w, sp) in nodes.items():
+        elsewhere = len(spares) - sp
+        verdict = (f"covered by the {elsewhere} spare(s) on other nodes" if elsewhere >= w else
+                   f"NOT covered: {elsewhere} spare(s) on other nodes < {w} ranks (pool of {len(spares)} "
+                   f"< {w + sp} slots of this node; raise cluster.num_spares or fault_tolerance.min_dp)")
+        lines.append(f"node {n[:8]} ({ip[n]}): {w} worker(s), {sp} spare(s); if lost, its ranks are {verdict}")
+    return lines
+
+
+class BackupPool:
+    """Pre-warmed spare actors: placed, imports done, device context made, model built, but in
+    no process group."""
+
+    def __init__(self, spares: list[ActorSlot]):
+        self.spares = list(spares)
+
+    def __len__(self) -> int:
+        return len(self.spares)
+
+    def take(self, avoid_nodes: set[str], busy_devices: set[tuple]) -> ActorSlot | None:
+        """Remove and return the best spare: first one on another node than `avoid_nodes` and on
+        a device not in `busy_devices`, then any on a free device, then any; among equals, one from
+        the node holding the most spares (the pool stays spread over failure domains). None if
+        empty."""
+        per_node: dict[str, int] = {}
+        for s in self.spares:
+            per_node[s.node_id] = per_node.get(s.node_id, 0) + 1
+        for ok in (lambda s: s.node_id not in avoid_nodes and s.device not in busy_devices,
+                   lambda s: s.device not in busy_devices, lambda s: True):
+            fits = [s for s in self.spares if ok(s)]
+            if fits:  # from the node with the most spares: the pool stays spread over nodes
+                s = max(fits, key=lambda s: per_node[s.node_id])
+                self.spares.remove(s)
+                return s
+        return None
+
+    def take_for(self, failed: set[int], workers: list[ActorSlot]) -> dict[int, ActorSlot]:
+        """A spare for each rank of `failed` (rank -> spare, removed from the pool), chosen by
+        `take` rank by rank in order: away from the failed ranks' nodes and on a device that
+        no surviving rank (nor an earlier choice) uses. `workers`: the slots by rank. Raises
+        ValueError, taking nothing, when the pool holds fewer spares than `failed` ranks."""
+        if len(self.spares) < len(failed):
+            raise ValueError(f"{len(failed)} rank(s) failed and {len(self.spares)} spare(s) are left")
+        failed_nodes = {workers[r].node_id for r in failed}
+        busy = {s.device for r, s in enumerate(workers) if r not in failed}
+        chosen = {}
+        for r in sorted(failed):
+            chosen[r] = self.take(failed_nodes, busy)
+            busy.add(chosen[r].device)
+        return chosen
+
+
+def preflight(cfg: Config, resources: dict) -> None:
+    """Checks that need the cluster, run before any actor starts. `resources`: Ray's
+    `cluster_resources()` (logical CPU / GPU totals). Raises ConfigError naming the field when the
+    cluster cannot hold every worker and spare, or the checkpoint URI cannot be written."""
+    c = cfg.cluster
+    n = c.num_workers + c.num_spares
+    need = {"CPU": n * c.cpus_per_actor}
+    if c.device == "cuda":
+        need["GPU"] = n * c.gpus_per_actor
+        if c.num_workers > resources.get("GPU", 0.0) + 1e-9:
+            raise ConfigError(f"cluster.num_workers: {c.num_workers} ranks on {resources.get('GPU', 0.0):g} GPUs "
+                              f"would put two ranks of the process group on one GPU; lower cluster.num_workers "
+                              f"(and the parallel sizes) or add GPUs")
+    for res, amount in need.items():
+        have = resources.get(res, 0.0)
+        if amount > have + 1e-9:
+            raise ConfigError(f"cluster.num_workers: {c.num_workers} workers + {c.num_spares} spares need "
+                              f"{amount:g} {res} ({'cpus' if res == 'CPU' else 'gpus'}_per_actor each) but the "
+                              f"cluster has {have:g} {res}; lower cluster.num_spares / "
+                              f"cluster.{res.lower()}s_per_actor or add nodes")
+    try:
+        CheckpointManager.from_config(cfg.checkpoint).check_writable()
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.uri: {e}; check the URI, endpoint and credentials") from None
+
+
+class ActorGroup:
+    """All actors of a run: workers indexed by rank plus the pool of pre-warmed spares.
+
+    Creates one placement group of (num_workers + num_spares) bundles, one actor per bundle,
+    sorts them by (node, GPU), builds every engine (workers and spares alike), hosts the
+    rendezvous store and forms generation 1. Raises RuntimeError with the resources needed
+    when the cluster cannot place the bundles within `placement_timeout_s` seconds.
+    """
+
+    REFILL_ATTEMPTS = 3  # starts of a spare on a freed bundle (one that dies, e.g. on a lost node, is retried)
+
+    def __init__(self, cfg: Config, placement_timeout_s: float = 60.0):
+        import torch.distributed as dist
+
+        self.cfg, self.dims = cfg, ParallelDims.from_config(cfg)
+        preflight(cfg, ray.cluster_resources())  # before anything is placed or started
+        c = cfg.cluster
+        n = c.num_workers + c.num_spares
+        bundle = {"CPU": c.cpus_per_actor}
+        if c.device == "cuda":
+            bundle["GPU"] = c.gpus_per_actor
+        self.placement_group = placement_group([dict(bundle) for _ in range(n)],
+                                               strategy="SPREAD" if c.num_nodes > 1 else "PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
+        if not ready:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"cluster too small: {n} bundles of {bundle} (cluster.num_workers={c.num_workers} + "
+                f"cluster.num_spares={c.num_spares}) could not be placed within {placement_timeout_s:.0f} s; "
+                f"cluster has {ray.cluster_resources()}. Lower cluster.num_spares / cpus_per_actor / "
+                f"gpus_per_actor or add nodes")
+        self._refills: dict = {}  # build ObjectRef -> (handle, bundle index, attempt) of a spare being refilled
+        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers)
+        self.injected_at: float | None = None  # wall-clock time of the last injected fault (`kill`)
+        handles = [self._new_actor(i) for i in range(n)]
+        infos = ray.get([h.info.remote() for h in handles])
+        slots = [ActorSlot(h, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"])
+                 for h, i in zip(handles, infos)]
+        self.workers, spares = assign_roles(slots, c.num_workers)
+        self.placement_report = placement_report(self.workers, spares)
+        for line in self.placement_report:
+            log.info("placement: %s", line)
+        self.build_s = max(ray.get([s.handle.build.remote() for s in slots]))
+        self.pool = BackupPool(spares)
+        self.store_host = ray.util.get_node_ip_address()
+        # Port 0: the OS picks a free port at bind time (no probe-then-bind race with other
+        # programs). One store serves every generation, so no port is ever re-bound.
+        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=cfg.fault_tolerance.step_timeout_s))
+        self.store_port = self.store.port
+        self.generation = 0
+        # In-memory snapshots: one holder per node of the placement group; each rank sends its
+        # copies to the holder of another node, so they outlive the rank's node.
+        self.holders: dict[str, object] = {}
+        if cfg.fault_tolerance.memory_snapshot_interval > 0:
+            # In a bundle of the placement group on that node: reserved, so the holder is where
+            # its key says (a soft node affinity fell back to another node for a node just added,
+            # and a rank's copies then sat on the rank's own node). Keyed by the node it runs on.
+            bundles = {s.node_id: s.bundle_index for s in sorted(slots, key=lambda s: -s.bundle_index)}
+            handles = [SnapshotHolder.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, bundles[node])).remote() for node in sorted(bundles)]
+            self.holders = dict(zip(ray.get([h.node_id.remote() for h in handles]), handles))
+        self.form_generation()
+        self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers]))
+        self._prepare(self.pool.spares)
+
+    @property
+    def num_spares(self) -> int:
+        """The configured pool size (`cluster.num_spares`)."""
+        return self.cfg.cluster.num_spares
+
+    def _prepare(self, spares: list) -> None:
+        """Spares, in the background: reserve the rollback snapshot's host memory (the largest
+        rank's size) and warm up (`MegatronActor.prepare_spare`), so neither slows the first
+        steps after a recovery."""
+        for s in spares:
+            s.handle.prepare_spare.remote(self.snapshot_nbytes)
+
+    @property
+    def handles(self) -> list:
+        return [s.handle for s in self.workers]
+
+    def describe(self) -> list[str]:
+        """One line per rank and spare: where it runs (for logs and --dry-run)."""
+        lines = [f"rank {r} {self.dims.coords(r)} on node {s.node_id[:8]} ({s.node_ip}) device {s.device[1]}"
+                 for r, s in enumerate(self.workers)]
+        return lines + [f"spare on node {s.node_id[:8]} ({s.node_ip}) device {s.device[1]}"
+                        for s in self.pool.spares]
+
+    def form_generation(self) -> dict[str, float]:
+        """Start the next membership generation: every worker joins new process groups.
+        Returns the slowest rank's seconds for each part of its join (`MegatronActor.join`).
+        Raises WorkerFailure if a member dies while joining."""
+        self.generation += 1
+        refs = [s.handle.join.remote(self.generation, r, self.dims, self.store_host, self.store_port,
+                                     self.holder_for(s.node_id))
+                for r, s in enumerate(self.workers)]
+        parts = self.wait(refs, self.cfg.fault_tolerance.step_timeout_s)
+        return slowest(parts)
+
+    def wait(self, refs: list, timeout: float, ranks: list[int] | None = None) -> list:
+        """Results of `refs` (one per rank, or one per rank of `ranks`); raises WorkerFailure
+        naming the failed ranks (`HealthMonitor.wait`)."""
+        return self.health.wait(refs, timeout, ranks)
+
+    def holder_for(self, node_id: str):
+        """The SnapshotHolder a rank on `node_id` sends its snapshots to: the next node's in
+        sorted order (its own node's only when there is one node); None when snapshots are off."""
+        if not self.holders:
+            return None
+        nodes = sorted(self.holders)
+        return self.holders[nodes[(nodes.index(node_id) + 1) % len(nodes)] if node_id in nodes else nodes[0]]
+
+    def held_snapshots(self) -> dict[tuple, set[int]]:
+        """(layout, rank) -> steps held by some live holder. Holders that died (with their
+        node) are forgotten; one that does not answer within health_timeout_s is skipped."""
+        held: dict[tuple, set[int]] = {}
+        refs = {node: holder.steps.remote() for node, holder in self.holders.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+        for node, ref in refs.items():
+            try:
+                steps = ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                del self.holders[node]
+                continue
+            except ray.exceptions.GetTimeoutError:
+                continue
+            for key, s in steps.items():
+                held.setdefault(tuple(key), set()).update(s)
+        return held
+
+    def call(self, method: str, *args, dispatch: str = "pass_through", timeout: float | None = None):
+        """Call `method(generation, *args)` on every worker as the named dispatch splits it, wait
+        with a deadline, and return the dispatch's collected results. Raises WorkerFailure."""
+        kind = get_dispatch_type(dispatch)
+        refs = dispatch_remote(self.handles, method, self.dims, kind, self.generation, *args)
+        results = self.wait(refs, timeout or self.cfg.fault_tolerance.step_timeout_s)
+        return kind.collect(self.dims, results)
+
+    def _new_actor(self, bundle_index: int):
+        c = self.cfg.cluster
+        return MegatronActor.options(
+            num_cpus=c.cpus_per_actor, num_gpus=c.gpus_per_actor if c.device == "cuda" else 0,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
+        ).remote(self.cfg, bundle_index)
+
+    def refill(self, bundle_indices: list[int], attempt: int = 1) -> None:
+        """Start new spares on the bundles of killed actors, in the background: Ray places each
+        when its bundle is free again (on the same node, or re-placed after a node loss)."""
+        for i in bundle_indices:
+            handle = self._new_actor(i)
+            self._refills[handle.build.remote()] = (handle, i, attempt)
+
+    def poll_refills(self) -> int:
+        """Move refilled spares whose model is built into the pool (non-blocking); returns how many."""
+        if not self._refills:
+            return 0
+        ready, _ = ray.wait(list(self._refills), num_returns=len(self._refills), timeout=0)
+        added = 0
+        for ref in ready:
+            handle, bundle, attempt = self._refills.pop(ref)
+            try:
+                ray.get(ref)
+                i = ray.get(handle.info.remote(), timeout=self.cfg.fault_tolerance.health_timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                # E.g. placed on a lost node before Ray marked it dead (~15 s): Ray re-places
+                # the bundle on a live node once it has room, so try again there.
+                again = attempt < self.REFILL_ATTEMPTS
+                log.warning("refill spare on bundle %d failed (attempt %d of %d%s): %s", bundle, attempt,
+                            self.REFILL_ATTEMPTS, ", retrying" if again else "", str(e)[:200])
+                if again:
+                    ray.kill(handle, no_restart=True)
+                    self.refill([bundle], attempt + 1)
+                continue
+            self.pool.spares.append(ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"]))
+            self._prepare(self.pool.spares[-1:])
+            added += 1
+        if added:
+            log.info("spare pool refilled: %d spare(s) now", len(self.pool))
+        return added
+
+    def prune_pool(self) -> None:
+        """Drop spares that are dead (e.g. lost with their node) from the pool, and start
+        replacements on their bundles in the background (`fault_tolerance.refill_spares`).
+        Spares on a node whose raylet refuses connections are dead without a ping
+        (`HealthMonitor.lost_nodes`): their pings could otherwise keep the recovery waiting
+        until the node's workers exit."""
+        lost = self.health.lost_nodes({s.node_id for s in self.pool.spares})
+        candidates = [s for s in self.pool.spares if s.node_id not in lost]
+        refs = [s.handle.ping.remote() for s in candidates]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+        alive = []
+        for s, ref in zip(candidates, refs):
+            try:
+                if ref in ready:
+                    ray.get(ref)
+                    alive.append(s)
+            except ray.exceptions.RayActorError:
+                pass
+        dead = [s for s in self.pool.spares if not any(s is a for a in alive)]
+        self.pool.spares = alive
+        if dead and self.cfg.fault_tolerance.refill_spares:
+            for s in dead:
+                ray.kill(s.handle, no_restart=True)  # an unanswering one may still hold its bundle
+            self.refill([s.bundle_index for s in dead])
+
+    def kill(self, ranks, injected: bool = True) -> None:
+        """Kill the actors of `ranks` (SIGKILL through Ray; they stay in the worker list until
+        replaced). `injected`: a fault injected on purpose (demo, benchmark, chaos), whose time
+        is recorded in `injected_at` for the recovery's `detect_s`."""
+        for r in ranks:
+            ray.kill(self.workers[r].handle, no_restart=True)
+        if injected:
+            self.injected_at = time.time()
+
+    def kill_node_of(self, rank: int) -> list[int]:
+        """Fault injection: kill every actor (workers and spares) on the node of `rank`, as a
+        node loss looks to the control plane, and record the time (`kill`). Returns the worker
+        ranks killed."""
+        node = self.workers[rank].node_id
+        ranks = [r for r, s in enumerate(self.workers) if s.node_id == node]
+        for s in self.pool.spares:
+            if s.node_id == node:
+                ray.kill(s.handle, no_restart=True)
+        self.kill(ranks)
+        return ranks
+
+    def arm_fault(self, rank: int, kind: str, point: str) -> None:
+        """Fault injection: arm `kind` at `point` on `rank` (`MegatronActor.arm_fault`), and
+        record the time (`kill`)."""
+        ray.get(self.workers[rank].handle.arm_fault.remote(kind, point))
+        self.injected_at = time.time()
+
+    def take_injected_at(self) -> float | None:
+        """The time of the fault injected since the last call (None: none), then forget it."""
+        t, self.injected_at = self.injected_at, None
+        return t
+
+    def replace(self, failed: set[int]) -> None:
+        """Put a spare at each rank of `failed` (`BackupPool.take_for`). Raises ValueError when
+        the pool holds fewer spares than `failed` ranks."""
+        for r, spare in self.pool.take_for(failed, self.workers).items():
+            self.workers[r] = spare
+
+    def shrink(self, failed: set[int]) -> None:
+        """Drop every DP replica holding a failed rank (used when no spare is left). Living
+        members of dropped replicas become spares. The global batch is unchanged: each replica
+        gets a larger share, so more micro-batches accumulate. Raises ValueError when the batch
+        sizes do not divide by the smaller dp; the caller turns that into a RecoveryError."""
+        from parallel_dims import RankCoords
+
+        old, t = self.dims, self.cfg.train
+        lost = sorted({old.coords(r).dp for r in failed})
+        kept = [d for d in range(old.dp) if d not in lost]
+        new = ParallelDims(tp=old.tp, pp=old.pp, cp=old.cp, dp=len(kept))
+        if not kept or t.mini_batch_size % new.dp or (t.mini_batch_size // new.dp) % t.micro_batch_size:
+            raise ValueError(f"cannot shrink to dp={new.dp}: train.mini_batch_size={t.mini_batch_size} "
+                             f"must split into micro-batches of {t.micro_batch_size} over {new.dp} replicas")
+        workers: list = [None] * new.world_size
+        for r, s in enumerate(self.workers):
+            c = old.coords(r)
+            if c.dp in lost:
+                if r not in failed:
+                    self.pool.spares.append(s)
+            else:
+                workers[new.rank_of(RankCoords(tp=c.tp, cp=c.cp, dp=kept.index(c.dp), pp=c.pp))] = s
+        log.warning("no spare left: shrinking dp %d -> %d (replicas %s dropped)", old.dp, new.dp, lost)
+        self.workers, self.dims = workers, new
+
+    def shutdown(self) -> None:
+        """Kill every actor (spares and refills too) and release the placement group."""
+        for s in self.workers + self.pool.spares:
+            ray.kill(s.handle, no_restart=True)
+        for handle in [*(h for h, _, _ in self._refills.values()), *self.holders.values()]:
+            ray.kill(handle, no_restart=True)
+        remove_placement_group(self.placement_group)

@@ -1,0 +1,89 @@
+"""What can go wrong in a run and what a recovery cost: the failure types the control plane
+raises and catches, and `RecoveryTimeline`, the record of one recovery (phases in seconds).
+Imports nothing of the project.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+
+class StaleGenerationError(RuntimeError):
+    """A compute call belongs to a process-group generation this actor is no longer in."""
+
+
+class InjectedFault(RuntimeError):
+    """An exception raised on purpose by fault injection (`MegatronActor.arm_fault`)."""
+
+
+class WorkerFailure(RuntimeError):
+    """Ranks of the current generation failed. `ranks`: failed global ranks; `kind`:
+    'crash' (actor died), 'hang' (deadline passed without progress) or 'exception'.
+    `aborted`: detection already aborted every rank's communicators (to find the hung ranks),
+    so recovery must not abort them a second time. `detected_at`: wall-clock seconds."""
+
+    def __init__(self, ranks: set[int], kind: str, detail: str = "", aborted: bool = False):
+        super().__init__(f"{kind} of rank(s) {sorted(ranks)}: {detail}")
+        self.ranks, self.kind, self.detail, self.aborted = set(ranks), kind, detail, aborted
+        self.detected_at = time.time()
+
+
+class RecoveryError(RuntimeError):
+    """Recovery is impossible (no spare left, nothing to restore from); the message says why."""
+
+
+@dataclass
+class RecoveryTimeline:
+    """One recovery, phases in seconds. `detect_s` runs from the failure (when its time is known,
+    e.g. an injected kill) to its detection; `steps_lost` counts committed steps redone.
+    `total_s` is the time the failure cost the run, the MTTR that goodput counts: the control
+    phases (detect .. restore) plus the first step's excess over a steady step. The rest of
+    that first step is training the run would have done anyway."""
+    kind: str
+    failed_ranks: list[int]
+    failed_nodes: list[str]
+    generation: int = 0
+    detect_s: float = 0.0
+    abort_s: float = 0.0
+    replace_s: float = 0.0
+    rebuild_s: float = 0.0
+    restore_s: float = 0.0
+    first_step_s: float = 0.0
+    steady_step_s: float = 0.0   # median step without a recovery before the first step; 0: none ran
+    restore_source: str = ""
+    committed_step: int = 0
+    restored_step: int = 0
+    attempts: int = 1
+    notes: list[str] = field(default_factory=list)
+    rebuild_detail: dict = field(default_factory=dict)      # slowest rank's seconds per part of its join
+    first_step_detail: dict = field(default_factory=dict)   # slowest rank's seconds per part of the step
+
+    CONTROL = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s")
+    PHASES = (*CONTROL, "first_step_s")
+
+    @property
+    def steps_lost(self) -> int:
+        return self.committed_step - self.restored_step
+
+    @property
+    def first_step_excess_s(self) -> float:
+        """The first step's seconds beyond a steady step (all of it when no steady step ran)."""
+        return max(0.0, self.first_step_s - self.steady_step_s)
+
+    @property
+    def total_s(self) -> float:
+        return sum(getattr(self, p) for p in self.CONTROL) + self.first_step_excess_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "steps_lost": self.steps_lost, "first_step_excess_s": self.first_step_excess_s,
+                "total_s": self.total_s}
+
+    def append_jsonl(self, path) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(self.to_dict()) + "\n")
+
+
+def slowest(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the largest of the ranks' seconds (rounded to 0.1 ms): the slowest rank's time."""
+    return {k: round(max(p[k] for p in parts), 4) for k in parts[0]}
