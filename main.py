@@ -62,7 +62,7 @@ def placement_plan(cfg: Config) -> list[dict]:
     (local index // actors per GPU), actors per GPU = 1 / cluster.gpus_per_actor; then the run's
     own `assign_roles` picks ranks (one per device first) and spares. Ray decides the real
     nodes and GPUs at run time; they are logged as `event=placement` lines."""
-    from megatron_actor import ActorSlot, assign_roles
+    from actor_group import ActorSlot, assign_roles
 
     c = cfg.cluster
     per_gpu = max(1, int(1 / c.gpus_per_actor + 1e-9))
@@ -121,11 +121,10 @@ def run_steps(cfg: Config, kill_replica: int | None, kill_ranks: list[int] | Non
     """The demo's scripted sequence on a fresh actor group; returns losses and timelines.
     After step 2 it kills the ranks `kill_ranks`, else every rank of DP replica `kill_replica`
     (None and None: no failure)."""
-    import ray
-    from megatron_actor import MegatronActorGroup
+    from actor_group import ActorGroup
     from trainer import Trainer
 
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         log_placement(group)
         trainer = Trainer(cfg, group)
@@ -136,9 +135,7 @@ def run_steps(cfg: Config, kill_replica: int | None, kill_ranks: list[int] | Non
             ranks = kill_ranks or group.dims.replica_ranks(kill_replica)
             log.warning("event=demo_kill ranks=%s nodes=%s step=3", ",".join(map(str, ranks)),
                         ",".join(sorted({group.workers[r].node_id[:8] for r in ranks})))
-            for r in ranks:
-                ray.kill(group.workers[r].handle, no_restart=True)
-            trainer.failed_at = time.time()
+            group.kill(ranks)
         trainer.train(4)
         return {"losses": trainer.losses, "replayed": trainer.replayed,
                 "recoveries": [t.to_dict() for t in trainer.recoveries],
@@ -230,11 +227,11 @@ def cmd_train(cfg: Config, args) -> int:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from megatron_actor import MegatronActorGroup
+    from actor_group import ActorGroup
     from metrics import RunMetrics
     from trainer import Trainer
 
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         log_placement(group)
         with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,

@@ -88,7 +88,7 @@ class RunMetrics:
 
     def on_recovery(self, timeline) -> None:
         """A recovery finished (its first step after resuming is done): `timeline` is its
-        `fault_tolerance.RecoveryTimeline`."""
+        `failures.RecoveryTimeline`."""
         self.num_recoveries += 1
         self.recoveries.inc(1, tags={"kind": timeline.kind})
         for phase in timeline.PHASES:

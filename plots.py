@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from fault_tolerance import RecoveryTimeline  # noqa: E402
+from failures import RecoveryTimeline  # noqa: E402
 
 PHASES = RecoveryTimeline.PHASES
 

@@ -5,7 +5,7 @@ import torch
 
 from checkpoint import CheckpointManager
 from config import ConfigError, check_compatible, load_config, model_signature, resolve
-from megatron_actor import MegatronActorGroup
+from actor_group import ActorGroup
 from training_batch import TrainingBatch
 
 
@@ -18,14 +18,14 @@ def test_cluster_too_small_reports_what_is_there(ray_session, tmp_path):
     cfg = cfg_with(tmp_path, "cluster.num_workers=32", "cluster.num_spares=8", "train.mini_batch_size=32",
                    "train.global_batch_size=32", "train.micro_batch_size=1")
     with pytest.raises(ConfigError, match=r"^cluster.num_workers: .*need 10 CPU.*cluster has 8 CPU"):
-        MegatronActorGroup(cfg)
+        ActorGroup(cfg)
     assert ray_session.available_resources().get("CPU") == 8  # nothing was placed or started
 
 
 def test_unreachable_checkpoint_uri(ray_session, tmp_path):
     cfg = cfg_with(tmp_path, "checkpoint.uri=s3://no-such-bucket-for-tests/x", "checkpoint.retry_budget_s=1")
     with pytest.raises(ConfigError, match="^checkpoint.uri: .*no-such-bucket-for-tests"):
-        MegatronActorGroup(cfg)
+        ActorGroup(cfg)
 
 
 def test_checkpoint_from_another_model_names_both(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from config import load_config, resolve
-from fault_tolerance import RecoveryError
-from megatron_actor import MegatronActorGroup
+from failures import RecoveryError
+from actor_group import ActorGroup
 from trainer import Trainer
 
 FAST = ["fault_tolerance.min_step_timeout_s=3", "fault_tolerance.health_timeout_s=2",
@@ -34,7 +34,7 @@ def make_cfg(tmp_path, *overrides):
 
 
 def train(cfg):
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(cfg.train.steps)
@@ -94,7 +94,7 @@ def test_snapshot_wire_format_round_trip(ray_session):
     the engines keep comes back bitwise, bf16 included, through a real Ray object."""
     import torch
 
-    from megatron_actor import from_wire, to_wire
+    from snapshots import from_wire, to_wire
 
     g = torch.Generator().manual_seed(0)
     state = {"params": [torch.randn(5, 3, generator=g).to(torch.bfloat16), torch.randn(4, generator=g)],

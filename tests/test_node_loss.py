@@ -10,7 +10,7 @@ from ray.cluster_utils import Cluster
 
 from conftest import wait_for_snapshots
 from config import load_config, resolve
-from megatron_actor import MegatronActorGroup
+from actor_group import ActorGroup
 from trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +36,7 @@ def make_cfg(tmp_path, spares, *overrides):
 
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
-    ref_group = MegatronActorGroup(make_cfg(tmp_path_factory.mktemp("ref"), 0))
+    ref_group = ActorGroup(make_cfg(tmp_path_factory.mktemp("ref"), 0))
     try:
         ref = Trainer(ref_group.cfg, ref_group)
         ref.train(4)
@@ -76,7 +76,7 @@ def test_a_lost_node_is_found_at_once_with_all_its_actors(cluster, tmp_path):
     c, nodes = cluster[0], three_live_nodes(cluster)
     cfg = make_cfg(tmp_path, 3, "cluster.num_workers=6", "train.global_batch_size=12",
                    "train.mini_batch_size=6", "train.micro_batch_size=1", "fault_tolerance.health_timeout_s=60")
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         victim = group.workers[1].node_id
         on_victim = {r for r, s in enumerate(group.workers) if s.node_id == victim}
@@ -102,7 +102,7 @@ def test_a_lost_node_is_found_at_once_with_all_its_actors(cluster, tmp_path):
 def test_node_removed_mid_run_recovers_on_other_node(cluster, reference, tmp_path):
     c, nodes = cluster[0], three_live_nodes(cluster)
     cfg = make_cfg(tmp_path / "run", 4)
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         assert len({s.node_id for s in group.workers + group.pool.spares}) == 3  # SPREAD
         trainer = Trainer(cfg, group)
@@ -127,7 +127,7 @@ def test_memory_snapshots_outlive_the_node_of_their_rank(cluster, reference, tmp
     # right after a node removal a loaded 2-core CI machine answered slower than 2 s once.
     cfg = make_cfg(tmp_path, 4, "fault_tolerance.memory_snapshot_interval=1", "fault_tolerance.restore=memory",
                    "fault_tolerance.health_timeout_s=5")
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(2)

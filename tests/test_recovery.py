@@ -10,7 +10,7 @@ import ray
 
 from conftest import wait_for_snapshots
 from config import load_config, resolve
-from megatron_actor import MegatronActorGroup
+from actor_group import ActorGroup
 from trainer import Trainer
 
 
@@ -21,7 +21,7 @@ def make_cfg(tmp_path, *overrides):
 
 
 def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=()):
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(1)
@@ -93,7 +93,7 @@ def test_checkpoint_restore_from_object_storage(reference, tmp_path, storage, re
 def test_storage_outage_skips_save_and_training_goes_on(reference, tmp_path, s3_server):
     cfg = make_cfg(tmp_path, "checkpoint.interval=1", "checkpoint.retry_budget_s=2",
                    f"checkpoint.uri={s3_server.uri(tmp_path.name)}")
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(2)

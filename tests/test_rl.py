@@ -267,10 +267,10 @@ def make_cfg(tmp_path, *overrides, spares=0):
 
 
 def run(cfg, steps):
-    from megatron_actor import MegatronActorGroup
+    from actor_group import ActorGroup
     from trainer import Trainer
 
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(steps)

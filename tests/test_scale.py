@@ -4,8 +4,7 @@ import itertools
 
 import pytest
 
-from fault_tolerance import BackupPool
-from megatron_actor import ActorSlot, assign_roles, placement_report
+from actor_group import ActorSlot, BackupPool, assign_roles, placement_report
 
 
 def slots(nodes: int, gpus: int, per_gpu: int = 1, cpu: bool = False, extra: dict | None = None):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from config import load_config, resolve
 from comms import recording_new_sockets, shutdown_sockets
-from megatron_actor import MegatronActorGroup
+from actor_group import ActorGroup
 from ranks import spawn_ranks
 from trainer import Trainer
 
@@ -33,7 +33,7 @@ def _resources(handle) -> dict:
 
 
 def test_twenty_generations_leak_no_threads_or_sockets(ray_session, tmp_path):
-    group = MegatronActorGroup(make_cfg(tmp_path, "cluster.num_spares=0"))
+    group = ActorGroup(make_cfg(tmp_path, "cluster.num_spares=0"))
     try:
         trainer = Trainer(group.cfg, group)
         trainer.train(1)
@@ -54,7 +54,7 @@ def test_twenty_generations_leak_no_threads_or_sockets(ray_session, tmp_path):
 
 def test_briefly_unreachable_actor_is_not_replaced(ray_session, tmp_path):
     """SIGSTOP freezes rank 1 (control thread too) for 2 s, less than health_timeout_s."""
-    group = MegatronActorGroup(make_cfg(tmp_path, "cluster.num_spares=1"))
+    group = ActorGroup(make_cfg(tmp_path, "cluster.num_spares=1"))
     try:
         trainer = Trainer(group.cfg, group)
         trainer.train(1)
@@ -72,7 +72,7 @@ def test_killed_mid_checkpoint_write_uses_previous_checkpoint(ray_session, tmp_p
     step 2 is never committed; recovery from checkpoint uses step 1 and replays step 2."""
     cfg = make_cfg(tmp_path, "cluster.num_spares=2", "fault_tolerance.restore=checkpoint",
                    "chaos.events=[{step: 2, rank: 0, kind: kill, point: mid_save}]")
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(3)
@@ -92,7 +92,7 @@ def test_new_group_forms_while_old_store_port_is_in_time_wait_or_taken(ray_sessi
     import socket
 
     cfg = make_cfg(tmp_path, "cluster.num_spares=0", "checkpoint.interval=0")
-    first = MegatronActorGroup(cfg)
+    first = ActorGroup(cfg)
     try:
         Trainer(cfg, first).train(1)
         old_port = first.store_port
@@ -105,7 +105,7 @@ def test_new_group_forms_while_old_store_port_is_in_time_wait_or_taken(ray_sessi
     try:
         squatter.bind(("", old_port))  # another program now listens on the old port
         squatter.listen()
-        second = MegatronActorGroup(cfg)
+        second = ActorGroup(cfg)
         try:
             trainer = Trainer(cfg, second)
             trainer.train(2)
@@ -275,16 +275,16 @@ def test_the_torch_engine_leaves_a_collective_that_gloo_does_not_free(tmp_path):
 
 
 def test_a_survivor_still_in_a_collective_after_the_abort_is_replaced(ray_session, tmp_path):
-    """`_abort_and_kill` names a survivor whose abort reports its compute thread still inside a
-    collective (the gloo case above), so recovery replaces it instead of waiting for its step."""
-    from fault_tolerance import _abort_and_kill
-
-    group = MegatronActorGroup(make_cfg(tmp_path, "cluster.num_spares=0", "fault_tolerance.health_timeout_s=1"))
+    """The abort round (`HealthMonitor.abort_survivors`) names a survivor whose abort reports its
+    compute thread still inside a collective (the gloo case above), so recovery replaces it
+    instead of waiting for its step."""
+    group = ActorGroup(make_cfg(tmp_path, "cluster.num_spares=0", "fault_tolerance.health_timeout_s=1"))
     try:
         Trainer(group.cfg, group).train(1)
         stuck = group.workers[1].handle
         ray.get(stuck.__ray_call__.remote(lambda self: setattr(self.engine, "in_collective", True)))
-        assert _abort_and_kill(group, set()) == {1}
+        assert group.health.abort_survivors(set()) == {1}
+        group.kill({1}, injected=False)
         # ray.kill is asynchronous: a ping sent just after it may still be served
         deadline, killed = time.monotonic() + 30, False
         while not killed and time.monotonic() < deadline:

@@ -6,7 +6,7 @@ import ray
 
 from conftest import SECRET
 from config import load_config, resolve
-from megatron_actor import MegatronActorGroup
+from actor_group import ActorGroup
 from trainer import Trainer
 
 
@@ -17,7 +17,7 @@ def test_credentials_never_logged(ray_session, tmp_path, s3_server, caplog):
         f"checkpoint.uri={s3_server.uri(tmp_path.name)}",
         "chaos.events=[{step: 2, rank: 1, kind: kill, point: step_start}]",
         "fault_tolerance.restore=checkpoint"]), num_gpus=0)
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(3)               # saves and loads through S3 with the secret in the env
