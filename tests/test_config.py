@@ -132,7 +132,10 @@ def test_config_yaml_sets_every_field_to_its_default_with_a_comment():
     """config.yaml is the defaults, written out: every field, no unknown key, each key commented
     (beside it, or on the comment lines right above it)."""
     text = config.REFERENCE.parent.parent.joinpath("config.yaml").read_text()
-    assert yaml.safe_load(text) == Config().to_dict()
+    data, defaults = yaml.safe_load(text), Config().to_dict()
+    assert data.keys() == defaults.keys()
+    for key, value in defaults.items():
+        assert data[key] == value, f"config.yaml {key}: set it to the defaults of config.py"
     section, above, uncommented = "", False, []
     for line in text.splitlines():
         body, hash_, _ = line.partition("#")
