@@ -147,7 +147,8 @@ class RLConfig:
     """On-policy RL on the policy's own samples (rollout -> reward -> advantages -> PPO)."""
 
     enabled: bool = False
-    """true: every train step is an RL step; false: supervised steps on synthetic data."""
+    """true: every train step is an RL step; false: the PPO loss on synthetic batches (random
+    tokens and advantages, a pure function of train.seed and the step)."""
     task: str = "reverse"
     """Registered task: copy, reverse, add (digit strings), or a name given to
     rl.register_task."""
@@ -239,8 +240,8 @@ class FaultToleranceConfig:
     or at its first collective, inside the first step (false: unused groups cost nothing)."""
     nccl_split_share: bool = False
     """GPU: Megatron's groups share the NCCL resources of the default group
-    (NCCL_COMM_SPLIT_SHARE_RESOURCES=1), so a survivor aborts fewer communicators; collectives
-    of different groups may then serialize."""
+    (NCCL_COMM_SPLIT_SHARE_RESOURCES=1): aborting a survivor's communicators is faster;
+    collectives of different groups may then serialize."""
 
 
 @dataclass
