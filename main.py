@@ -73,7 +73,8 @@ def placement_plan(cfg: Config) -> list[dict]:
         gpu = [local // per_gpu] if c.device == "cuda" else []
         slots.append(ActorSlot(None, f"node{node}", f"node{node}", gpu, i))
     workers, spares = assign_roles(slots, c.num_workers)
-    rows = [{"role": "rank", "rank": r, **dataclasses.asdict(ParallelDims.from_config(cfg).coords(r)), "slot": s}
+    dims = ParallelDims.from_config(cfg)
+    rows = [{"role": "rank", "rank": r, **dataclasses.asdict(dims.coords(r)), "slot": s}
             for r, s in enumerate(workers)]
     return rows + [{"role": "spare", "slot": s} for s in spares]
 
