@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from checkpoint import CheckpointError, CheckpointManager
-from config import Config, ConfigError
+from config import Config, ConfigError, require
 from dispatch import dispatch_remote, get_dispatch_type
 from failures import slowest
 from health import HealthMonitor
@@ -169,17 +169,15 @@ def preflight(cfg: Config, resources: dict) -> None:
     need = {"CPU": n * c.cpus_per_actor}
     if c.device == "cuda":
         need["GPU"] = n * c.gpus_per_actor
-        if c.num_workers > resources.get("GPU", 0.0) + 1e-9:
-            raise ConfigError(f"cluster.num_workers: {c.num_workers} ranks on {resources.get('GPU', 0.0):g} GPUs "
-                              f"would put two ranks of the process group on one GPU; lower cluster.num_workers "
-                              f"(and the parallel sizes) or add GPUs")
+        require(c.num_workers <= resources.get("GPU", 0.0) + 1e-9, "cluster.num_workers",
+                f"{c.num_workers} ranks on {resources.get('GPU', 0.0):g} GPUs would put two ranks of the "
+                f"process group on one GPU; lower cluster.num_workers (and the parallel sizes) or add GPUs")
     for res, amount in need.items():
         have = resources.get(res, 0.0)
-        if amount > have + 1e-9:
-            raise ConfigError(f"cluster.num_workers: {c.num_workers} workers + {c.num_spares} spares need "
-                              f"{amount:g} {res} ({'cpus' if res == 'CPU' else 'gpus'}_per_actor each) but the "
-                              f"cluster has {have:g} {res}; lower cluster.num_spares / "
-                              f"cluster.{res.lower()}s_per_actor or add nodes")
+        require(amount <= have + 1e-9, "cluster.num_workers",
+                f"{c.num_workers} workers + {c.num_spares} spares need {amount:g} {res} "
+                f"({'cpus' if res == 'CPU' else 'gpus'}_per_actor each) but the cluster has {have:g} "
+                f"{res}; lower cluster.num_spares / cluster.{res.lower()}s_per_actor or add nodes")
     try:
         CheckpointManager.from_config(cfg.checkpoint).check_writable()
     except CheckpointError as e:

@@ -28,6 +28,9 @@ Failure cases
     the client's own timeouts (S3: ``config_kwargs`` connect/read timeouts in storage_options;
     gcsfs retries a refused connection internally for about 30 s).
 
+A run's manifests record its ``model_signature``; ``check_compatible`` refuses a checkpoint of
+another model (or a layout the torch engine cannot load) with a ConfigError naming both sides.
+
 Remote shards are written by DCP into a private local staging directory (``tempfile``, honours
 ``TMPDIR``), hashed there, then uploaded with fsspec ``put`` (concurrent files; s3fs multipart).
 Loads download into staging, check the hashes, then read. Local URIs are written and read in place.
@@ -61,6 +64,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.utils.serialization
 from torch.distributed.checkpoint.metadata import StorageMeta
+
+from config import CheckpointConfig, Config, ConfigError
 
 logger = logging.getLogger(__name__)
 # DCP warns on every no_dist call that it "assumes a single process": that is the intent here.
@@ -119,10 +124,6 @@ class CheckpointManager:
             start later than this many seconds after its first attempt.
     """
 
-    @classmethod
-    def from_config(cls, k):
-        return cls(k.uri, k.keep_last, retry_budget_s=k.retry_budget_s)
-
     def __init__(
         self,
         uri: str,
@@ -145,6 +146,11 @@ class CheckpointManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._pending_what = ""
+
+    @classmethod
+    def from_config(cls, k: CheckpointConfig) -> CheckpointManager:
+        """The manager of a run's `checkpoint.*` settings (driver and actors build the same one)."""
+        return cls(k.uri, k.keep_last, retry_budget_s=k.retry_budget_s)
 
     def __repr__(self) -> str:  # no storage_options: they may hold credentials
         return f"CheckpointManager({self.uri!r}, keep_last={self.keep_last})"
@@ -500,6 +506,32 @@ class CheckpointManager:
 
 
 # -------------------------------------------------------------------- module helpers
+def model_signature(cfg: Config) -> dict:
+    """What a checkpoint must match to be loaded into this run's model (recorded in manifests)."""
+    m = cfg.model
+    return {"engine": m.engine, "hf_path": m.hf_path, "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
+            "ffn_hidden_size": m.ffn_hidden_size,
+            **({"rl": {"value_head": cfg.rl.advantage == "gae", "reference": cfg.rl.kl_coef > 0}}
+               if cfg.rl.enabled else {})}
+
+
+def check_compatible(cfg: Config, manifest: Manifest) -> None:
+    """Raise ConfigError naming both sides when `manifest` (a committed checkpoint) was written by
+    another model or a layout this engine cannot load."""
+    saved = manifest.extra.get("model")
+    ours = model_signature(cfg)
+    if saved is not None and saved != ours:
+        diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+        raise ConfigError(f"model: checkpoint step {manifest.step} was written by another model "
+                          f"(field: checkpoint value vs this run: {diff}); point checkpoint.uri elsewhere "
+                          f"or use the model it was written with")
+    layout = manifest.layout
+    if ours["engine"] == "torch" and any(layout.get(k, 1) != 1 for k in ("tp", "pp", "cp")):
+        raise ConfigError(f"parallel: checkpoint step {manifest.step} has layout {layout}; the torch "
+                          f"engine loads data-parallel checkpoints only (tp=pp=cp=1)")
+
+
 def _step_dir(step: int) -> str:
     return f"step_{int(step):08d}"
 
@@ -663,29 +695,3 @@ def _is_transient(exc: BaseException) -> bool:
         code = getattr(exc, "code", None)
         return code is None or code == 429 or (isinstance(code, int) and code >= 500)
     return False
-
-
-def model_signature(cfg: Config) -> dict:
-    """What a checkpoint must match to be loaded into this run's model (recorded in manifests)."""
-    m = cfg.model
-    return {"engine": m.engine, "hf_path": m.hf_path, "vocab_size": m.vocab_size,
-            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
-            "ffn_hidden_size": m.ffn_hidden_size,
-            **({"rl": {"value_head": cfg.rl.advantage == "gae", "reference": cfg.rl.kl_coef > 0}}
-               if cfg.rl.enabled else {})}
-
-
-def check_compatible(cfg: Config, manifest) -> None:
-    """Raise ConfigError naming both sides when `manifest` (a committed checkpoint) was written by
-    another model or a layout this engine cannot load."""
-    saved = manifest.extra.get("model")
-    ours = model_signature(cfg)
-    if saved is not None and saved != ours:
-        diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
-        raise __import__("config").ConfigError(f"model: checkpoint step {manifest.step} was written by another model "
-                          f"(field: checkpoint value vs this run: {diff}); point checkpoint.uri elsewhere "
-                          f"or use the model it was written with")
-    layout = manifest.layout
-    if ours["engine"] == "torch" and any(layout.get(k, 1) != 1 for k in ("tp", "pp", "cp")):
-        raise __import__("config").ConfigError(f"parallel: checkpoint step {manifest.step} has layout {layout}; the torch "
-                          f"engine loads data-parallel checkpoints only (tp=pp=cp=1)")

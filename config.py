@@ -1,23 +1,27 @@
 """Typed configuration: one dataclass tree, loaded from YAML, overridden with `--set a.b=value`,
 and validated before Ray starts.
 
+Every field is documented by the string right under it; `python config.py` writes those
+docstrings as the reference docs/configuration.md (tests/test_config.py checks it is current).
 Every invalid value raises `ConfigError` whose message names the field (`train.micro_batch_size`)
 and says how to fix it. `resolve()` turns `auto` values into concrete ones (device, engine,
-dtype) from what this machine has.
+dtype) from what this machine has. This module imports no other module of the project.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import inspect
 import math
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
-
-from parallel_dims import ParallelDims
 
 
 class ConfigError(ValueError):
@@ -26,112 +30,241 @@ class ConfigError(ValueError):
 
 @dataclass
 class ClusterConfig:
+    """Where the actors run: Ray nodes and GPUs, training ranks and spares."""
+
     num_nodes: int = 1
+    """Ray nodes the placement group spreads over (> 1: SPREAD strategy, else PACK); >= 1."""
     gpus_per_node: int = 0
+    """GPUs per node (0 on CPU machines, or to use the GPUs of a local Ray); when set,
+    `gpus_per_actor: auto` and `--dry-run` plan for gpus_per_node x num_nodes GPUs; >= 0."""
     num_workers: int = 4
+    """Ranks in training = tp * pp * cp * dp: a multiple of parallel.tp * parallel.pp *
+    parallel.cp; >= 1."""
     num_spares: int = 4
+    """Pre-warmed backup actors (model built, in no process group) that replace failed ranks;
+    >= 0."""
     cpus_per_actor: float = 0.25
+    """Logical CPUs per actor (fractions allowed; Ray schedules by these); > 0."""
     gpus_per_actor: float | str = "auto"
-    device: str = "auto"
-    ray_address: typing.Optional[str] = None
-    ray_num_cpus: typing.Optional[int] = None
+    """GPUs per actor, in (0, 1], or auto; < 1 lets a spare share a GPU with a worker (ranks
+    never share one); auto: 1, or 1/k when the GPUs (gpus_per_node x num_nodes, else those of a
+    local Ray) are fewer than the actors."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device and collective backend: cuda + NCCL or cpu + gloo (auto: cuda when GPUs are
+    visible, else cpu)."""
+    ray_address: str | None = None
+    """null: start a local Ray; "auto" or ray://...: join a running cluster."""
+    ray_num_cpus: int | None = None
+    """Logical CPUs of a local Ray (null: enough for every actor)."""
 
 
 @dataclass
 class ParallelConfig:
+    """Model-parallel sizes; the data-parallel size is dp = cluster.num_workers / (tp * pp * cp)."""
+
     tp: int = 1
+    """Tensor-parallel size; >= 1."""
     pp: int = 1
+    """Pipeline-parallel size; >= 1."""
     cp: int = 1
+    """Context-parallel size; >= 1 (1 with rl.enabled: generation does not split sequences)."""
 
 
 @dataclass
 class ModelConfig:
-    engine: str = "auto"
-    hf_path: typing.Optional[str] = None
+    """The model: a GPT of the sizes below, or a local Hugging Face model (hf_path)."""
+
+    engine: Literal["auto", "torch", "megatron"] = "auto"
+    """Training engine: torch (data-parallel only: parallel.tp = pp = cp = 1) or megatron
+    (Megatron-Core, GPUs only); auto: megatron on cuda, torch on cpu."""
+    hf_path: str | None = None
+    """Local Hugging Face model directory (with config.json) to load; null: build the model
+    from the sizes below. Nothing is downloaded at run time."""
     vocab_size: int = 128
+    """Tokens in the vocabulary (megatron pads it to a multiple of 128); at most those of
+    hf_path's model, at least those of the RL task; >= 1."""
     hidden_size: int = 64
+    """Model width; divisible by num_heads; >= 1."""
     num_layers: int = 2
+    """Transformer layers (megatron: divisible by parallel.pp); >= 1."""
     num_heads: int = 4
+    """Attention heads (megatron: divisible by parallel.tp); >= 1."""
     ffn_hidden_size: int = 128
+    """MLP width (megatron: divisible by parallel.tp); >= 1."""
     max_seq_len: int = 64
-    dtype: str = "auto"
+    """Longest sequence the model accepts, in tokens; >= train.seq_len."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter and compute dtype (auto: bfloat16 on cuda, float32 on cpu)."""
     distributed_optimizer: bool = True
+    """megatron: shard the fp32 main params and Adam state over DP (a lost shard is then on no
+    DP peer: restore uses memory snapshots or checkpoints)."""
 
 
 @dataclass
 class TrainConfig:
+    """Steps, batch sizes (in sequences) and the AdamW optimizer."""
+
     steps: int = 4
+    """Train steps (one rollout batch each); >= 1."""
     global_batch_size: int = 16
+    """Sequences per step, over all DP replicas; a multiple of mini_batch_size."""
     mini_batch_size: int = 8
+    """Sequences per optimizer step, over all DP replicas (global_batch_size / mini_batch_size
+    updates per step); a multiple of dp."""
     micro_batch_size: int = 2
+    """Sequences per forward/backward on one rank (gradient accumulation); divides
+    mini_batch_size / dp."""
     seq_len: int = 32
+    """Tokens per sequence, in [2, model.max_seq_len] (megatron with cp > 1: a multiple of
+    2 * parallel.cp)."""
     lr: float = 1e-3
+    """AdamW learning rate, cosine decay over all updates; > 0."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 1.0
+    """Max gradient norm (0: no clipping); >= 0."""
     seed: int = 1234
+    """Seed of the model init and the data order; data = f(seed, step, dp rank)."""
 
 
 @dataclass
 class PPOConfig:
+    """The clipped PPO policy loss."""
+
     eps_clip_low: float = 0.2
+    """The ratio is clipped below at 1 - eps_clip_low; in (0, 1)."""
     eps_clip_high: float = 0.28
+    """The ratio is clipped above at 1 + eps_clip_high (DAPO clip-higher); in (0, 1)."""
     clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
+    """Dual-clip bound for negative advantages; > 1."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How token losses reduce to one number: the mean over all tokens, or per sequence the sum
+    (or mean) over its tokens, then the mean over sequences."""
 
 
 @dataclass
 class RLConfig:
+    """On-policy RL on the policy's own samples (rollout -> reward -> advantages -> PPO)."""
+
     enabled: bool = False
+    """true: every train step is an RL step; false: the PPO loss on synthetic batches (random
+    tokens and advantages, a pure function of train.seed and the step)."""
     task: str = "reverse"
+    """Registered task: copy, reverse, add (digit strings), or a name given to
+    rl.register_task."""
     task_args: dict = field(default_factory=dict)
-    task_module: typing.Optional[str] = None
+    """Keyword arguments of the task, e.g. {digits: 3, partial: true}."""
+    task_module: str | None = None
+    """Python module imported before the task is looked up (where your register_task calls
+    are)."""
     group_size: int = 4
+    """Samples per prompt (train.global_batch_size / group_size prompts per step); divides
+    train.global_batch_size; >= 2 for grpo."""
     max_new_tokens: int = 8
+    """Longest completion in tokens, <eos> included; the task's longest prompt + this <=
+    train.seq_len."""
     temperature: float = 1.0
+    """Sampling temperature (also divides the logits of the PPO log-probs); > 0."""
     top_p: float = 1.0
-    advantage: str = "grpo"
+    """Nucleus sampling mass, in (0, 1] (1: plain sampling)."""
+    advantage: Literal["grpo", "gae"] = "grpo"
+    """grpo: group-normalised outcome reward; gae: a value head and GAE."""
     norm_std: bool = True
+    """grpo: divide by the group's reward std (false: Dr. GRPO, mean-centred only)."""
     gamma: float = 1.0
+    """gae: discount, in [0, 1]."""
     lam: float = 0.95
+    """gae: lambda, in [0, 1]."""
     value_coef: float = 0.5
+    """gae: weight of the clipped value loss; > 0."""
     value_clip: float = 0.2
+    """gae: value clip range around the rollout values (0: no clipping); >= 0."""
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    """Weight of the KL penalty to the frozen initial policy in the loss (0: none, no
+    reference model); >= 0."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """Per-token KL estimator (Schulman 2020): k1 = -log ratio, k3 = ratio - log ratio - 1."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (0: none); >= 0."""
 
 
 @dataclass
 class CheckpointConfig:
+    """Sharded checkpoints on a local disk, S3 or GCS."""
+
     uri: str = "runs/demo/checkpoints"
+    """Local path, file://, s3://bucket/prefix or gs://bucket/prefix."""
     interval: int = 2
+    """Save every N committed steps (0: never); >= 0."""
     keep_last: int = 2
+    """Committed checkpoints kept; older ones are deleted after a newer commit; >= 1."""
     async_save: bool = False
+    """Snapshot to host memory and write in the background."""
     retry_budget_s: float = 60.0
+    """Seconds transient storage errors are retried with backoff; then the save is skipped with
+    a warning (training goes on, the previous checkpoint stays); > 0."""
 
 
 @dataclass
 class FaultToleranceConfig:
+    """Failure detection, recovery and where a replacement's state comes from."""
+
     health_interval_s: float = 0.5
+    """How often a waiting driver polls the progress counters, in seconds; > 0."""
     health_timeout_s: float = 5.0
+    """Seconds within which an actor must answer a control ping, else it is dead; > 0."""
     step_timeout_s: float = 120.0
+    """Step deadline before the first step, and its upper bound, in seconds; > 0."""
     min_step_timeout_s: float = 10.0
+    """Lower bound of the step deadline, in seconds; in (0, step_timeout_s]."""
     rendezvous_timeout_s: float = 60.0
+    """Seconds within which a new process-group generation must form; > 0."""
     hang_factor: float = 5.0
-    restore: str = "auto"
-    min_dp: typing.Optional[int] = None
+    """Step deadline = hang_factor x median step time, within the bounds, extended while the
+    progress counters move (slow is not dead); >= 1."""
+    restore: Literal["auto", "peer", "memory", "checkpoint"] = "auto"
+    """Where a replacement's state comes from: a DP peer, in-memory snapshots (needs
+    memory_snapshot_interval >= 1) or the newest committed checkpoint; auto: the cheapest that
+    has it, in that order."""
+    min_dp: int | None = None
+    """With no spare left, shrink DP down to this, in [1, dp] (null: stop with a report)."""
     refill_spares: bool = True
+    """Start new spares on freed bundles in the background."""
     memory_snapshot_interval: int = 0
+    """Every k committed steps each rank sends a host-memory copy of its model + optimizer
+    shard to a holder actor on another node (async), which restores a whole lost DP replica or
+    distributed-optimizer shards with no step lost (0: off); >= 0. Costs host RAM: 2 copies of
+    the state."""
     nccl_eager_init: bool = True
+    """GPU: every NCCL communicator of a new generation is built when its group is made (true),
+    or at its first collective, inside the first step (false: unused groups cost nothing)."""
     nccl_split_share: bool = False
+    """GPU: Megatron's groups share the NCCL resources of the default group
+    (NCCL_COMM_SPLIT_SHARE_RESOURCES=1): aborting a survivor's communicators is faster;
+    collectives of different groups may then serialize."""
 
 
 @dataclass
 class ChaosConfig:
+    """Fault injection."""
+
     events: list = field(default_factory=list)
+    """Events, each fired once: {step: int >= 1, rank: in [0, cluster.num_workers), kind,
+    point}. kind: kill (SIGKILL), exception, hang (compute thread), slow (+1 s per micro-batch:
+    alive, must not be replaced), node (every actor on the rank's node is killed; no point).
+    point: step_start, before_allreduce, inside_allreduce, after_optimizer_step, during_save,
+    mid_save, during_recovery."""
 
 
 @dataclass
 class Config:
+    """Every knob of a run, one section each. config.yaml lists them all with their defaults;
+    override any with `--set section.key=value` (the value is parsed as YAML). Invalid values
+    stop the run before Ray starts with one line naming the field, e.g. `config error:
+    train.micro_batch_size: the per-replica mini-batch 2 (train.mini_batch_size / dp) is not a
+    multiple of 4`. `--dry-run` prints the resolved config and the planned placement without
+    starting anything (for a GPU layout on a laptop, set cluster.gpus_per_node)."""
+
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -142,35 +275,21 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     run_dir: str = "runs/demo"
-
-    def checkpoint_manager(self):
-        """The CheckpointManager of `checkpoint.*` (driver and actors build the same one)."""
-        from checkpoint import CheckpointManager
-        k = self.checkpoint
-        return CheckpointManager(k.uri, k.keep_last, retry_budget_s=k.retry_budget_s)
-
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims.from_world(self.cluster.num_workers, self.parallel.tp,
-                                       self.parallel.pp, self.parallel.cp)
+    """Directory of the run's outputs: the recovery timeline (recoveries.jsonl), loss.png,
+    recoveries.png, demo.json."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "cluster.device": ("auto", "cpu", "cuda"),
-    "model.engine": ("auto", "torch", "megatron"),
-    "model.dtype": ("auto", "float32", "bfloat16"),
-    "ppo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "fault_tolerance.restore": ("auto", "peer", "memory", "checkpoint"),
-    "rl.advantage": ("grpo", "gae"),
-    "rl.kl_estimator": ("k1", "k3"),
-}
-
-
 def _check_type(value, hint, name: str):
-    """Return `value` converted to `hint` (int -> float allowed) or raise ConfigError."""
+    """Return `value` converted to `hint` (int -> float allowed; a `Literal` admits its values
+    only) or raise ConfigError."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} is not one of {list(choices)}")
+        return value
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None:
             return None
@@ -242,124 +361,108 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return cfg
 
 
-def _require(cond: bool, field_name: str, message: str) -> None:
+def require(cond: bool, field_name: str, message: str) -> None:
+    """Raise ConfigError "`field_name`: `message`" unless `cond`."""
     if not cond:
         raise ConfigError(f"{field_name}: {message}")
 
 
 def validate(cfg: Config) -> None:
     """Semantic checks across fields; raises ConfigError naming the field and the fix."""
-    for name, choices in CHOICES.items():
-        section, key = name.split(".")
-        value = getattr(getattr(cfg, section), key)
-        _require(value in choices, name, f"{value!r} is not one of {list(choices)}")
     c, t, m = cfg.cluster, cfg.train, cfg.model
-    _require(c.num_workers >= 1, "cluster.num_workers", "must be >= 1")
-    _require(c.num_spares >= 0, "cluster.num_spares", "must be >= 0")
-    _require(c.num_nodes >= 1, "cluster.num_nodes", "must be >= 1")
-    _require(c.gpus_per_node >= 0, "cluster.gpus_per_node", "must be >= 0")
-    _require(c.cpus_per_actor > 0, "cluster.cpus_per_actor", "must be > 0 (fractions allowed)")
-    _require(c.gpus_per_actor == "auto" or isinstance(c.gpus_per_actor, float) and 0 < c.gpus_per_actor <= 1,
-             "cluster.gpus_per_actor", "must be auto or in (0, 1]; use a fraction such as 0.5 to let a spare share a GPU")
+    require(c.num_workers >= 1, "cluster.num_workers", "must be >= 1")
+    require(c.num_spares >= 0, "cluster.num_spares", "must be >= 0")
+    require(c.num_nodes >= 1, "cluster.num_nodes", "must be >= 1")
+    require(c.gpus_per_node >= 0, "cluster.gpus_per_node", "must be >= 0")
+    require(c.cpus_per_actor > 0, "cluster.cpus_per_actor", "must be > 0 (fractions allowed)")
+    require(c.gpus_per_actor == "auto" or isinstance(c.gpus_per_actor, float) and 0 < c.gpus_per_actor <= 1,
+            "cluster.gpus_per_actor", "must be auto or in (0, 1]; use a fraction such as 0.5 to let a spare share a GPU")
     for name in ("tp", "pp", "cp"):
-        _require(getattr(cfg.parallel, name) >= 1, f"parallel.{name}", "must be >= 1")
-    try:
-        dims = cfg.dims
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        require(getattr(cfg.parallel, name) >= 1, f"parallel.{name}", "must be >= 1")
+    p = cfg.parallel
+    model_parallel = p.tp * p.pp * p.cp
+    if c.num_workers % model_parallel:  # the text of ParallelDims.from_world's ValueError
+        raise ConfigError(f"cluster.num_workers={c.num_workers} is not a multiple of "
+                          f"parallel.tp * parallel.pp * parallel.cp = {p.tp} * {p.pp} * {p.cp} = "
+                          f"{model_parallel}; change cluster.num_workers or the parallel sizes")
+    dp = c.num_workers // model_parallel
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "max_seq_len"):
-        _require(getattr(m, name) >= 1, f"model.{name}", "must be >= 1")
-    _require(m.hidden_size % m.num_heads == 0, "model.hidden_size",
-             f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    _require(m.hf_path is None or Path(m.hf_path).is_dir(), "model.hf_path",
-             f"{m.hf_path!r} is not a local directory (no hub downloads at run time)")
+        require(getattr(m, name) >= 1, f"model.{name}", "must be >= 1")
+    require(m.hidden_size % m.num_heads == 0, "model.hidden_size",
+            f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    require(m.hf_path is None or Path(m.hf_path).is_dir(), "model.hf_path",
+            f"{m.hf_path!r} is not a local directory (no hub downloads at run time)")
     if m.hf_path is not None:
         _validate_hf_path(m)
-    _require(t.steps >= 1, "train.steps", "must be >= 1")
-    _require(2 <= t.seq_len <= m.max_seq_len, "train.seq_len",
-             f"must be in [2, model.max_seq_len={m.max_seq_len}]")
+    require(t.steps >= 1, "train.steps", "must be >= 1")
+    require(2 <= t.seq_len <= m.max_seq_len, "train.seq_len",
+            f"must be in [2, model.max_seq_len={m.max_seq_len}]")
     for name in ("global_batch_size", "mini_batch_size", "micro_batch_size"):
-        _require(getattr(t, name) >= 1, f"train.{name}", "must be >= 1")
-    _require(t.global_batch_size % t.mini_batch_size == 0, "train.global_batch_size",
-             f"{t.global_batch_size} is not a multiple of train.mini_batch_size={t.mini_batch_size}")
-    _require(t.mini_batch_size % dims.dp == 0, "train.mini_batch_size",
-             f"{t.mini_batch_size} is not a multiple of the data-parallel size dp={dims.dp}")
-    _require((t.mini_batch_size // dims.dp) % t.micro_batch_size == 0, "train.micro_batch_size",
-             f"the per-replica mini-batch {t.mini_batch_size // dims.dp} "
-             f"(train.mini_batch_size / dp) is not a multiple of {t.micro_batch_size}")
-    _require(t.lr > 0, "train.lr", "must be > 0")
-    _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
-    p = cfg.ppo
-    _require(0 < p.eps_clip_low < 1, "ppo.eps_clip_low", "must be in (0, 1)")
-    _require(0 < p.eps_clip_high < 1, "ppo.eps_clip_high", "must be in (0, 1)")
-    _require(p.clip_ratio_c > 1, "ppo.clip_ratio_c", "must be > 1 (dual-clip bound, e.g. 3.0)")
+        require(getattr(t, name) >= 1, f"train.{name}", "must be >= 1")
+    require(t.global_batch_size % t.mini_batch_size == 0, "train.global_batch_size",
+            f"{t.global_batch_size} is not a multiple of train.mini_batch_size={t.mini_batch_size}")
+    require(t.mini_batch_size % dp == 0, "train.mini_batch_size",
+            f"{t.mini_batch_size} is not a multiple of the data-parallel size dp={dp}")
+    require((t.mini_batch_size // dp) % t.micro_batch_size == 0, "train.micro_batch_size",
+            f"the per-replica mini-batch {t.mini_batch_size // dp} "
+            f"(train.mini_batch_size / dp) is not a multiple of {t.micro_batch_size}")
+    require(t.lr > 0, "train.lr", "must be > 0")
+    require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    o = cfg.ppo
+    require(0 < o.eps_clip_low < 1, "ppo.eps_clip_low", "must be in (0, 1)")
+    require(0 < o.eps_clip_high < 1, "ppo.eps_clip_high", "must be in (0, 1)")
+    require(o.clip_ratio_c > 1, "ppo.clip_ratio_c", "must be > 1 (dual-clip bound, e.g. 3.0)")
     if cfg.rl.enabled:
         _validate_rl(cfg)
     k = cfg.checkpoint
-    _require(bool(k.uri), "checkpoint.uri", "must be a path, file://, s3:// or gs:// URI")
-    _require(k.interval >= 0, "checkpoint.interval", "must be >= 0 (0 disables checkpoints)")
-    _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-    _require(k.retry_budget_s > 0, "checkpoint.retry_budget_s", "must be > 0 seconds")
+    require(bool(k.uri), "checkpoint.uri", "must be a path, file://, s3:// or gs:// URI")
+    require(k.interval >= 0, "checkpoint.interval", "must be >= 0 (0 disables checkpoints)")
+    require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    require(k.retry_budget_s > 0, "checkpoint.retry_budget_s", "must be > 0 seconds")
     f = cfg.fault_tolerance
     for name in ("health_interval_s", "health_timeout_s", "step_timeout_s", "min_step_timeout_s",
                  "rendezvous_timeout_s"):
-        _require(getattr(f, name) > 0, f"fault_tolerance.{name}", "must be > 0 seconds")
-    _require(f.min_step_timeout_s <= f.step_timeout_s, "fault_tolerance.min_step_timeout_s",
-             f"must be <= fault_tolerance.step_timeout_s={f.step_timeout_s}")
-    _require(f.hang_factor >= 1, "fault_tolerance.hang_factor", "must be >= 1 (deadline = factor x median step time)")
-    _require(f.min_dp is None or 1 <= f.min_dp <= dims.dp, "fault_tolerance.min_dp",
-             f"must be null (never shrink) or in [1, dp={dims.dp}]")
-    _require(isinstance(f.memory_snapshot_interval, int) and f.memory_snapshot_interval >= 0,
-             "fault_tolerance.memory_snapshot_interval", "must be an integer >= 0 (0: off)")
-    _require(f.restore != "memory" or f.memory_snapshot_interval > 0, "fault_tolerance.restore",
-             "'memory' needs fault_tolerance.memory_snapshot_interval >= 1")
+        require(getattr(f, name) > 0, f"fault_tolerance.{name}", "must be > 0 seconds")
+    require(f.min_step_timeout_s <= f.step_timeout_s, "fault_tolerance.min_step_timeout_s",
+            f"must be <= fault_tolerance.step_timeout_s={f.step_timeout_s}")
+    require(f.hang_factor >= 1, "fault_tolerance.hang_factor", "must be >= 1 (deadline = factor x median step time)")
+    require(f.min_dp is None or 1 <= f.min_dp <= dp, "fault_tolerance.min_dp",
+            f"must be null (never shrink) or in [1, dp={dp}]")
+    require(isinstance(f.memory_snapshot_interval, int) and f.memory_snapshot_interval >= 0,
+            "fault_tolerance.memory_snapshot_interval", "must be an integer >= 0 (0: off)")
+    require(f.restore != "memory" or f.memory_snapshot_interval > 0, "fault_tolerance.restore",
+            "'memory' needs fault_tolerance.memory_snapshot_interval >= 1")
     for i, ev in enumerate(cfg.chaos.events):
         _validate_chaos_event(ev, f"chaos.events[{i}]", c.num_workers)
     if m.engine == "torch":
-        _require(dims.tp == dims.pp == dims.cp == 1, "model.engine",
-                 "the torch engine is data-parallel only; set parallel.tp/pp/cp=1 or model.engine=megatron")
+        require(p.tp == p.pp == p.cp == 1, "model.engine",
+                "the torch engine is data-parallel only; set parallel.tp/pp/cp=1 or model.engine=megatron")
     if m.engine == "megatron":
-        _validate_megatron(cfg, dims)
+        _validate_megatron(cfg)
 
 
 def _validate_rl(cfg: Config) -> None:
-    """RL mode (`rl.enabled`): sampling knobs, the task (built here, so a bad name or argument
-    stops the run before Ray starts), room for prompt + completion in train.seq_len, and no
-    context parallelism (generation runs whole prefixes on every rank)."""
-    r, t, m = cfg.rl, cfg.train, cfg.model
-    _require(cfg.parallel.cp == 1, "parallel.cp",
-             f"{cfg.parallel.cp}: RL rollouts (generation) do not support context parallelism; "
-             "set parallel.cp=1 (use parallel.tp / parallel.pp to split the model) or rl.enabled=false")
-    _require(r.group_size >= 1, "rl.group_size", "must be >= 1")
-    _require(r.advantage != "grpo" or r.group_size >= 2, "rl.group_size",
-             "GRPO normalises rewards within a prompt's group of samples: needs >= 2 samples "
-             "per prompt (or set rl.advantage=gae)")
-    _require(t.global_batch_size % r.group_size == 0, "rl.group_size",
-             f"train.global_batch_size={t.global_batch_size} is not a multiple of {r.group_size}")
-    _require(r.max_new_tokens >= 1, "rl.max_new_tokens", "must be >= 1")
-    _require(r.temperature > 0, "rl.temperature", "must be > 0")
-    _require(0 < r.top_p <= 1, "rl.top_p", "must be in (0, 1]")
-    _require(0 <= r.gamma <= 1, "rl.gamma", "must be in [0, 1]")
-    _require(0 <= r.lam <= 1, "rl.lam", "must be in [0, 1]")
-    _require(r.value_coef > 0, "rl.value_coef", "must be > 0 (weight of the value loss for rl.advantage=gae)")
-    _require(r.value_clip >= 0, "rl.value_clip", "must be >= 0 (0: no value clipping)")
-    _require(r.kl_coef >= 0, "rl.kl_coef", "must be >= 0 (0: no KL penalty, no reference model)")
-    _require(r.entropy_coef >= 0, "rl.entropy_coef", "must be >= 0 (0: no entropy bonus)")
-    from rl import make_task
-    try:
-        task = make_task(r.task, r.task_args, r.task_module)
-    except KeyError as e:
-        raise ConfigError(f"rl.task: {e.args[0]}; register it with rl.register_task or set "
-                          f"rl.task_module to the module that does") from None
-    except ImportError as e:
-        raise ConfigError(f"rl.task_module: cannot import {r.task_module!r}: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"rl.task_args: {e}") from None
-    _require(len(task.tokenizer) <= m.vocab_size, "model.vocab_size",
-             f"{m.vocab_size} is smaller than the {len(task.tokenizer)} tokens of task {r.task!r}")
-    _require(task.max_prompt_len + r.max_new_tokens <= t.seq_len, "train.seq_len",
-             f"{t.seq_len} cannot hold a prompt of up to {task.max_prompt_len} tokens plus "
-             f"rl.max_new_tokens={r.max_new_tokens}; raise train.seq_len or lower rl.max_new_tokens")
+    """RL mode (`rl.enabled`): sampling knobs and no context parallelism (generation runs whole
+    prefixes on every rank). The task itself is checked by `rl.check_task`."""
+    r, t = cfg.rl, cfg.train
+    require(cfg.parallel.cp == 1, "parallel.cp",
+            f"{cfg.parallel.cp}: RL rollouts (generation) do not support context parallelism; "
+            "set parallel.cp=1 (use parallel.tp / parallel.pp to split the model) or rl.enabled=false")
+    require(r.group_size >= 1, "rl.group_size", "must be >= 1")
+    require(r.advantage != "grpo" or r.group_size >= 2, "rl.group_size",
+            "GRPO normalises rewards within a prompt's group of samples: needs >= 2 samples "
+            "per prompt (or set rl.advantage=gae)")
+    require(t.global_batch_size % r.group_size == 0, "rl.group_size",
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of {r.group_size}")
+    require(r.max_new_tokens >= 1, "rl.max_new_tokens", "must be >= 1")
+    require(r.temperature > 0, "rl.temperature", "must be > 0")
+    require(0 < r.top_p <= 1, "rl.top_p", "must be in (0, 1]")
+    require(0 <= r.gamma <= 1, "rl.gamma", "must be in [0, 1]")
+    require(0 <= r.lam <= 1, "rl.lam", "must be in [0, 1]")
+    require(r.value_coef > 0, "rl.value_coef", "must be > 0 (weight of the value loss for rl.advantage=gae)")
+    require(r.value_clip >= 0, "rl.value_clip", "must be >= 0 (0: no value clipping)")
+    require(r.kl_coef >= 0, "rl.kl_coef", "must be >= 0 (0: no KL penalty, no reference model)")
+    require(r.entropy_coef >= 0, "rl.entropy_coef", "must be >= 0 (0: no entropy bonus)")
 
 
 def _validate_hf_path(m: ModelConfig) -> None:
@@ -369,32 +472,32 @@ def _validate_hf_path(m: ModelConfig) -> None:
     import json
 
     path = Path(m.hf_path) / "config.json"
-    _require(path.is_file(), "model.hf_path",
-             f"{m.hf_path!r} has no config.json (not a Hugging Face model directory)")
+    require(path.is_file(), "model.hf_path",
+            f"{m.hf_path!r} has no config.json (not a Hugging Face model directory)")
     try:
         hf_vocab = json.loads(path.read_text()).get("vocab_size")
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.hf_path: cannot read {str(path)!r}: {e}") from None
-    _require(not isinstance(hf_vocab, int) or m.vocab_size <= hf_vocab, "model.vocab_size",
-             f"{m.vocab_size} is larger than the {hf_vocab} tokens of model.hf_path "
-             f"(token ids must exist in its embedding; set model.vocab_size <= {hf_vocab})")
+    require(not isinstance(hf_vocab, int) or m.vocab_size <= hf_vocab, "model.vocab_size",
+            f"{m.vocab_size} is larger than the {hf_vocab} tokens of model.hf_path "
+            f"(token ids must exist in its embedding; set model.vocab_size <= {hf_vocab})")
 
 
-def _validate_megatron(cfg: Config, dims: ParallelDims) -> None:
+def _validate_megatron(cfg: Config) -> None:
     """Sizes Megatron-Core can shard: layers over pp, heads / ffn / padded vocab over tp,
     the sequence over 2 * cp load-balanced chunks."""
-    m, t = cfg.model, cfg.train
-    _require(m.num_layers % dims.pp == 0, "model.num_layers",
-             f"{m.num_layers} is not divisible by parallel.pp={dims.pp}")
-    _require(m.num_heads % dims.tp == 0, "model.num_heads",
-             f"{m.num_heads} is not divisible by parallel.tp={dims.tp}")
-    _require(m.ffn_hidden_size % dims.tp == 0, "model.ffn_hidden_size",
-             f"{m.ffn_hidden_size} is not divisible by parallel.tp={dims.tp}")
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    require(m.num_layers % p.pp == 0, "model.num_layers",
+            f"{m.num_layers} is not divisible by parallel.pp={p.pp}")
+    require(m.num_heads % p.tp == 0, "model.num_heads",
+            f"{m.num_heads} is not divisible by parallel.tp={p.tp}")
+    require(m.ffn_hidden_size % p.tp == 0, "model.ffn_hidden_size",
+            f"{m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
     padded = -(-m.vocab_size // 128) * 128  # megatron_engine.padded_vocab_size
-    _require(padded % dims.tp == 0, "parallel.tp",
-             f"the vocabulary padded to a multiple of 128 ({padded}) is not divisible by tp={dims.tp}")
-    _require(dims.cp == 1 or t.seq_len % (2 * dims.cp) == 0, "train.seq_len",
-             f"{t.seq_len} is not a multiple of 2 * parallel.cp = {2 * dims.cp} (load-balanced context parallelism)")
+    require(padded % p.tp == 0, "parallel.tp",
+            f"the vocabulary padded to a multiple of 128 ({padded}) is not divisible by tp={p.tp}")
+    require(p.cp == 1 or t.seq_len % (2 * p.cp) == 0, "train.seq_len",
+            f"{t.seq_len} is not a multiple of 2 * parallel.cp = {2 * p.cp} (load-balanced context parallelism)")
 
 
 CHAOS_KINDS = ("kill", "exception", "hang", "slow", "node")
@@ -406,67 +509,15 @@ def _validate_chaos_event(ev, name: str, world_size: int) -> None:
     """A chaos event is {step: int >= 1, rank: int, kind: CHAOS_KINDS, point: CHAOS_POINTS}.
     'slow' makes every later micro-batch of that call take 1 s more (alive, progressing: must
     not be declared dead); 'node' kills every actor on the rank's node (no point)."""
-    _require(isinstance(ev, dict) and set(ev) <= {"step", "rank", "kind", "point"}
-             and {"step", "rank", "kind"} <= set(ev), name,
-             "expected a mapping with step, rank, kind and (except kind: node) point")
-    _require(isinstance(ev["step"], int) and ev["step"] >= 1, f"{name}.step", "must be an int >= 1")
-    _require(isinstance(ev["rank"], int) and 0 <= ev["rank"] < world_size, f"{name}.rank",
-             f"must be in [0, cluster.num_workers={world_size})")
-    _require(ev["kind"] in CHAOS_KINDS, f"{name}.kind", f"must be one of {list(CHAOS_KINDS)}")
-    _require(ev["kind"] == "node" or ev.get("point") in CHAOS_POINTS, f"{name}.point",
-             f"must be one of {list(CHAOS_POINTS)}")
-
-
-def model_signature(cfg: Config) -> dict:
-    """What a checkpoint must match to be loaded into this run's model (recorded in manifests)."""
-    m = cfg.model
-    return {"engine": m.engine, "hf_path": m.hf_path, "vocab_size": m.vocab_size,
-            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
-            "ffn_hidden_size": m.ffn_hidden_size,
-            **({"rl": {"value_head": cfg.rl.advantage == "gae", "reference": cfg.rl.kl_coef > 0}}
-               if cfg.rl.enabled else {})}
-
-
-def check_compatible(cfg: Config, manifest) -> None:
-    """Raise ConfigError naming both sides when `manifest` (a committed checkpoint) was written by
-    another model or a layout this engine cannot load."""
-    saved = manifest.extra.get("model")
-    ours = model_signature(cfg)
-    if saved is not None and saved != ours:
-        diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
-        raise ConfigError(f"model: checkpoint step {manifest.step} was written by another model "
-                          f"(field: checkpoint value vs this run: {diff}); point checkpoint.uri elsewhere "
-                          f"or use the model it was written with")
-    layout = manifest.layout
-    if ours["engine"] == "torch" and any(layout.get(k, 1) != 1 for k in ("tp", "pp", "cp")):
-        raise ConfigError(f"parallel: checkpoint step {manifest.step} has layout {layout}; the torch "
-                          f"engine loads data-parallel checkpoints only (tp=pp=cp=1)")
-
-
-def preflight(cfg: Config, resources: dict) -> None:
-    """Checks that need the cluster, run before any actor starts. `resources`: Ray's
-    `cluster_resources()` (logical CPU / GPU totals). Raises ConfigError naming the field when the
-    cluster cannot hold every worker and spare, or the checkpoint URI cannot be written."""
-    from checkpoint import CheckpointError
-
-    c = cfg.cluster
-    n = c.num_workers + c.num_spares
-    need = {"CPU": n * c.cpus_per_actor}
-    if c.device == "cuda":
-        need["GPU"] = n * c.gpus_per_actor
-        _require(c.num_workers <= resources.get("GPU", 0.0) + 1e-9, "cluster.num_workers",
-                 f"{c.num_workers} ranks on {resources.get('GPU', 0.0):g} GPUs would put two ranks of the "
-                 f"process group on one GPU; lower cluster.num_workers (and the parallel sizes) or add GPUs")
-    for res, amount in need.items():
-        have = resources.get(res, 0.0)
-        _require(amount <= have + 1e-9, "cluster.num_workers",
-                 f"{c.num_workers} workers + {c.num_spares} spares need {amount:g} {res} "
-                 f"({'cpus' if res == 'CPU' else 'gpus'}_per_actor each) but the cluster has {have:g} "
-                 f"{res}; lower cluster.num_spares / cluster.{res.lower()}s_per_actor or add nodes")
-    try:
-        cfg.checkpoint_manager().check_writable()
-    except CheckpointError as e:
-        raise ConfigError(f"checkpoint.uri: {e}; check the URI, endpoint and credentials") from None
+    require(isinstance(ev, dict) and set(ev) <= {"step", "rank", "kind", "point"}
+            and {"step", "rank", "kind"} <= set(ev), name,
+            "expected a mapping with step, rank, kind and (except kind: node) point")
+    require(isinstance(ev["step"], int) and ev["step"] >= 1, f"{name}.step", "must be an int >= 1")
+    require(isinstance(ev["rank"], int) and 0 <= ev["rank"] < world_size, f"{name}.rank",
+            f"must be in [0, cluster.num_workers={world_size})")
+    require(ev["kind"] in CHAOS_KINDS, f"{name}.kind", f"must be one of {list(CHAOS_KINDS)}")
+    require(ev["kind"] == "node" or ev.get("point") in CHAOS_POINTS, f"{name}.point",
+            f"must be one of {list(CHAOS_POINTS)}")
 
 
 def gpus_visible() -> int:
@@ -487,13 +538,13 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
                               model=dataclasses.replace(cfg.model))
     if cfg.cluster.device == "auto":
         cfg.cluster.device = "cuda" if num_gpus > 0 else "cpu"
-    _require(cfg.cluster.device == "cpu" or num_gpus > 0, "cluster.device",
-             "cuda was asked for but no GPU is visible; set cluster.device=cpu or auto")
+    require(cfg.cluster.device == "cpu" or num_gpus > 0, "cluster.device",
+            "cuda was asked for but no GPU is visible; set cluster.device=cpu or auto")
     cuda = cfg.cluster.device == "cuda"
     if cfg.model.engine == "auto":
         cfg.model.engine = "megatron" if cuda else "torch"
-    _require(cuda or cfg.model.engine == "torch", "model.engine",
-             "Megatron-Core models need GPUs; set model.engine=torch (or auto) on a CPU machine")
+    require(cuda or cfg.model.engine == "torch", "model.engine",
+            "Megatron-Core models need GPUs; set model.engine=torch (or auto) on a CPU machine")
     if cfg.model.dtype == "auto":
         cfg.model.dtype = "bfloat16" if cuda else "float32"
     c = cfg.cluster
@@ -502,3 +553,63 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
         c.gpus_per_actor = 1.0 / (math.ceil((c.num_workers + c.num_spares) / gpus) if cuda and gpus else 1)
     validate(cfg)
     return cfg
+
+
+# -- the configuration reference ----------------------------------------------------------------
+
+REFERENCE = Path(__file__).resolve().parent / "docs" / "configuration.md"
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: its docstring on one line} of dataclass `cls`: the string literal right
+    under each field's declaration (fields without one are absent)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
+
+
+def _type_text(hint) -> str:
+    """A field's type as the reference writes it: `one of auto, cpu, cuda`, `int or null`."""
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_text(a) for a in typing.get_args(hint))
+    return hint.__name__
+
+
+def _yaml_text(value) -> str:
+    """`value` as YAML's flow style writes it: null, true, {}, 0.001, runs/demo."""
+    return yaml.safe_dump([value], default_flow_style=True).strip()[1:-1]
+
+
+def _field_table(cls: type, prefix: str) -> list[str]:
+    """The reference's table of the non-section fields of dataclass `cls`: key, type, default,
+    meaning (the field's docstring). KeyError names a field without a docstring."""
+    hints, docs, defaults = typing.get_type_hints(cls), field_docs(cls), cls()
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if not dataclasses.is_dataclass(hints[f.name]):
+            rows.append(f"| `{prefix}{f.name}` | {_type_text(hints[f.name])} | "
+                        f"`{_yaml_text(getattr(defaults, f.name))}` | {docs[f.name].replace('|', '/')} |")
+    return rows
+
+
+def reference() -> str:
+    """The text of docs/configuration.md: Config's docstring, then per section its docstring and
+    its fields' table, then the top-level fields' table."""
+    out = ["# Configuration", "",
+           "<!-- Generated by `python config.py` from the field docstrings of config.py; do not edit. -->",
+           "", inspect.cleandoc(Config.__doc__), ""]
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += [f"## `{f.name}`", "", inspect.cleandoc(hints[f.name].__doc__), "",
+                    *_field_table(hints[f.name], f.name + "."), ""]
+    return "\n".join(out + ["## Top level", "", *_field_table(Config, ""), ""])
+
+
+if __name__ == "__main__":  # python config.py: regenerate the reference
+    REFERENCE.parent.mkdir(exist_ok=True)
+    REFERENCE.write_text(reference())
+    print(f"wrote {REFERENCE}")

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from config import Config, ConfigError, load_config, resolve
+from parallel_dims import ParallelDims
 
 log = logging.getLogger("main")
 
@@ -72,7 +73,8 @@ def placement_plan(cfg: Config) -> list[dict]:
         gpu = [local // per_gpu] if c.device == "cuda" else []
         slots.append(ActorSlot(None, f"node{node}", f"node{node}", gpu, i))
     workers, spares = assign_roles(slots, c.num_workers)
-    rows = [{"role": "rank", "rank": r, **dataclasses.asdict(cfg.dims.coords(r)), "slot": s}
+    dims = ParallelDims.from_config(cfg)
+    rows = [{"role": "rank", "rank": r, **dataclasses.asdict(dims.coords(r)), "slot": s}
             for r, s in enumerate(workers)]
     return rows + [{"role": "spare", "slot": s} for s in spares]
 
@@ -83,7 +85,7 @@ def print_dry_run(cfg: Config) -> None:
 
     print("# resolved config")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-    c, d = cfg.cluster, cfg.dims
+    c, d = cfg.cluster, ParallelDims.from_config(cfg)
     print(f"\n# planned placement (from the config, Ray not started): tp={d.tp} cp={d.cp} dp={d.dp} "
           f"pp={d.pp}, {c.num_workers} ranks + {c.num_spares} spares, one placement-group bundle each "
           f"({c.cpus_per_actor} CPU" + (f", {c.gpus_per_actor} GPU)" if c.device == "cuda" else ")"))
@@ -208,7 +210,7 @@ def demo_summary(ref: dict, run: dict, cfg: Config, ok: bool) -> dict:
     diffs = [abs(a - b) for s, a in ref["losses"].items()
              for b in [run["losses"].get(s, math.nan)] + run["replayed"].get(s, [])]
     tl = run["recoveries"][0] if run["recoveries"] else {}
-    d, m = cfg.dims, cfg.model
+    d, m = ParallelDims.from_config(cfg), cfg.model
     return {"device": f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "cpu",
             "date": time.strftime("%Y-%m-%d"),
             "layout": {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp,
@@ -333,12 +335,16 @@ def main(argv=None) -> int:
         raw = load_config(args.config, args.overrides)
         gpus = raw.cluster.gpus_per_node if args.dry_run and raw.cluster.gpus_per_node else None
         cfg = resolve(raw, num_gpus=gpus)
+        if cfg.rl.enabled:
+            from rl import check_task
+            check_task(cfg)
+        dims = ParallelDims.from_config(cfg)
         if args.mode == "demo" and args.kill_ranks:
-            bad = [r for r in args.kill_ranks if not 0 <= r < cfg.dims.world_size]
+            bad = [r for r in args.kill_ranks if not 0 <= r < dims.world_size]
             if bad:
-                raise ConfigError(f"--kill-ranks {bad}: must be in [0, world size={cfg.dims.world_size})")
-        elif args.mode == "demo" and not 0 <= args.kill_replica < cfg.dims.dp:
-            raise ConfigError(f"--kill-replica {args.kill_replica}: must be in [0, dp={cfg.dims.dp})")
+                raise ConfigError(f"--kill-ranks {bad}: must be in [0, world size={dims.world_size})")
+        elif args.mode == "demo" and not 0 <= args.kill_replica < dims.dp:
+            raise ConfigError(f"--kill-replica {args.kill_replica}: must be in [0, dp={dims.dp})")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,10 @@ order="tp-cp-ep-dp-pp").get_ranks(dim)` (checked in tests/test_parallel_dims.py)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from config import Config
 
 # Fastest-varying first, as in Megatron's order "tp-cp-ep-dp-pp" with ep = 1.
 _ORDER = ("tp", "cp", "dp", "pp")
@@ -33,7 +37,7 @@ class RankCoords:
 class ParallelDims:
     """Sizes of the tensor-, pipeline-, context- and data-parallel dimensions.
 
-    Use `ParallelDims.from_world` to derive dp from the world size.
+    Use `ParallelDims.from_world` to derive dp from the world size, `from_config` for a run's.
     """
 
     tp: int
@@ -45,10 +49,6 @@ class ParallelDims:
         for name in _ORDER:
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel size {name}={getattr(self, name)} must be >= 1")
-
-    @classmethod
-    def from_config(cls, cfg) -> ParallelDims:
-        return cls.from_world(cfg.cluster.num_workers, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
 
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelDims:
@@ -70,6 +70,12 @@ class ParallelDims:
                 f"change cluster.num_workers or the parallel sizes"
             )
         return cls(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ParallelDims:
+        """The layout of a run: `from_world(cluster.num_workers, parallel.tp, parallel.pp,
+        parallel.cp)` (a validated config always has one)."""
+        return cls.from_world(cfg.cluster.num_workers, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
 
     @property
     def world_size(self) -> int:

@@ -15,6 +15,7 @@ Pluggable tasks: `register_task(name, factory)`; `rl.task` names the factory and
 `rl.task_args` are its keyword arguments; `rl.task_module` names a module imported first (where
 a user's `register_task` calls live). A `Task` is a tokenizer, a prompt source
 (`prompt(rng) -> Prompt`) and a reward function (`reward(prompt, response_ids) -> float`).
+`check_task(cfg)` builds the configured task and checks it against the config (ConfigError).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from config import Config, ConfigError, require
 from training_batch import TrainingBatch
 
 
@@ -128,6 +130,29 @@ def make_task(name: str, args: dict | None = None, module: str | None = None) ->
     if name not in _TASKS:
         raise KeyError(f"unknown task {name!r}; registered: {sorted(_TASKS)}")
     return _TASKS[name](**(args or {}))
+
+
+def check_task(cfg: Config) -> Task:
+    """The task of `rl.task` / `rl.task_args` / `rl.task_module`, built and checked against the
+    model and sequence sizes (its tokens fit model.vocab_size; its longest prompt plus
+    rl.max_new_tokens fits train.seq_len). Raises ConfigError naming the field; the driver calls
+    it before Ray starts."""
+    r, t, m = cfg.rl, cfg.train, cfg.model
+    try:
+        task = make_task(r.task, r.task_args, r.task_module)
+    except KeyError as e:
+        raise ConfigError(f"rl.task: {e.args[0]}; register it with rl.register_task or set "
+                          f"rl.task_module to the module that does") from None
+    except ImportError as e:
+        raise ConfigError(f"rl.task_module: cannot import {r.task_module!r}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"rl.task_args: {e}") from None
+    require(len(task.tokenizer) <= m.vocab_size, "model.vocab_size",
+            f"{m.vocab_size} is smaller than the {len(task.tokenizer)} tokens of task {r.task!r}")
+    require(task.max_prompt_len + r.max_new_tokens <= t.seq_len, "train.seq_len",
+            f"{t.seq_len} cannot hold a prompt of up to {task.max_prompt_len} tokens plus "
+            f"rl.max_new_tokens={r.max_new_tokens}; raise train.seq_len or lower rl.max_new_tokens")
+    return task
 
 
 for _op in DIGIT_OPS:
@@ -256,7 +281,7 @@ class Rollouts:
 
     def __init__(self, cfg):
         self.cfg, self.rl = cfg, cfg.rl
-        self.task = make_task(self.rl.task, self.rl.task_args, self.rl.task_module)
+        self.task = check_task(cfg)
         self.tok = self.task.tokenizer
 
     def prompts(self, step: int) -> list[Prompt]:

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import Config, check_compatible
+from checkpoint import check_compatible
+from config import Config
 from comms import abort_process_groups, left_collective, recording_new_sockets, shutdown_sockets
 from engine import StepInterrupt, params_digest
 from parallel_dims import ParallelDims

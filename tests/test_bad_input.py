@@ -3,9 +3,9 @@ field and the fix."""
 import pytest
 import torch
 
-from checkpoint import CheckpointManager
-from config import ConfigError, check_compatible, load_config, model_signature, resolve
 from actor_group import ActorGroup
+from checkpoint import CheckpointManager, check_compatible, model_signature
+from config import ConfigError, load_config, resolve
 from training_batch import TrainingBatch
 
 

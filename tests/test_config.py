@@ -1,13 +1,20 @@
-"""Config loading, overrides and validation: each bad value names its field."""
-import pytest
+"""Config loading, overrides and validation: each bad value names its field; the reference
+docs/configuration.md and config.yaml cover every field."""
+import dataclasses
+import typing
 
+import pytest
+import yaml
+
+import config
 from config import Config, ConfigError, load_config, resolve
+from parallel_dims import ParallelDims
 
 
 def test_default_file_loads_and_matches_dataclass_defaults():
     cfg = load_config("config.yaml")
     assert cfg.to_dict() == Config().to_dict()
-    assert cfg.dims.dp == 4
+    assert ParallelDims.from_config(cfg).dp == 4
 
 
 def test_overrides_are_typed():
@@ -43,6 +50,18 @@ def test_invalid_value_names_field(override, field):
     with pytest.raises(ConfigError) as e:
         load_config("config.yaml", [override])
     assert str(e.value).startswith(field), str(e.value)
+
+
+def test_choice_fields_list_their_values():
+    with pytest.raises(ConfigError, match=r"^cluster.device: 'tpu' is not one of \['auto', 'cpu', 'cuda'\]$"):
+        load_config("config.yaml", ["cluster.device=tpu"])
+
+
+def test_bad_rl_task_stops_main_before_ray(capsys):
+    import main
+
+    assert main.main(["train", "--dry-run", "--set", "rl.enabled=true", "--set", "rl.task=nope"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("config error: rl.task: unknown task 'nope'")
 
 
 def test_torch_engine_is_data_parallel_only():
@@ -81,9 +100,52 @@ def test_gpus_per_actor_auto_fits_actors_on_the_gpus(gpus, sets, expected):
 
 
 def test_preflight_refuses_two_ranks_on_one_gpu():
-    from config import preflight
+    from actor_group import preflight
 
     cfg = resolve(load_config("config.yaml", ["checkpoint.uri=/tmp/ft-preflight-test"]), num_gpus=2)
     assert cfg.cluster.gpus_per_actor == 0.25  # 8 actors on 2 GPUs
     with pytest.raises(ConfigError, match="^cluster.num_workers: 4 ranks on 2 GPUs would put two ranks"):
         preflight(cfg, {"CPU": 8.0, "GPU": 2.0})
+
+
+def sections():
+    """(dotted prefix, dataclass) of Config and each of its sections."""
+    hints = typing.get_type_hints(Config)
+    return [("", Config)] + [(f.name + ".", hints[f.name]) for f in dataclasses.fields(Config)
+                             if dataclasses.is_dataclass(hints[f.name])]
+
+
+def test_every_field_has_a_docstring():
+    for prefix, cls in sections():
+        hints = typing.get_type_hints(cls)
+        undocumented = [prefix + f.name for f in dataclasses.fields(cls)
+                        if not dataclasses.is_dataclass(hints[f.name]) and f.name not in config.field_docs(cls)]
+        assert not undocumented, f"write a docstring under each field of config.py: {undocumented}"
+
+
+def test_reference_doc_is_current():
+    assert config.REFERENCE.read_text() == config.reference(), \
+        "docs/configuration.md is out of date; regenerate it with `python config.py`"
+
+
+def test_config_yaml_sets_every_field_to_its_default_with_a_comment():
+    """config.yaml is the defaults, written out: every field, no unknown key, each key commented
+    (beside it, or on the comment lines right above it)."""
+    text = config.REFERENCE.parent.parent.joinpath("config.yaml").read_text()
+    data, defaults = yaml.safe_load(text), Config().to_dict()
+    assert data.keys() == defaults.keys()
+    for key, value in defaults.items():
+        assert data[key] == value, f"config.yaml {key}: set it to the defaults of config.py"
+    section, above, uncommented = "", False, []
+    for line in text.splitlines():
+        body, hash_, _ = line.partition("#")
+        if not body.strip():
+            above = bool(hash_)
+            continue
+        key, _, value = body.strip().partition(":")
+        if not line.startswith(" ") and not value.strip():
+            section = key + "."
+        elif not (hash_ or above):
+            uncommented.append((section if line.startswith(" ") else "") + key)
+        above = False
+    assert not uncommented, f"comment these keys of config.yaml: {uncommented}"

@@ -9,8 +9,8 @@ import torch
 
 from config import ConfigError, load_config, resolve
 from ppo import gae_advantages, group_advantages, kl_penalty, token_entropy, value_loss, whiten
-from rl import (EOS_ID, PAD_ID, Prompt, Rollouts, Task, Tokenizer, digit_task, make_task, register_task,
-                row_seed, sample, top_p_filter, unstride)
+from rl import (EOS_ID, PAD_ID, Prompt, Rollouts, Task, Tokenizer, check_task, digit_task, make_task,
+                register_task, row_seed, sample, top_p_filter, unstride)
 
 V = 8
 
@@ -227,7 +227,7 @@ RL = ["cluster.num_workers=2", "rl.enabled=true", "rl.task=copy", "rl.task_args=
 def test_config_errors_name_the_field():
     def bad(*overrides, gpus=0):
         with pytest.raises(ConfigError) as e:
-            resolve(load_config(None, [*RL, *overrides]), num_gpus=gpus)
+            check_task(resolve(load_config(None, [*RL, *overrides]), num_gpus=gpus))
         return str(e.value)
 
     assert bad("parallel.cp=2", gpus=1).startswith(
@@ -245,7 +245,7 @@ def test_config_errors_name_the_field():
     assert bad("rl.advantage=ppo").startswith("rl.advantage:")
     assert bad("rl.kl_estimator=k2").startswith("rl.kl_estimator:")
     assert bad("rl.gamma=1.5").startswith("rl.gamma:")
-    resolve(load_config(None, [*RL, "rl.group_size=1", "rl.advantage=gae"]), num_gpus=0)
+    check_task(resolve(load_config(None, [*RL, "rl.group_size=1", "rl.advantage=gae"]), num_gpus=0))
 
 
 def test_prompts_are_a_pure_function_of_seed_and_step():
