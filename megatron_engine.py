@@ -76,6 +76,9 @@ class MegatronEngine:
     """Megatron-Core GPT model, optimizer and cosine LR schedule of one rank (CUDA device 0 of
     the process, bf16 params with fp32 main params and fp32 gradient reduction).
 
+    `__init__` also sets up the process for CUDA (`host_memory.configure_host_allocator`, NCCL's
+    environment, device 0): make the engine before anything initialises CUDA in the process.
+
     Raises ValueError from `__init__` when the config asks for something this install cannot
     run (cp > 1 without Transformer Engine) or `model.hf_path` holds a model it cannot load
     (`hf_bridge`, `hf_model_args`).
@@ -83,9 +86,9 @@ class MegatronEngine:
     RL (`rl.enabled`, as `TorchEngine`): `generate` samples rollouts (`sample_rollouts`); with
     `rl.advantage=gae` the last stage's GPTModel carries a value head (`add_value_head`), and
     with `rl.kl_coef > 0` a frozen reference GPTModel of the same layout (the initial policy)
-    gives `ref_log_probs`. `_loss` adds the value, KL and entropy terms (`ppo.ppo_objective`). Value head, reference
-    weights and the rollout position are part of the training state (snapshots, rollback, peer
-    broadcast, reset) and of the checkpoint.
+    gives `ref_log_probs`. `_loss` adds the value, KL and entropy terms (`ppo.ppo_objective`).
+    Value head, reference weights and the rollout position are part of the training state
+    (snapshots, rollback, peer broadcast, reset) and of the checkpoint.
     """
 
     def __init__(self, cfg: Config):
@@ -309,11 +312,11 @@ class MegatronEngine:
         Training: `ppo.ppo_objective`, as `TorchEngine._loss`: the dual-clip PPO policy loss;
         with RL plus `value_coef` x clipped value loss (GAE, `values` float32 [B, S] of the
         value head), `kl_coef` x KL(policy || reference) (`rl.kl_estimator`), - `entropy_coef` x
-        entropy, each aggregated with `ppo.loss_agg_mode`. RL logits are divided by `rl.temperature` and
-        their padded vocabulary columns masked (`mask_padded_vocab`): the distribution the
-        rollouts were sampled from. The entropy is vocabulary-parallel (`vocab_parallel_entropy`,
-        no gather of the logits) and computed before the cross entropy, which overwrites fp32
-        logits in place."""
+        entropy, each aggregated with `ppo.loss_agg_mode`. RL logits are divided by
+        `rl.temperature` and their padded vocabulary columns masked (`mask_padded_vocab`): the
+        distribution the rollouts were sampled from. The entropy is vocabulary-parallel
+        (`vocab_parallel_entropy`, no gather of the logits) and computed before the cross
+        entropy, which overwrites fp32 logits in place."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
