@@ -1,4 +1,4 @@
-"""Megatron `dist_checkpointing` through the CheckpointManager (`megatron_engine.save_sharded` /
+"""Megatron `dist_checkpointing` through the CheckpointManager (`megatron_checkpoint.save_sharded` /
 `load_sharded`) on local disk, S3 and GCS: two real gloo ranks save a torch_dist checkpoint,
 commit it, load it back in the same and in a different sharding, save asynchronously (a change
 after the call is not saved), and refuse a corrupt file.
@@ -45,7 +45,7 @@ def _state(rank: int, split_dim: int, fill: float | None) -> dict:
 def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
     import torch.distributed as dist
 
-    from megatron_engine import load_sharded, save_sharded
+    from megatron_checkpoint import load_sharded, save_sharded
 
     out = {}
     ckpt = CheckpointManager(uri, storage_options=opts)
@@ -172,7 +172,7 @@ def test_an_unknown_megatron_async_write_is_named():
     another layout is refused with the pinned version in the message, not unpacked blindly."""
     import queue
 
-    from megatron_engine import _write_buckets
+    from megatron_compat import write_buckets
 
     with pytest.raises(CheckpointError, match="0.16.1"):
-        _write_buckets(lambda *a: None, 0, [], queue.Queue())
+        write_buckets(lambda *a: None, 0, [], queue.Queue())

@@ -1,5 +1,5 @@
 """GPU tests of `megatron_engine.MegatronEngine` (marker `gpu`; skipped without enough GPUs), and
-CPU tests of its host-buffer helpers.
+CPU tests of its host-buffer helpers (`host_memory`) and context-parallel ops (`megatron_ops`).
 
 Each test spawns one process per GPU (`ranks.spawn_ranks`: process r uses GPU r) and drives the
 engine the way `MegatronActor` does: process-group generations through one TCPStore with a fresh
@@ -40,23 +40,20 @@ def _batch(cfg, step, dims, rank):
 
 
 def _join(engine, store, gen, rank, dims):
+    """As the actor joins generation `gen`: `disconnect` (aborts the previous generation's
+    groups), then `connect` through the store's prefix `gen{gen}` (makes the process group)."""
     import torch.distributed as dist
 
     engine.disconnect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("nccl", store=dist.PrefixStore(f"gen{gen}", store), rank=rank,
-                            world_size=dims.world_size,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
-    engine.connect(dims, rank)
+    return engine.connect(dist.PrefixStore(f"gen{gen}", store), dims, rank)
 
 
 def _digest(engine) -> str:
     """SHA-256 over every tensor of the engine's training state, plus its step."""
-    from megatron_engine import _tensors
+    from host_memory import state_tensors
 
     h = hashlib.sha256(str(engine.step).encode())
-    for x in _tensors(engine._train_state()):
+    for x in state_tensors(engine._train_state()):
         h.update(x.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
 
@@ -302,7 +299,7 @@ def test_carve_host_buffers_from_a_reserved_arena():
     so) writes that tensor, not the whole arena."""
     import io
 
-    from megatron_engine import _tensors, carve, state_nbytes
+    from host_memory import carve, state_nbytes, state_tensors
 
     state = {"model": [torch.randn(3, 5).bfloat16(), torch.randn(7)],
              "optimizer": [[torch.randn(3, 5), torch.zeros(3, 5), torch.ones(3, 5), torch.tensor(2.0)]],
@@ -312,13 +309,13 @@ def test_carve_host_buffers_from_a_reserved_arena():
     arena = torch.zeros(need + (1 << 20), dtype=torch.uint8)
     buffers = carve(state, arena)
     assert buffers["sched_steps"] == 4 and buffers["step"] == 9
-    for dst, src in zip(_tensors(buffers), _tensors(state), strict=True):
+    for dst, src in zip(state_tensors(buffers), state_tensors(state), strict=True):
         assert (dst.shape, dst.dtype) == (src.shape, src.dtype)
         nbytes = dst.numel() * dst.element_size()
         assert dst.untyped_storage().nbytes() == nbytes
         assert nbytes == 0 or (dst.data_ptr() % 64 == 0 and 0 <= dst.data_ptr() - arena.data_ptr() < need)
         dst.copy_(src)
-    for dst, src in zip(_tensors(buffers), _tensors(state), strict=True):
+    for dst, src in zip(state_tensors(buffers), state_tensors(state), strict=True):
         assert torch.equal(dst, src)  # no buffer overwrote another
         saved = io.BytesIO()
         torch.save(dst, saved)
@@ -335,7 +332,7 @@ def _cp_ranks(rank: int, world: int, store) -> dict:
     DDP average over the dp x cp group, dp=1) next to the whole-sequence gradient."""
     import torch.distributed as dist
 
-    from megatron_engine import cp_gather, cp_split
+    from megatron_ops import cp_gather, cp_split
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)  # the same batch and weights on every rank
@@ -378,16 +375,16 @@ def test_pinned_arena_is_exact_size_and_pinned_while_any_view_lives(monkeypatch)
     import gc
     import types
 
-    import megatron_engine
-    from megatron_engine import carve, pinned_empty, state_nbytes
+    import host_memory
+    from host_memory import carve, pinned_empty, state_nbytes
 
     calls = []
     cudart = types.SimpleNamespace(
         cudaError=types.SimpleNamespace(success=0),
         cudaHostRegister=lambda ptr, n, flags: calls.append(("register", ptr, n, flags)) or 0,
         cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0)
-    monkeypatch.setattr(megatron_engine.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(megatron_engine.torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(host_memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_memory.torch.cuda, "cudart", lambda: cudart)
 
     state = {"w": torch.randn(1000, 3), "m": torch.randn(1000, 3)}
     nbytes = state_nbytes(state)
@@ -404,7 +401,7 @@ def test_pinned_arena_is_exact_size_and_pinned_while_any_view_lives(monkeypatch)
     assert [c[0] for c in calls] == ["register", "unregister"] and calls[1][1] == calls[0][1]
 
     failing = types.SimpleNamespace(cudaError=cudart.cudaError, cudaHostRegister=lambda ptr, n, flags: 2)
-    monkeypatch.setattr(megatron_engine.torch.cuda, "cudart", lambda: failing)
+    monkeypatch.setattr(host_memory.torch.cuda, "cudart", lambda: failing)
     with pytest.raises(RuntimeError, match="cudaHostRegister of 64 bytes"):
         pinned_empty(64)
 

@@ -5,7 +5,7 @@ bias and tied embeddings, Qwen3 with q/k RMSNorm and a head dim that is not hidd
 are saved to a temp dir, loaded into our Megatron GPTModel and their logits compared with the
 HF model's. Nothing is downloaded.
 
-CPU (runs in CI): `megatron_engine.build_gpt_model` on a one-rank gloo group, local layer
+CPU (runs in CI): `megatron_model.build_gpt_model` on a one-rank gloo group, local layer
 spec, CPU params; Megatron's two CUDA-only calls on that path (the RoPE buffer's move to
 `torch.cuda.current_device()`, the CUDA RNG tracker around attention dropout) are stubbed, and
 the causal mask is passed explicitly (Megatron's default one is made on "cuda"). fp32 logits
@@ -127,7 +127,7 @@ def _cpu_cfg(path: str, dtype: str):
 
 def _megatron_cpu_logits(path: str, dtype: str, ids: torch.Tensor):
     """(logits float32 [B, S, V_pad] of our GPTModel built from `path`, the model)."""
-    from megatron_engine import build_gpt_model, hf_bridge
+    from megatron_model import build_gpt_model, hf_bridge
 
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     model, _ = build_gpt_model(_cpu_cfg(path, dtype), 1, 1, 1, hf_bridge(path, torch_dtype),
@@ -178,7 +178,7 @@ def test_unsupported_hf_models_name_the_field(tmp_path):
     """Unsupported checkpoints fail with a ValueError naming model.hf_path (config only)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    from megatron_engine import hf_bridge, hf_model_args
+    from megatron_model import hf_bridge, hf_model_args
 
     def saved(name, c):
         c.save_pretrained(tmp_path / name)
@@ -239,7 +239,7 @@ def _cpu_tp_worker(rank: int, world: int, store, dirs: dict) -> dict:
     ps.initialize_model_parallel(world, 1, create_gloo_process_groups=False)
     from transformers import AutoConfig
 
-    from megatron_engine import build_gpt_model, hf_bridge
+    from megatron_model import build_gpt_model, hf_bridge
 
     errors = {}
     for name, path in dirs.items():
@@ -303,7 +303,7 @@ def _hf_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Token log-probs [B, S] (position 0 is 0) from HF logits [B, S, V], with the softmax
     over the engine's padded vocabulary: the padded rows are zero, so their logits are 0 and
     take part in the engine's softmax (see megatron_engine's module docstring)."""
-    from megatron_engine import padded_vocab_size
+    from megatron_model import padded_vocab_size
 
     v = logits.shape[-1]
     logits = torch.nn.functional.pad(logits.float(), (0, padded_vocab_size(v) - v))

@@ -1,4 +1,4 @@
-"""RL with the Megatron engine: rollouts (`megatron_engine.sample_rollouts`), the value head,
+"""RL with the Megatron engine: rollouts (`megatron_ops.sample_rollouts`), the value head,
 the vocabulary-parallel entropy, and the config rules.
 
 CPU (runs in CI): two real gloo processes go through three layouts in turn, tp=1 pp=1 (each
@@ -82,7 +82,8 @@ def _vocab_parallel_checks(tp_rank: int, tp: int) -> dict:
     against the full-vocabulary reference (values and gradients); errors by name."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_engine import mask_padded_vocab, padded_vocab_size, vocab_parallel_entropy
+    from megatron_model import padded_vocab_size
+    from megatron_ops import mask_padded_vocab, vocab_parallel_entropy
     from ppo import token_entropy, token_log_probs
 
     full = torch.randn(3, 7, padded_vocab_size(VOCAB), generator=torch.Generator().manual_seed(3)) * 3
@@ -112,7 +113,8 @@ def _engine_loss_checks(cfg, tp_rank: int, tp: int) -> dict:
     import dataclasses
     import types
 
-    from megatron_engine import MegatronEngine, padded_vocab_size
+    from megatron_engine import MegatronEngine
+    from megatron_model import padded_vocab_size
     from ppo import aggregate, kl_penalty, policy_loss, token_entropy, token_log_probs, value_loss
     from training_batch import TrainingBatch
 
@@ -161,7 +163,8 @@ def _layout_run(cfg, tp: int, pp: int, head_seed: int) -> dict:
     (and, tp=pp=1, reference checks of log-probs and value alignment)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_engine import add_value_head, build_gpt_model, hf_bridge, sample_rollouts, token_values
+    from megatron_model import build_gpt_model, hf_bridge
+    from megatron_ops import add_value_head, sample_rollouts, token_values
     from ppo import token_log_probs
     from rl import row_seed
 

@@ -1,0 +1,130 @@
+"""Page-locked host memory and the host buffers of a training state.
+
+A training state here is any pytree (dicts, lists) whose tensor leaves are the state and whose
+other leaves (python counters) are carried along. `state_tensors` lists its tensors in a fixed
+order; `carve` lays buffers shaped like them into one arena of host memory, which
+`pinned_empty` allocates page-locked at its exact size (`pin_in_background` does so off the
+calling thread). Why pinned: device-to-host copies into pinned memory are asynchronous and run
+at full bus speed.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import mmap
+import os
+
+import torch
+
+HOST_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+_ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-alloc")
+_ALIGN = 64  # bytes: any dtype's view may start at such an offset
+
+
+def configure_host_allocator() -> None:
+    """Make torch pin host memory with malloc + page mapping by 8 threads + cudaHostRegister
+    instead of one cudaHostAlloc call (torch's PYTORCH_CUDA_ALLOC_CONF options from
+    pytorch/pytorch#108488). Why: cudaHostAlloc holds a CUDA driver lock for the whole
+    allocation, and the step's kernel launches wait on it (see docs/gpu.md). The engine's own
+    buffers come from `pinned_empty` (the same registration path, exact size); this covers
+    what still pins through torch, e.g. Megatron's device-to-host copy in a synchronous save.
+    Call before CUDA is initialised in the process; settings already in
+    PYTORCH_CUDA_ALLOC_CONF are kept."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "pinned_use_cuda_host_register" not in conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, HOST_ALLOC_CONF]))
+
+
+def state_tensors(state) -> list[torch.Tensor]:
+    """The tensor leaves of `state`, in pytree order (other leaves skipped)."""
+    return [x for x in torch.utils._pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
+
+
+def same_layout(a: dict, b: dict) -> bool:
+    """Whether two training states have tensors of the same shapes and dtypes, in order."""
+    return [(x.shape, x.dtype) for x in state_tensors(a)] == [(x.shape, x.dtype) for x in state_tensors(b)]
+
+
+def copy_state(dst: dict, src: dict) -> None:
+    """Queue a non-blocking copy of every tensor of `src` into the same-structured `dst` on the
+    current stream (host <-> device; the caller synchronizes). Raises ValueError when the two
+    hold different numbers of tensors."""
+    for d, s in zip(state_tensors(dst), state_tensors(src), strict=True):
+        d.copy_(s, non_blocking=True)
+
+
+def state_nbytes(state) -> int:
+    """Bytes `carve` needs for the tensors of `state` (each rounded up to 64 bytes)."""
+    return sum(-(-x.numel() * x.element_size() // _ALIGN) * _ALIGN for x in state_tensors(state))
+
+
+def carve(state, arena: torch.Tensor):
+    """Buffers shaped like every tensor of `state` (same shapes and dtypes; other leaves kept),
+    in disjoint parts of `arena` (uint8 [N] host memory, e.g. pinned and reserved earlier) at
+    64-byte-aligned offsets. Each buffer has a storage of its own bytes only (`torch.frombuffer`
+    over the arena's memory, which it keeps alive), not a view of the arena's storage: why,
+    `torch.save` and pickle write a tensor's whole storage, so saving a view (Megatron's async
+    save pickles each tensor) would write the whole arena for every tensor.
+    Returns None when `arena` has fewer than `state_nbytes(state)` bytes."""
+    if arena.numel() < state_nbytes(state):
+        return None
+    memory, offset = arena.numpy(), 0
+
+    def view(x):
+        nonlocal offset
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.numel() == 0:  # frombuffer refuses count 0
+            return torch.empty(x.shape, dtype=x.dtype)
+        out = torch.frombuffer(memory, dtype=x.dtype, count=x.numel(), offset=offset).view(x.shape)
+        offset += -(-x.numel() * x.element_size() // _ALIGN) * _ALIGN
+        return out
+
+    return torch.utils._pytree.tree_map(view, state)
+
+
+class _PinnedMap(mmap.mmap):
+    """Anonymous host memory (pages faulted in on first touch, no memset) page-locked with
+    cudaHostRegister for as long as any tensor views it: `torch.frombuffer` keeps this object
+    alive until the last view's storage is freed, and its finalizer unregisters the pages
+    before the memory is unmapped."""
+
+    ptr = None
+
+    def register(self, ptr: int) -> None:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(ptr, len(self), 1)  # cudaHostRegisterPortable: pinned for every context
+        if err != cudart.cudaError.success:
+            raise RuntimeError(f"cudaHostRegister of {len(self)} bytes of host memory failed ({err}): "
+                               f"lower the host memory in use or raise the locked-memory limit (ulimit -l)")
+        self.ptr = ptr
+
+    def __del__(self):
+        if self.ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+
+
+def pinned_empty(nbytes: int, device: int | None = None) -> torch.Tensor:
+    """uint8 [nbytes] of page-locked host memory of exactly `nbytes` bytes (plain host memory
+    without CUDA), for `carve`. Not `torch.empty(..., pin_memory=True)`: torch's host caching
+    allocator rounds every pinned block up to a power of two (at::CachingHostAllocator,
+    PowerOf2Ceil; unbounded by default), which nearly doubles a large snapshot's memory and
+    can exhaust the host. The pages are faulted in by torch's multi-threaded fill, then
+    registered (as torch's `pinned_use_cuda_host_register` does, without cudaHostAlloc's long
+    driver lock). Any view keeps the memory alive and pinned.
+    `device`: the CUDA device whose context registers it (for a call from another thread than
+    the rank's; None: the current one). Raises RuntimeError when CUDA cannot register the memory."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    owner = _PinnedMap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc's large blocks
+    buf = torch.frombuffer(owner, dtype=torch.uint8).zero_()
+    if torch.cuda.is_available():
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            owner.register(buf.data_ptr())
+    return buf
+
+
+def pin_in_background(nbytes: int) -> concurrent.futures.Future:
+    """`pinned_empty(nbytes)` in the allocator thread, registered by this thread's device."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return _ALLOCATOR.submit(pinned_empty, nbytes, device)

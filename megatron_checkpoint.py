@@ -1,0 +1,175 @@
+"""Megatron `dist_checkpointing` (torch_dist format) through our `CheckpointManager`: every
+rank saves its shards as shard `megatron` of a checkpoint step and loads them back, on a local
+file system or object storage (s3://, gs://), synchronously or with the write in the background
+(`PendingSave`). The saved layout may differ from the loading one in DP and TP size
+(dist_checkpointing reshards).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import CheckpointError, as_checkpoint_error
+from host_memory import carve, pinned_empty, state_nbytes
+from megatron_compat import fetch_before_read, write_buckets
+
+MEGATRON_SHARD = "megatron"  # shard name of the dist_checkpointing files in a checkpoint step
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+_SAVE_ARENA: list = []  # pinned host memory of the last finished async save, for the next one
+
+
+def _is_rank_file(name: str, rank: int) -> bool:
+    """Whether `name` (a file torch_dist wrote) belongs to `rank`: its `__{rank}_*.distcp`
+    files; rank 0 also owns the global ones (.metadata, common.pt, metadata.json)."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) == rank if m else rank == 0
+
+
+def _put_rank_files(ckpt, step: int, stage: str, rank: int) -> list:
+    """`ckpt.put_files` of the files of `rank` in `stage` (hash; upload for object storage)."""
+    return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
+
+
+def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_save: bool = False,
+                 after_write=lambda: None) -> list:
+    """Collective over the default process group: `dist_checkpointing.save(sharded_state_dict)`
+    (torch_dist format) as shard `megatron` of checkpoint `step` of `ckpt` (a CheckpointManager).
+
+    Local URI: all ranks write in place (a shared file system for multi-node runs). Object
+    storage (s3://, gs://): each rank writes into its own private staging directory (tempfile,
+    honours TMPDIR; rank 0's also gets the global metadata), then uploads only its own files,
+    so no rank waits on another's transfers. Returns this rank's FileEntry list (size, sha256)
+    for `CheckpointManager.commit`. Raises CheckpointError on storage failure past the retry
+    limits (the caller's error path; the rank stays usable).
+
+    `async_save`: only the synchronous part runs here (planning collectives, the common state,
+    a host copy of every tensor: later changes to the state are not in the checkpoint); the
+    files are written in a background thread, and `[PendingSave]` is returned. Synchronous:
+    `after_write()` runs between the write and the hash / upload (fault injection 'mid_save')."""
+    import shutil
+    import tempfile
+
+    from megatron.core import dist_checkpointing
+
+    path = ckpt.local_dir(step, MEGATRON_SHARD)
+    stage = path or tempfile.mkdtemp(prefix=f"mcore-save-rank{rank}-")
+    what = f"saving {ckpt.step_uri(step)}/{MEGATRON_SHARD}"
+    done = False
+    try:
+        if path is not None and rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        dist.barrier()  # the in-place directory exists (and is empty) before anyone writes
+        if async_save:
+            request = as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage,
+                                          async_sharded_save=True)
+            done = True  # the stage now belongs to the PendingSave
+            return [PendingSave(ckpt, step, rank, request, stage, path is None)]
+        as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage)
+        after_write()
+        return _put_rank_files(ckpt, step, stage, rank)
+    finally:
+        if path is None and not done:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+class PendingSave:
+    """The background part of an async `save_sharded`: Megatron's AsyncRequest
+    (`dist_checkpointing.save(..., async_sharded_save=True)`) whose tensors were copied to host
+    memory at construction; its write (`async_fn`: no collective) runs in a thread. `result()`
+    must be called on every rank, from the thread that runs the collectives (the actor's
+    `finish_checkpoint`): it waits for the write, runs the request's finalize functions
+    (collective: the global metadata), then hashes / uploads this rank's files and returns
+    their FileEntry list. Raises CheckpointError when the write or an upload failed."""
+
+    def __init__(self, ckpt, step: int, rank: int, request, stage: str, owns_stage: bool):
+        import threading
+
+        self.ckpt, self.step, self.rank, self.request = ckpt, step, rank, request
+        self.stage, self.owns_stage, self.error = stage, owns_stage, None
+        args = list(request.async_fn_args)
+        # args[1]: Megatron's write buckets [(file, key, (bytes items, [(item, tensor)]))]; the
+        # tensors are copied here (Megatron's preload_fn aliases tensors that are on the CPU).
+        # GPU tensors: non-blocking copies into one exact-size pinned arena (`pinned_empty`,
+        # reused by the next save) and one sync, not a pageable copy per tensor.
+        gpu = [t for _, _, (_, tensors) in args[1] for _, t in tensors if t.is_cuda]
+        need, arena = state_nbytes(gpu), _SAVE_ARENA.pop() if _SAVE_ARENA else None
+        self._arena = arena if arena is not None and arena.numel() >= need else pinned_empty(need)
+        host = iter(carve(gpu, self._arena))
+        args[1] = [(f, k, (b, [(item, next(host).copy_(t.detach(), non_blocking=True) if t.is_cuda
+                                else t.detach().clone()) for item, t in tensors]))
+                   for f, k, (b, tensors) in args[1]]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._thread = threading.Thread(target=self._write, args=(args,), daemon=True, name="mcore-async-save")
+        self._thread.start()
+
+    def _write(self, args) -> None:
+        try:
+            if self.request.async_fn is not None:
+                write_buckets(self.request.async_fn, *args)
+        except BaseException as exc:  # noqa: BLE001 (reported by result())
+            self.error = exc
+
+    def result(self) -> list:
+        import shutil
+
+        what = f"saving {self.ckpt.step_uri(self.step)}/{MEGATRON_SHARD} (async)"
+        try:
+            self._thread.join()
+            ok = [None] * dist.get_world_size()  # every rank finalizes, or none (no rank left in a collective)
+            dist.all_gather_object(ok, self.error is None)
+            if not all(ok):
+                failed = [r for r, good in enumerate(ok) if not good]
+                raise CheckpointError(f"{what} failed on rank(s) {failed}" +
+                                      (f": {self.error!r}" if self.error is not None else ""))
+            for finalize in self.request.finalize_fns:
+                as_checkpoint_error(what, finalize)
+            return _put_rank_files(self.ckpt, self.step, self.stage, self.rank)
+        finally:
+            if not self._thread.is_alive():
+                _SAVE_ARENA[:] = [self._arena]
+            if self.owns_stage:
+                shutil.rmtree(self.stage, ignore_errors=True)
+
+
+def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
+    """Collective over the default process group: `dist_checkpointing.load` of shard
+    `megatron` of the committed checkpoint `manifest` into `sharded_state_dict` (the saved
+    layout may differ in DP and TP size: dist_checkpointing reshards). Returns the loaded
+    state dict.
+
+    Object storage: the global files are downloaded into a private staging directory first,
+    then each `.distcp` file only when this rank's load plan reads from it (so a rank fetches
+    the files holding its shards, not the whole checkpoint); every download is checked against
+    the manifest's size and sha256. Raises CheckpointError on a mismatch, a storage failure or
+    any load error (on every rank: DCP gathers one rank's read error to all)."""
+    from megatron.core import dist_checkpointing
+
+    what = f"loading {ckpt.step_uri(manifest.step)}/{MEGATRON_SHARD}"
+    path = ckpt.local_dir(manifest.step, MEGATRON_SHARD)
+    if path is not None:
+        return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path)
+    import tempfile
+
+    prefix = MEGATRON_SHARD + "/"
+    files = {f.path[len(prefix):]: f for f in manifest.files if f.path.startswith(prefix)}
+    with tempfile.TemporaryDirectory(prefix="mcore-load-") as stage:
+        ckpt.get_files(manifest.step, [f for n, f in files.items() if not _RANK_FILE.match(n)], stage)
+        fetched: set[str] = set()
+
+        def fetch(names: set[str]) -> None:
+            missing = sorted(names - fetched)
+            unknown = [n for n in missing if n not in files]
+            if unknown:
+                raise CheckpointError(f"{ckpt.step_uri(manifest.step)}: {unknown} are read but not in its manifest")
+            ckpt.get_files(manifest.step, [files[n] for n in missing], stage)
+            fetched.update(missing)
+
+        with fetch_before_read(fetch):
+            return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict,
+                                       os.path.join(stage, MEGATRON_SHARD))
+

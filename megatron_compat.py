@@ -1,0 +1,134 @@
+"""Every place this project replaces or re-implements an internal of Megatron-Core, in one module.
+
+Each patch depends on private Megatron-Core code of the version it was written for
+(`WRITTEN_FOR`, the version requirements.txt pins). `PATCHES` lists them with the attributes
+they touch; importing this module logs a warning naming each one when another version is
+installed, and tests/test_megatron_compat.py fails when the installed version differs or an
+attribute is gone, so an upgrade is checked patch by patch.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import importlib
+import logging
+
+import megatron.core
+
+from checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+WRITTEN_FOR = "0.16.1"  # megatron-core version the patches below were written against
+# (patch, Megatron-Core module, attributes it replaces or relies on, what to re-check)
+PATCHES = (
+    ("patch_distributed_optimizer", "megatron.core.optimizer.distrib_optimizer",
+     ("DistributedOptimizer._set_main_param_and_optimizer_states",),
+     "per-instance method swap: the original raises KeyError 'step' in a fully_reshardable load"),
+    ("fetch_before_read", "megatron.core.dist_checkpointing.strategies.torch",
+     ("_get_filesystem_reader",),
+     "the torch_dist loader's reader factory, swapped for one load to fetch files before reading"),
+    ("write_buckets", "megatron.core.dist_checkpointing.strategies.filesystem_async",
+     ("FileSystemWriterAsync.write_preloaded_data_multiproc", "FileSystemWriterAsync.write_preloaded_data"),
+     "re-implements the async write (partial(write_preloaded_data_multiproc, transform_list, "
+     "use_msc)) with threads instead of forked writers"),
+)
+
+
+def patch_target(module: str, attribute: str):
+    """The object at dotted `attribute` of the Megatron-Core module `module` (for the checks
+    of `PATCHES`). Raises ImportError or AttributeError when it no longer exists."""
+    obj = importlib.import_module(module)
+    for name in attribute.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _check_version() -> None:
+    """Log one warning when the installed Megatron-Core is not `WRITTEN_FOR`, with the patches
+    to re-check, one line each."""
+    installed = megatron.core.__version__
+    if installed != WRITTEN_FOR:
+        patches = "\n".join(f"  {name}: {module}.{', '.join(attrs)} ({why})" for name, module, attrs, why in PATCHES)
+        log.warning("megatron-core %s is installed; megatron_compat was written for %s. Re-check:\n%s",
+                    installed, WRITTEN_FOR, patches)
+
+
+_check_version()
+
+
+def _set_main_param_and_state(opt, model_param, tensors: dict) -> None:
+    """`DistributedOptimizer._set_main_param_and_optimizer_states` without its KeyError: in
+    Megatron-Core 0.16 a fully_reshardable load copies every key of torch AdamW's state,
+    'step' included, from `tensors`, which has none ('step' is restored per param group)."""
+    gi, go = opt.model_param_group_index_map[model_param]
+    main = opt.optimizer.param_groups[gi]["params"][go]
+    main.data.copy_(tensors["param"])
+    for k, v in tensors.items():
+        if k != "param":
+            opt.optimizer.state[main][k].copy_(v)
+
+
+def patch_distributed_optimizer(optimizer) -> None:
+    """Give every `DistributedOptimizer` of `optimizer` (what `get_megatron_optimizer` returns:
+    a chained optimizer) `_set_main_param_and_state` as its
+    `_set_main_param_and_optimizer_states`, so a fully_reshardable checkpoint loads into it."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    for o in optimizer.chained_optimizers:
+        if isinstance(o, DistributedOptimizer):
+            o._set_main_param_and_optimizer_states = functools.partial(_set_main_param_and_state, o)
+
+
+@contextlib.contextmanager
+def fetch_before_read(fetch):
+    """Make Megatron's torch_dist loader call `fetch(relative file names)` with the files a
+    read plan needs before reading them. Megatron-Core 0.16 builds its reader in
+    `strategies.torch._get_filesystem_reader` (its only remote path is NVIDIA's
+    multi-storage client), so that factory is swapped for the duration of one load."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_data(self, plan, planner):
+            fetch({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            return super().read_data(plan, planner)
+
+    original = mcore_torch._get_filesystem_reader
+    mcore_torch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: Reader(checkpoint_dir)
+    try:
+        yield
+    finally:
+        mcore_torch._get_filesystem_reader = original
+
+
+def write_buckets(async_fn, _rank: int, buckets: list, results_queue) -> None:
+    """What Megatron's async write (`async_fn`: `FileSystemWriterAsync.write_preloaded_data_multiproc`
+    bound to its transforms and `use_msc`) does, without its fork: each write bucket goes to
+    `FileSystemWriterAsync.write_preloaded_data` in a thread of this process, and the results
+    (bucket index -> write results, or the first exception) go to `results_queue` for the
+    request's finalize (`_rank`, Megatron's first argument, is not needed). Why not Megatron's
+    fork of one writer process per bucket: it forks from a background thread while the
+    training thread runs, and a lock another thread holds at the fork stays held forever in
+    the child (forked writers were seen stuck in futex_wait). Raises CheckpointError when
+    `async_fn` is not the partial of megatron-core `WRITTEN_FOR`."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    if not (isinstance(async_fn, functools.partial) and len(async_fn.args) == 2):
+        raise CheckpointError(f"megatron-core's async write is {async_fn!r}, not the partial of "
+                              f"(transform_list, use_msc) of megatron-core {WRITTEN_FOR}: install the version "
+                              "pinned in requirements.txt")
+    transform_list, use_msc = async_fn.args
+
+    def write(i: int, bucket):
+        out, count = queue.Queue(), queue.Queue()
+        count.put(i)  # the writer marks its bucket done on this queue
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, out, count, True, use_msc=use_msc)
+        return out.get()[1]
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(buckets)), thread_name_prefix="mcore-write") as pool:
+        results = list(pool.map(write, range(len(buckets)), buckets))
+    error = next((r for r in results if isinstance(r, Exception)), None)
+    results_queue.put(error if error is not None else dict(enumerate(results)))
