@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from parallel_dims import ParallelDims
 from ranks import spawn_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -97,7 +98,7 @@ def _scenarios(rank, world, store, tmp, storage) -> dict:
     uri, opts = storage or (os.path.join(tmp, "ckpt"), None)
     ckpt = CheckpointManager(uri, storage_options=opts)
     cfg = _cfg(world=world)
-    dims = cfg.dims
+    dims = ParallelDims.from_config(cfg)
     e = MegatronEngine(cfg)
     _join(e, store, 1, rank, dims)
     initial = _digest(e)
@@ -123,19 +124,19 @@ def _scenarios(rank, world, store, tmp, storage) -> dict:
         # Resharding: the tp=1 dp=2 checkpoint into tp=2 dp=1 (full batch on one replica).
         cfg2 = _cfg(tp=2, world=world)
         e2 = MegatronEngine(cfg2)
-        _join(e2, store, 3, rank, cfg2.dims)
+        _join(e2, store, 3, rank, ParallelDims.from_config(cfg2))
         e2.load_checkpoint(ckpt, ckpt.latest_verified(), rank)
-        out["step2_tp2"] = e2.train_step(_batch(cfg2, 2, cfg2.dims, rank), 2)
+        out["step2_tp2"] = e2.train_step(_batch(cfg2, 2, ParallelDims.from_config(cfg2), rank), 2)
         del e2
         # Peer restore without the distributed optimizer: rollback, then rank 1 as a fresh spare.
         cfg3 = _cfg(world=world, dist_opt=False)
         e3 = MegatronEngine(cfg3)
-        _join(e3, store, 4, rank, cfg3.dims)
+        _join(e3, store, 4, rank, ParallelDims.from_config(cfg3))
         e3.snapshot()
-        e3.train_step(_batch(cfg3, 1, cfg3.dims, rank), 1)
+        e3.train_step(_batch(cfg3, 1, ParallelDims.from_config(cfg3), rank), 1)
         step1 = _digest(e3)
         e3.snapshot()
-        e3.train_step(_batch(cfg3, 2, cfg3.dims, rank), 2)
+        e3.train_step(_batch(cfg3, 2, ParallelDims.from_config(cfg3), rank), 2)
         out["rollback_ok"] = e3.rollback(1) and _digest(e3) == step1
         if rank == 1:
             e3.reset()
@@ -146,14 +147,14 @@ def _scenarios(rank, world, store, tmp, storage) -> dict:
         # Pipeline parallel: pp=2, save/load round trip replays a step bitwise.
         cfg4 = _cfg(pp=2, world=world)
         e4 = MegatronEngine(cfg4)
-        _join(e4, store, 5, rank, cfg4.dims)
+        _join(e4, store, 5, rank, ParallelDims.from_config(cfg4))
         ck4 = CheckpointManager(os.path.join(tmp, "ckpt_pp"))
-        e4.train_step(_batch(cfg4, 1, cfg4.dims, rank), 1)
+        e4.train_step(_batch(cfg4, 1, ParallelDims.from_config(cfg4), rank), 1)
         # async save: step 2 trains while the step-1 checkpoint is written from host copies
-        _save(e4, ck4, 1, cfg4.dims, rank,
-              train_while_writing=lambda: out.__setitem__("pp_step2", e4.train_step(_batch(cfg4, 2, cfg4.dims, rank), 2)))
+        _save(e4, ck4, 1, ParallelDims.from_config(cfg4), rank,
+              train_while_writing=lambda: out.__setitem__("pp_step2", e4.train_step(_batch(cfg4, 2, ParallelDims.from_config(cfg4), rank), 2)))
         e4.load_checkpoint(ck4, ck4.latest_verified(), rank)
-        out["pp_step2_again"] = e4.train_step(_batch(cfg4, 2, cfg4.dims, rank), 2)
+        out["pp_step2_again"] = e4.train_step(_batch(cfg4, 2, ParallelDims.from_config(cfg4), rank), 2)
     return out
 
 
@@ -218,8 +219,8 @@ def _warm_up_ranks(rank, world, store) -> dict:
 
     cfg = _cfg(dist_opt=False)
     cold = MegatronEngine(cfg)
-    _join(cold, store, 1, rank, cfg.dims)
-    cold_state, cold_step = _digest(cold), cold.train_step(_batch(cfg, 1, cfg.dims, rank), 1)
+    _join(cold, store, 1, rank, ParallelDims.from_config(cfg))
+    cold_state, cold_step = _digest(cold), cold.train_step(_batch(cfg, 1, ParallelDims.from_config(cfg), rank), 1)
     del cold
     dist.destroy_process_group()
     warm = MegatronEngine(cfg)
@@ -228,9 +229,9 @@ def _warm_up_ranks(rank, world, store) -> dict:
     out["freed"] = torch.cuda.memory_allocated() <= memory
     out["rng_kept"] = torch.equal(rng[0], torch.get_rng_state()) and torch.equal(rng[1], torch.cuda.get_rng_state())
     out["no_group_left"] = not dist.is_initialized()
-    _join(warm, store, 2, rank, cfg.dims)
+    _join(warm, store, 2, rank, ParallelDims.from_config(cfg))
     out["same_state"] = _digest(warm) == cold_state
-    step = warm.train_step(_batch(cfg, 1, cfg.dims, rank), 1)
+    step = warm.train_step(_batch(cfg, 1, ParallelDims.from_config(cfg), rank), 1)
     out["same_step"] = (step["loss"], step["grad_norm"]) == (cold_step["loss"], cold_step["grad_norm"])
     out["rank_not_warmed_again"] = warm.warm_up() == 0.0
     return out
@@ -256,9 +257,9 @@ def _interrupted_ranks(rank, world, store) -> dict:
     from engine import Interrupted
 
     cfg = _cfg(dist_opt=False)
-    batch = _batch(cfg, 1, cfg.dims, rank)
+    batch = _batch(cfg, 1, ParallelDims.from_config(cfg), rank)
     e = MegatronEngine(cfg)
-    _join(e, store, 1, rank, cfg.dims)
+    _join(e, store, 1, rank, ParallelDims.from_config(cfg))
     before, raised = _digest(e), []
     e.fault_point = lambda point: e.interrupt() if point == "before_allreduce" else None
     for stop_in in ("forward", "backward"):
@@ -270,14 +271,14 @@ def _interrupted_ranks(rank, world, store) -> dict:
             e.train_step(batch, 1)
         except Interrupted:
             raised.append(stop_in)
-        _join(e, store, 2 if stop_in == "forward" else 3, rank, cfg.dims)  # clears the interrupt
+        _join(e, store, 2 if stop_in == "forward" else 3, rank, ParallelDims.from_config(cfg))  # clears the interrupt
     hook.remove()
     out = {"raised": raised, "unchanged": _digest(e) == before}  # no optimizer step ran
     step = e.train_step(batch, 1)
     e = None  # frees its GPU memory
     dist.destroy_process_group()
     fresh = MegatronEngine(cfg)
-    _join(fresh, store, 4, rank, cfg.dims)
+    _join(fresh, store, 4, rank, ParallelDims.from_config(cfg))
     ref = fresh.train_step(batch, 1)
     out["same_step"] = (step["loss"], step["grad_norm"]) == (ref["loss"], ref["grad_norm"])
     return out

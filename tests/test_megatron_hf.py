@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 
+from parallel_dims import ParallelDims
 from ranks import spawn_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -327,9 +328,9 @@ def _gpu_scenarios(rank: int, world: int, store, dirs: dict, layouts: list) -> d
             cfg = _engine_cfg(path, tp, pp, world)
             e = MegatronEngine(cfg)
             gen += 1
-            _join(e, store, gen, rank, cfg.dims)
+            _join(e, store, gen, rank, ParallelDims.from_config(cfg))
             initial = _digest(e)
-            batch = _batch(cfg, 1, cfg.dims, rank)  # dp = 1: the whole batch
+            batch = _batch(cfg, 1, ParallelDims.from_config(cfg), rank)  # dp = 1: the whole batch
             ids = batch.input_ids.to(e.device)
             ref32 = _hf_logits(path, ids, torch.float32)
             ref16 = _hf_logits(path, ids, torch.bfloat16)
@@ -349,7 +350,7 @@ def _gpu_scenarios(rank: int, world: int, store, dirs: dict, layouts: list) -> d
             del e
             e = MegatronEngine(cfg)  # a spare that joins later
             gen += 1
-            _join(e, store, gen, rank, cfg.dims)
+            _join(e, store, gen, rank, ParallelDims.from_config(cfg))
             out[key + "_spare_same"] = _digest(e) == initial
             del e
             dist.barrier()

@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 
+from parallel_dims import ParallelDims
 from ranks import spawn_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -275,7 +276,7 @@ def _gpu_rl_scenarios(rank: int, world: int, store, tmp: str, layouts: list) -> 
         for name, extra in settings.items():
             key = f"tp{tp}_pp{pp}_{name}"
             cfg = _cfg(tp, pp, world, dist_opt=False, extra=["rl.enabled=true", "rl.group_size=4", *extra])
-            dims = cfg.dims
+            dims = ParallelDims.from_config(cfg)
             e = MegatronEngine(cfg)
             gen += 1
             _join(e, store, gen, rank, dims)

@@ -1,0 +1,102 @@
+"""The recovery protocol's decisions as pure functions, over tables of cases (no Ray, no
+processes): which restore source serves a failure (`fault_tolerance.plan_restore`) and which
+spare takes each failed rank (`actor_group.BackupPool.take_for`). The end-to-end tests with real
+actors (test_recovery.py, test_fault_tolerance.py, test_node_loss.py) check that the protocol
+carries these plans out."""
+import pytest
+
+from actor_group import ActorSlot, BackupPool
+from failures import RecoveryError
+from fault_tolerance import plan_memory_restore, plan_peer_restore, plan_restore
+from parallel_dims import ParallelDims
+
+DP4 = ParallelDims(tp=1, pp=1, cp=1, dp=4).group_ranks("dp")       # [[0, 1, 2, 3]]
+TP2_DP2 = ParallelDims(tp=2, pp=1, cp=1, dp=2).group_ranks("dp")   # [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("dp_groups, survivors, clean, expected", [
+    # one rank of a DP group replaced: the source and the new member only
+    (DP4, {0, 2, 3}, {0, 2, 3}, [(0, [0, 1], [0, 1])]),
+    # two new members, two survivors: a subgroup of three
+    (DP4, {2, 3}, {2, 3}, [(2, [2, 0, 1], [2, 0, 1])]),
+    # only the source survived: the whole group takes part (members None)
+    (DP4, {3}, {3}, [(3, [0, 1, 2, 3], None)]),
+    # a whole replica of tp=2 lost: each DP group has one survivor, the whole group takes part
+    (TP2_DP2, {0, 1}, {0, 1}, [(0, [0, 2], None), (1, [1, 3], None)]),
+    # a survivor could not roll back (no snapshot of the committed step): impossible
+    (DP4, {0, 2, 3}, {0, 2}, None),
+    # a DP group with no survivor: impossible
+    (TP2_DP2, {0, 2}, {0, 2}, None),
+    # nothing replaced: nothing to broadcast
+    (DP4, {0, 1, 2, 3}, {0, 1, 2, 3}, []),
+])
+def test_peer_restore_plan(dp_groups, survivors, clean, expected):
+    assert plan_peer_restore(dp_groups, survivors, clean) == expected
+
+
+@pytest.mark.parametrize("committed, clean, held, floor, expected", [
+    # the replaced rank's snapshot of the committed step is held: only it loads
+    (4, {0, 2, 3}, [{3, 4}, {3, 4}, {3, 4}, {3, 4}], 2, (4, [1])),
+    # the committed step is missing for a rank that needs it: the newest common older step, for all
+    (4, {0, 2, 3}, [{3, 4}, {3}, {3, 4}, {3, 4}], 2, (3, [0, 1, 2, 3])),
+    # the common step is older than the newest checkpoint: no memory restore
+    (4, {0, 2, 3}, [{1, 4}, {1}, {1, 4}, {1, 4}], 2, None),
+    # a rank holds nothing at all
+    (4, set(), [{4}, set(), {4}, {4}], 0, None),
+    # every rank rolled back locally: nothing to load
+    (4, {0, 1}, [set(), set()], 0, (4, [])),
+])
+def test_memory_restore_plan(committed, clean, held, floor, expected):
+    assert plan_memory_restore(committed, clean, held, floor) == expected
+
+
+def _never():
+    raise AssertionError("asked although a cheaper source serves")
+
+
+@pytest.mark.parametrize("mode, survivors, clean, held, source, step", [
+    ("auto", {0, 2, 3}, {0, 2, 3}, _never, "peer", 4),                   # peer first
+    ("auto", {0, 2, 3}, {0}, lambda: [{4}] * 4, "memory", 4),            # peer impossible -> memory
+    ("auto", {0, 2, 3}, {0}, lambda: [set()] * 4, "checkpoint", None),   # neither -> checkpoint
+    ("auto", {0, 2, 3}, {0}, None, "checkpoint", None),                  # no holders
+    ("memory", {0, 2, 3}, {0, 2, 3}, lambda: [{4}] * 4, "memory", 4),    # mode memory skips peers
+    ("checkpoint", {0, 2, 3}, set(), _never, "checkpoint", None),
+    ("peer", {0, 2, 3}, {0, 2, 3}, _never, "peer", 4),
+])
+def test_restore_source_is_the_cheapest_the_mode_allows(mode, survivors, clean, held, source, step):
+    plan = plan_restore(mode, 4, DP4, survivors, clean, held, lambda: 0)
+    assert (plan.source, plan.step) == (source, step)
+
+
+@pytest.mark.parametrize("mode, held, match", [
+    ("peer", None, "restore=peer"),
+    ("memory", lambda: [set()] * 4, "restore=memory"),
+])
+def test_a_mode_that_cannot_serve_the_failure_is_an_error(mode, held, match):
+    with pytest.raises(RecoveryError, match=match):
+        plan_restore(mode, 4, DP4, {0, 2, 3}, {0}, held, lambda: 0)
+
+
+def _slot(node: str, gpu: int, bundle: int) -> ActorSlot:
+    return ActorSlot(None, node, node, [gpu], bundle)
+
+
+def test_spares_go_away_from_the_failed_node_and_onto_free_devices():
+    """Rank 1 on node A fails: the spare on node B's free GPU wins over the one on A and over the
+    one on a GPU a survivor uses. Both ranks of node B fail: the spare on A goes first, then one
+    on B (no other node is left), each on its own device."""
+    workers = [_slot("A", 0, 0), _slot("A", 1, 1), _slot("B", 0, 2), _slot("B", 1, 3)]
+    on_a, busy_b, free_b = _slot("A", 2, 4), _slot("B", 0, 5), _slot("B", 2, 6)
+    pool = BackupPool([on_a, busy_b, free_b])
+    assert pool.take_for({1}, workers) == {1: free_b}
+    pool = BackupPool([on_a, busy_b, free_b])
+    assert pool.take_for({2, 3}, workers) == {2: on_a, 3: busy_b}
+    assert pool.spares == [free_b]
+
+
+def test_too_few_spares_take_nothing():
+    workers = [_slot("A", 0, 0), _slot("A", 1, 1)]
+    pool = BackupPool([_slot("B", 0, 2)])
+    with pytest.raises(ValueError, match="2 rank"):
+        pool.take_for({0, 1}, workers)
+    assert len(pool) == 1
