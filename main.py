@@ -298,20 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
                      description="Train `train.steps` steps, detecting failures and recovering from spares; "
                                  "a progress bar (step, loss, tokens/s, recoveries, spares) on a terminal; "
                                  "loss.png and recoveries.png in run_dir at the end.")
-    # Listed here for --help; its arguments go to bench/plan.py untouched (see main()).
+    # Listed here for --help; its arguments go to planner.py untouched (see main()).
     modes.add_parser("plan", add_help=False, help="capacity planner: spares and checkpoint interval "
-                     "for 1,000-100,000 GPUs (bench/plan.py; `main.py plan --help`)")
+                     "for 1,000-100,000 GPUs (planner.py; `main.py plan --help`)")
     return p
 
 
 def cmd_plan(plan_args: list[str]) -> int:
-    """`main.py plan ARGS`: the capacity planner of bench/plan.py with ARGS (its own --help)."""
-    # Appended, not prepended: bench/checkpoint.py must not shadow the root's checkpoint.py
-    # for imports later in this process.
-    sys.path.append(str(Path(__file__).resolve().parent / "bench"))
-    import plan
+    """`main.py plan ARGS`: the capacity planner (planner.py) with ARGS (its own --help)."""
+    import planner
 
-    plan.main(plan_args)
+    planner.main(plan_args)
     return 0
 
 

@@ -12,7 +12,7 @@ aborted; null: not within the timeout), "freed" (stuck call returned, s after th
 "init_s" (init_process_group), "groups_s" (the extra groups made: ncclCommSplit of the default's)}].
 --split-share sets NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (the groups share the default group's
 NCCL resources); --cases picks rows of CASES by index.
-Usage: python3 bench/abort_probe.py [--timeout S] [--split-share] [--cases 4,5] [--out PATH]
+Usage (repository root): python3 -m bench.abort_probe [--timeout S] [--split-share] [--cases 4,5] [--out PATH]
 """
 import argparse
 import datetime

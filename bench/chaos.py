@@ -12,7 +12,7 @@ Fault kinds (round-robin over the schedule, points drawn from the seed):
 The cluster: `ray.cluster_utils.Cluster` with 3 logical nodes on this machine; checkpoints go
 to a loopback S3 server.
 
-Usage: python bench/chaos.py [--faults 50] [--seed 0] [--out bench/results/chaos_cpu.json]
+Usage (repository root): python -m bench.chaos [--faults 50] [--seed 0] [--out bench/results/chaos_cpu.json]
 Prints a summary and writes {"faults", "recovered", "steps_lost", "max_abs_loss_diff",
 "checkpoints_lost", "max_stall_s"} (+ per-kind counts, the schedule and every timeline).
 """
@@ -22,13 +22,11 @@ import argparse
 import json
 import os
 import random
-import sys
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
 
@@ -101,8 +99,8 @@ def corrupt_newest(ckpt) -> int:
 def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     import ray
     from ray.cluster_utils import Cluster
+    from local_storage import S3Server
     from megatron_actor import MegatronActorGroup
-    from storage_servers import S3Server
     from trainer import Trainer
 
     faults = schedule(n_faults, seed)

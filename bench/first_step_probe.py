@@ -15,7 +15,7 @@ step after a reconnect (a survivor's view of a recovery):
   `spare_reserved`. (Until 2026-11-30 a variant `warm` ran a forward pass after the build.)
 Prints a table and writes --out: {"variants": {name: {"build_s" (includes warm_up_s), "warm_up_s", "steps_s": [...], "phases":
 first step's phases, "reconnect_step_s"}}, "device", "date"}.
-Usage (repo root, GPU machine): python3 bench/first_step_probe.py [--variants ...] [--out PATH]
+Usage (repository root, GPU machine): python3 -m bench.first_step_probe [--variants ...] [--out PATH]
 """
 import argparse
 import datetime
@@ -24,8 +24,6 @@ import os
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODEL = ["model.distributed_optimizer=false", "model.num_layers=24", "model.hidden_size=2048",
          "model.num_heads=16", "model.ffn_hidden_size=5632", "model.vocab_size=32000",
@@ -101,7 +99,8 @@ def main() -> None:
 
     results = {}
     for name in args.variants:  # a fresh process each: first-use costs are per process
-        proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "bench.first_step_probe", "--one", name],
+                              capture_output=True, text=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         results[name] = json.loads(line[-1][7:]) if line else {"error": proc.stderr[-3000:]}
         print(name, results[name], flush=True)

@@ -7,10 +7,7 @@ updates. The run with failures recovers from spares (peer restore) and re-runs t
 flight, rollout included; sampling is a pure function of (seed, step, row) and the weights, so
 its rewards and losses must equal the run without failure at every step, bitwise.
 
-Not `bench/ppo.py`: tests put bench/ on sys.path, where that name would shadow the top-level
-`ppo` module.
-
-Usage: python bench/ppo_cpu.py [--config configs/ppo_cpu.yaml] [--set a.b=v ...]
+Usage (repository root): python -m bench.ppo_cpu [--config configs/ppo_cpu.yaml] [--set a.b=v ...]
 Prints a table and writes bench/results/ppo_cpu.json: {"reward_start", "reward_end" (means over
 the first / last `--window` steps), "steps", "failures", "curve_equal_to_no_failure",
 "curves": {"no_failure", "with_failures"}, "losses_equal", "recoveries", "seconds", "config"}
@@ -20,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from config import load_config, resolve
+from main import start_ray
+from megatron_actor import MegatronActorGroup
+from trainer import Trainer
 
-from config import load_config, resolve  # noqa: E402
-from main import start_ray  # noqa: E402
-from megatron_actor import MegatronActorGroup  # noqa: E402
-from trainer import Trainer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def failures(steps: int) -> list[dict]:

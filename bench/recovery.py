@@ -7,7 +7,8 @@
     and the placement group removed, a new placement group and actors (imports, model build),
     a new process-group generation, the newest checkpoint loaded, and the first step re-run.
 
-Usage: python bench/recovery.py [--repeats 3] [--full-restarts N] [--config config.yaml] [--set a.b=v ...]
+Usage (repository root): python -m bench.recovery [--repeats 3] [--full-restarts N] [--config config.yaml]
+                                                  [--set a.b=v ...]
 Prints a table and writes bench/results/recovery_<device>.json:
 {"recovery_s", "full_restart_s", "ratio", "steps_lost", "full_restart_steps_lost", "detect_s",
  "step_s", "timeline", "runs", "config"} (medians over repeats; `timeline` is the median run's;
@@ -24,15 +25,14 @@ import sys
 import time
 from pathlib import Path
 
+import ray
+
+from config import load_config, resolve
+from main import start_ray
+from megatron_actor import MegatronActorGroup
+from trainer import Trainer
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import ray  # noqa: E402
-
-from config import load_config, resolve  # noqa: E402
-from main import start_ray  # noqa: E402
-from megatron_actor import MegatronActorGroup  # noqa: E402
-from trainer import Trainer  # noqa: E402
 
 
 def kill_replica(trainer: Trainer, replica: int) -> None:

@@ -21,9 +21,9 @@ Memory: every actor imports torch + transformers. Before the run the benchmark m
 proportional set size (PSS, shared library pages split between processes) of the actors of the
 first N and refuses to start an N whose projected total exceeds `--max-mem-gb` (default 12).
 
-Usage: python bench/scale.py [--sizes 8 16 32 64] [--nodes 4] [--ranks-per-node R] [--repeats 1]
-                              [--failures actor node] [--set a.b=v ...] [--out FILE]
-       python bench/scale.py --merge RUN.json ... --out FILE
+Usage (repository root): python -m bench.scale [--sizes 8 16 32 64] [--nodes 4] [--ranks-per-node R] [--repeats 1]
+                                               [--failures actor node] [--set a.b=v ...] [--out FILE]
+                         python -m bench.scale --merge RUN.json ... --out FILE
 Prints a table and a log-log fit (slope of each phase against N) and writes
 bench/results/scale_cpu.json: a list of {"n", "failure", "detect_s", "abort_s", "replace_s",
 "rebuild_s", "restore_s", "first_step_s", "first_step_excess_s", "total_s", "nodes", ...} (one
@@ -37,20 +37,18 @@ import logging
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import ray
+from ray.cluster_utils import Cluster
+
+from config import load_config, resolve
+from fault_tolerance import RecoveryTimeline
+from megatron_actor import MegatronActorGroup
+from trainer import Trainer
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from config import load_config, resolve  # noqa: E402
-from fault_tolerance import RecoveryTimeline  # noqa: E402
-from megatron_actor import MegatronActorGroup  # noqa: E402
-from trainer import Trainer  # noqa: E402
 
 PHASES = (*RecoveryTimeline.CONTROL, "control_s", "first_step_s", "first_step_excess_s", "total_s")
 

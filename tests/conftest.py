@@ -1,18 +1,42 @@
-"""Shared fixtures: the repository root (and bench/, last) on sys.path, a local Ray session, storage servers."""
+"""Shared fixtures: the repository root on sys.path, a local Ray session, storage servers; and
+`run_bench`, how tests run a benchmark (as a program: tests do not import bench/)."""
 import os
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(os.path.join(ROOT, "bench"))  # after the root: bench/checkpoint.py must not shadow checkpoint.py
 
 import pytest  # noqa: E402
 
-from storage_servers import gcs_server, s3_server  # noqa: E402,F401  (fixtures)
+from local_storage import GCSServer, S3Server  # noqa: E402
 
 
 SECRET = f"secret-{os.urandom(8).hex()}"  # a credential that must never appear in any log
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    server = GCSServer().start()
+    yield server
+    server.stop()
+
+
+def run_bench(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m bench.NAME ARGS` from the repository root, its output captured (text); with
+    `check`, an AssertionError that shows the output's end unless it exits 0."""
+    proc = subprocess.run([sys.executable, "-m", f"bench.{name}", *args], cwd=ROOT, capture_output=True, text=True)
+    assert not check or proc.returncode == 0, \
+        f"python -m bench.{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
 
 
 @pytest.fixture(scope="module")

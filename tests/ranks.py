@@ -6,7 +6,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from storage_servers import free_port
+from local_storage import free_port
 
 
 def _rank_main(target, rank: int, world: int, port: int, args: tuple, queue) -> None:

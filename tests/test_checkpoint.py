@@ -6,7 +6,6 @@ import logging
 import multiprocessing
 import os
 import random
-import sys
 import threading
 import time
 import uuid
@@ -15,11 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from checkpoint import CheckpointError, CheckpointManager, FileEntry, Manifest  # noqa: E402
-from storage_servers import S3Server, free_port  # noqa: E402  (fixtures s3_server, gcs_server: conftest)
+from checkpoint import CheckpointError, CheckpointManager, FileEntry, Manifest
+from local_storage import S3Server, free_port  # (fixtures s3_server, gcs_server: conftest)
 
 
 @pytest.fixture(params=["local", "s3", "gcs"])

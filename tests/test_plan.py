@@ -1,10 +1,13 @@
-"""Capacity planner (bench/plan.py): the simulator against closed-form expectations."""
+"""Capacity planner (planner.py): the simulator against closed-form expectations; the fit of its
+data file (`python -m bench.fit_planner`)."""
+import json
 import math
 
 import pytest
 
-from plan import (STRATEGIES, Costs, Failure, daly_interval, failure_trace, simulate,
-                  young_interval)
+from conftest import run_bench
+from planner import (STRATEGIES, Costs, Failure, daly_interval, failure_trace, simulate,
+                     young_interval)
 
 DAY = 86400.0
 
@@ -99,9 +102,7 @@ def test_young_interval_is_the_simulated_optimum_for_restart():
 
 
 def test_main_plan_mode_runs_the_planner(tmp_path):
-    """`python main.py plan ARGS` forwards ARGS to bench/plan.py and writes its JSON and PNG."""
-    import json
-
+    """`python main.py plan ARGS` forwards ARGS to planner.py and writes its JSON and PNG."""
     from main import main
 
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
@@ -116,9 +117,7 @@ def test_phase_model_fits_and_predicts_oversubscribed_host_runs(tmp_path):
     2-core host) are fitted exactly, the largest N is predicted from the others, and the
     cluster extrapolation drops the host's oversubscription (rebuild linear in N, the first
     step flat)."""
-    import json
-
-    from plan import PHASES, fit_phase, host_load, measured_model, phase_at, validate
+    from planner import PHASES, fit_phase, host_load, load_data, phase_at, validate
 
     truth = {p: (0.1 * (i + 1), 0.002 * (i + 1)) for i, p in enumerate(PHASES)}
     assert fit_phase([8, 16, 32], [0.5 + 0.01 * host_load(n, 2) for n in (8, 16, 32)], 2, "rebuild_s") == \
@@ -127,7 +126,9 @@ def test_phase_model_fits_and_predicts_oversubscribed_host_runs(tmp_path):
              "total_s": sum(a + b * host_load(n, 2, p) for p, (a, b) in truth.items())} for n in (8, 16, 32, 64)]
     (tmp_path / "scale_cpu.json").write_text(json.dumps(rows))
     (tmp_path / "scale_cpu_fit.json").write_text(json.dumps({"cores": 2}))
-    model = measured_model(tmp_path)
+    data = tmp_path / "planner_data.json"
+    run_bench("fit_planner", "--results", str(tmp_path), "--other-host", "--out", str(data))
+    model = load_data(data)["model"]
     for p, (a, b) in truth.items():
         assert (model["base"][p], model["per_rank"][p]) == pytest.approx((a, b))
     checks = validate(model)
@@ -143,7 +144,7 @@ def test_other_host_is_predicted_from_the_costs_per_unit_of_load():
     """Runs of a 16-core host generated with the model's costs per unit of load and other fixed
     latencies are predicted exactly (the first step, that host's compute, is left out); of two
     runs of one N the fastest counts (the slower one held a stall)."""
-    from plan import LOCAL_PHASES, PHASES, host_load, validate_other_host
+    from planner import LOCAL_PHASES, PHASES, host_load, validate_other_host
 
     b = {p: 0.001 * (i + 1) for i, p in enumerate(PHASES)}
     model = {"per_rank": b}

@@ -1,10 +1,13 @@
 """Failure-domain placement (`assign_roles`) on synthetic ActorSlots (no Ray), the spare pool's
-choice of spare, and the scale benchmark's log-log fit."""
+choice of spare, and the scale benchmark's log-log fit (`python -m bench.scale --merge`, which
+runs nothing)."""
 import itertools
+import json
 
 import pytest
 
 from actor_group import ActorSlot, BackupPool, assign_roles, placement_report
+from conftest import run_bench
 
 
 def slots(nodes: int, gpus: int, per_gpu: int = 1, cpu: bool = False, extra: dict | None = None):
@@ -95,34 +98,40 @@ def test_pool_take_prefers_other_node_and_fullest_node():
     assert pool.take(set(), set()).node_id == "B" and pool.take(set(), set()) is None
 
 
-def test_loglog_slope():
-    from scale import loglog_slope
+def scale_run(path, cores, rows):
+    """An earlier `bench.scale` run at `path` (JSON, and its _fit.json with the host's `cores`)
+    of `rows`: (n, failure, total_s), the total in the restore phase; returns the path."""
+    phases = {"detect_s": 0.0, "abort_s": 0.0, "replace_s": 0.0, "rebuild_s": 0.0, "first_step_s": 0.0,
+              "first_step_excess_s": 0.0}
+    path.write_text(json.dumps([{"n": n, "failure": failure, "failed_ranks": 1, **phases, "restore_s": total,
+                                 "control_s": total, "total_s": total} for n, failure, total in rows]))
+    path.with_name(path.stem + "_fit.json").write_text(json.dumps({"cores": cores}))
+    return str(path)
 
-    assert loglog_slope([8, 16, 32, 64], [1, 1, 1, 1]) == pytest.approx(0)
-    assert loglog_slope([8, 16, 32, 64], [8, 16, 32, 64]) == pytest.approx(1)
+
+def test_loglog_slope(tmp_path):
+    """The fit's slope of total_s against N: 0 for a flat phase (actor rows), 1 for a linear one
+    (node rows)."""
+    ns = [8, 16, 32, 64]
+    run = scale_run(tmp_path / "run.json", 2, [(n, "actor", 1) for n in ns] + [(n, "node", n) for n in ns])
+    run_bench("scale", "--merge", run, "--out", str(tmp_path / "merged.json"))
+    slope = {f: v["slope"]["total_s"] for f, v in json.loads((tmp_path / "merged_fit.json").read_text())["fit"].items()}
+    assert slope["actor"] == pytest.approx(0)
+    assert slope["node"] == pytest.approx(1)
 
 
 def test_merge_fits_runs_of_one_host_together_and_refuses_two_hosts(tmp_path):
-    """`bench/scale.py --merge` runs nothing: the rows of earlier runs are fitted together
+    """`python -m bench.scale --merge` runs nothing: the rows of earlier runs are fitted together
     (N=8 from one run, N=64 from the other), and runs of hosts with different core counts
     are refused."""
-    import json
-
-    from scale import main
-
-    def run(name, n, total, cores):
-        row = {"n": n, "failure": "actor", "failed_ranks": 1, "detect_s": 0.0, "abort_s": 0.0, "replace_s": 0.0,
-               "rebuild_s": 0.0, "restore_s": total, "control_s": total, "first_step_s": 0.0,
-               "first_step_excess_s": 0.0, "total_s": total}
-        (tmp_path / f"{name}.json").write_text(json.dumps([row]))
-        (tmp_path / f"{name}_fit.json").write_text(json.dumps({"cores": cores}))
-        return str(tmp_path / f"{name}.json")
-
-    a, b = run("a", 8, 0.2, 32), run("b", 64, 0.3, 32)
+    a = scale_run(tmp_path / "a.json", 32, [(8, "actor", 0.2)])
+    b = scale_run(tmp_path / "b.json", 32, [(64, "actor", 0.3)])
     out = tmp_path / "merged.json"
-    assert [r["n"] for r in main(["--merge", a, b, "--out", str(out)])] == [8, 64]
+    run_bench("scale", "--merge", a, b, "--out", str(out))
+    assert [r["n"] for r in json.loads(out.read_text())] == [8, 64]
     fit = json.loads((tmp_path / "merged_fit.json").read_text())
     assert fit["cores"] == 32 and fit["merged_from"] == [a, b]
     assert fit["fit"]["actor"]["ratio_max_min"]["total_s"] == pytest.approx(1.5)
-    with pytest.raises(SystemExit, match="different hosts"):
-        main(["--merge", a, run("c", 64, 0.3, 2), "--out", str(out)])
+    refused = run_bench("scale", "--merge", a, scale_run(tmp_path / "c.json", 2, [(64, "actor", 0.3)]),
+                        "--out", str(out), check=False)
+    assert refused.returncode != 0 and "different hosts" in refused.stderr

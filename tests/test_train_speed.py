@@ -1,35 +1,35 @@
-"""bench/train_speed.py: the model-FLOPs formula against hand-computed values and the
-Megatron-LM paper's closed form, and a short CPU run of the bench (torch engine, 2 workers, a
-few steps) whose JSON must be complete and sane, with the parameter formula equal to the live
-model's count."""
+"""The model-FLOPs formula (flops.py) against hand-computed values and the Megatron-LM paper's
+closed form, and a short CPU run of bench/train_speed.py (torch engine, 2 workers, a few steps)
+whose JSON must be complete and sane, with the parameter formula equal to the live model's count."""
 import json
 import math
 
-import train_speed
+import flops
+from conftest import run_bench
 
 
 def test_flops_by_hand():
     # config.yaml's model: L=2, h=64, f=128, V=128; s=32, global batch 16.
-    n = train_speed.matmul_params(2, 64, 128, 128)
+    n = flops.matmul_params(2, 64, 128, 128)
     assert n == 2 * (4 * 64 * 64 + 3 * 64 * 128) + 64 * 128 == 90_112
-    per_token = train_speed.flops_per_token(n, 2, 64, 32)
+    per_token = flops.flops_per_token(n, 2, 64, 32)
     assert per_token == 8 * 90_112 + 16 * 2 * 64 * 32 == 786_432
     assert per_token * 16 * 32 == 402_653_184
-    assert train_speed.flops_per_token(n, 2, 64, 32, old_logprob_pass=False) == 6 * 90_112 + 12 * 2 * 64 * 32
-    assert train_speed.total_params(2, 64, 128, 128) == 98_624
+    assert flops.flops_per_token(n, 2, 64, 32, old_logprob_pass=False) == 6 * 90_112 + 12 * 2 * 64 * 32
+    assert flops.total_params(2, 64, 128, 128) == 98_624
     # The ~1B GPU model: 24 layers, h 2048, f 5632, V 32000 (a multiple of 128: no padding), s 2048.
-    n = train_speed.matmul_params(24, 2048, 5632, 32000)
+    n = flops.matmul_params(24, 2048, 5632, 32000)
     assert n == 1_298_661_376
-    assert train_speed.total_params(24, 2048, 5632, 32000) == 1_364_297_728
-    assert train_speed.flops_per_token(n, 24, 2048, 2048) == 11_999_903_744
+    assert flops.total_params(24, 2048, 5632, 32000) == 1_364_297_728
+    assert flops.flops_per_token(n, 24, 2048, 2048) == 11_999_903_744
 
 
 def test_flops_is_narayanan_without_recomputation():
     """Plain MLP of 4h, no extra forward pass: Narayanan et al. 2021's 96 B s L h^2 (1 + s/6h +
     V/16Lh) minus the recomputed forward = 72 B s L h^2 (1 + s/6h + V/12Lh)."""
     L, h, s, V, B = 24, 2048, 2048, 51200, 8
-    n = train_speed.matmul_params(L, h, 4 * h, V, mlp_matrices=2)
-    f = train_speed.flops_per_token(n, L, h, s, old_logprob_pass=False) * B * s
+    n = flops.matmul_params(L, h, 4 * h, V, mlp_matrices=2)
+    f = flops.flops_per_token(n, L, h, s, old_logprob_pass=False) * B * s
     assert math.isclose(f, 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)), rel_tol=1e-12)
 
 
@@ -39,10 +39,9 @@ def positive(x) -> bool:
 
 def test_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "train_speed.json"
-    r = train_speed.main(["--steps", "2", "--warmup", "1", "--out", str(out),
-                          "--set", "cluster.device=cpu", "--set", "cluster.num_workers=2",
-                          "--set", "cluster.num_spares=0"])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    run_bench("train_speed", "--steps", "2", "--warmup", "1", "--out", str(out),
+              "--set", "cluster.device=cpu", "--set", "cluster.num_workers=2", "--set", "cluster.num_spares=0")
+    r = json.loads(out.read_text())
     for key in ("device", "engine", "layout", "params", "tokens_per_step", "off", "on",
                 "overhead_ratio", "config"):
         assert key in r, key

@@ -1,1 +1,1 @@
-python3 bench/abort_probe.py --cases 4,5,3  --out /root/out/gpu/abort_probe_nvidia-h200-x2_2026-11-30d.json
+python3 -m bench.abort_probe --cases 4,5,3  --out /root/out/gpu/abort_probe_nvidia-h200-x2_2026-11-30d.json

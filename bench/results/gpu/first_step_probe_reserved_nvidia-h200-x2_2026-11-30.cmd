@@ -1,1 +1,1 @@
-python3 bench/first_step_probe.py --out /root/out/first_step_probe_reserved_nvidia-h200-x2_2026-11-30.json
+python3 -m bench.first_step_probe --out /root/out/first_step_probe_reserved_nvidia-h200-x2_2026-11-30.json

@@ -1,1 +1,1 @@
-python3 bench/ppo_cpu.py --set cluster.device=cuda --set cluster.gpus_per_actor=0.5 --set model.distributed_optimizer=false --set train.steps=150 --out /root/out/ppo_megatron_nvidia-h200-x2_2026-11-30.json
+python3 -m bench.ppo_cpu --set cluster.device=cuda --set cluster.gpus_per_actor=0.5 --set model.distributed_optimizer=false --set train.steps=150 --out /root/out/ppo_megatron_nvidia-h200-x2_2026-11-30.json

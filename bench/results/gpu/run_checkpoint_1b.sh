@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/checkpoint.py with the Megatron engine on the ~1.4B GPT of run_recovery_1b.sh (24 layers,
+# bench/checkpoint_io.py with the Megatron engine on the ~1.4B GPT of run_recovery_1b.sh (24 layers,
 # hidden 2048, 16 heads, ffn 5632, vocab 32000, seq 2048; 1.364B params), one GPU, world size 1
 # (a single-rank NCCL group in the bench process), main.py's default distributed optimizer (the
 # save/load path of tests/test_megatron_engine.py; with dp=1 it holds the whole state). One train
@@ -15,6 +15,6 @@ set -o pipefail
 source "$(dirname "$0")/bench_lib.sh"
 name=$1 dest=$2
 shift 2
-keep_run "$name" "$dest" "${BENCH_TIMEOUT:-500}" 25 "python3 bench/checkpoint.py --engine megatron --repeat 2 --dir /tmp
+keep_run "$name" "$dest" "${BENCH_TIMEOUT:-500}" 25 "python3 -m bench.checkpoint_io --engine megatron --repeat 2 --dir /tmp
  --out $dest/$name.json $MODEL_1B --set train.global_batch_size=2 --set train.mini_batch_size=2
  --set train.micro_batch_size=1 $*"

@@ -7,7 +7,7 @@ set -o pipefail
 source "$(dirname "$0")/bench_lib.sh"
 name=$1 dest=$2
 shift 2
-keep_run "$name" "$dest" "${BENCH_TIMEOUT:-400}" 25 "python3 bench/recovery.py --repeats 2 --out $dest/$name.json
+keep_run "$name" "$dest" "${BENCH_TIMEOUT:-400}" 25 "python3 -m bench.recovery --repeats 2 --out $dest/$name.json
  --set cluster.num_workers=2 --set cluster.num_spares=2 --set cluster.gpus_per_actor=0.5
  --set cluster.cpus_per_actor=1 --set fault_tolerance.min_step_timeout_s=60
  --set fault_tolerance.health_timeout_s=10 --set model.distributed_optimizer=false $MODEL_1B

@@ -15,7 +15,7 @@ set -o pipefail
 source "$(dirname "$0")/bench_lib.sh"
 name=$1 dest=$2
 shift 2
-keep_run "$name" "$dest" "${BENCH_TIMEOUT:-540}" 45 "python3 bench/train_speed.py --warmup 1 --steps 6 --max-host-mem 0.75
+keep_run "$name" "$dest" "${BENCH_TIMEOUT:-540}" 45 "python3 -m bench.train_speed --warmup 1 --steps 6 --max-host-mem 0.75
  --lag-timeout 90 --out $dest/$name.json
  --set cluster.num_workers=2 --set cluster.num_spares=0 --set cluster.gpus_per_actor=1
  --set cluster.cpus_per_actor=1 --set fault_tolerance.min_step_timeout_s=60

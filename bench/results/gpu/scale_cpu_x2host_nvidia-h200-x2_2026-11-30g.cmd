@@ -1,1 +1,1 @@
-source .gpu/install.sh .gpu; python3 bench/scale.py --sizes 8 16 32 64 --repeats 3 --max-mem-gb 200 --out $OUT/scale_cpu_x2host_nvidia-h200-x2_2026-11-30g.json  # at 37310f1 (gloo env, numpy batch, no ping round; before fe84582)
+source .gpu/install.sh .gpu; python3 -m bench.scale --sizes 8 16 32 64 --repeats 3 --max-mem-gb 200 --out $OUT/scale_cpu_x2host_nvidia-h200-x2_2026-11-30g.json  # at 37310f1 (gloo env, numpy batch, no ping round; before fe84582)

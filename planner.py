@@ -27,17 +27,17 @@ Learning Research Clusters" (Meta, 2024) report a mean time to failure of about 
 (Zhang et al., 2022) more than 100 restarts in about two months on 992 A100s. Pass
 `--gpu-rate`/`--node-rate` for another fleet.
 
-Phase times come from our measurements: bench/results/recovery_cpu.json (full restart and the
-in-place recovery at N=8 on CPU), bench/results/scale_cpu.json (how each phase grows with the
-number of ranks: a fixed latency plus a cost per rank, fitted with the oversubscription of the
-one host those runs share, extrapolated linearly to G: `measured_model`), and
-bench/results/gpu/ (the GPU recovery benchmark's phases replace the fixed parts). Those costs
-per rank are checked on another host's scale runs (`--other-host`, default the 16-core device
-host's: `validate_other_host`). The
-measured CPU full restart does not include the scheduler relaunch of a real cluster (queueing,
-container start, NCCL warm-up at thousands of ranks): `--relaunch-s` (default 600 s, an
-assumption, not a measurement) is added to it. Checkpoint costs: `--ckpt-stall-s` (training
-stall per save), `--ckpt-load-s` (reload at scale); defaults are assumptions, printed.
+Recovery phase times come from a cost model per phase, t(N) = a + b * load(N) (a fixed latency
+a, a cost b per unit of load: `host_load`, `phase_at`), read from the data file `--data`
+(default planner_data.json next to this file: `load_data` says what it holds). The file is
+written by `python -m bench.fit_planner` from the benchmark results, so the planner reads no
+benchmark output itself. The data file also holds the scale runs the model was fitted to and
+another host's runs: the plan reports how well the model predicts both (`validate`,
+`validate_other_host`). The measured full restart does not include the scheduler relaunch of a
+real cluster (queueing, container start, NCCL warm-up at thousands of ranks): `--relaunch-s`
+(default 600 s, an assumption, not a measurement) is added to it. Checkpoint costs:
+`--ckpt-stall-s` (training stall per save), `--ckpt-load-s` (reload at scale); defaults are
+assumptions, printed.
 
 Optimum checkpoint interval for the restart strategy: Young (1974), "A first order approximation
 to the optimum checkpoint interval", CACM 17(9): tau = sqrt(2 * delta * M), delta = checkpoint
@@ -45,8 +45,10 @@ cost, M = mean time between failures of the job; Daly (2006), "A higher order es
 optimum checkpoint interval for restart dumps", FGCS 22(3): tau = sqrt(2 delta M) *
 (1 + sqrt(delta / (2M)) / 3 + delta / (18 M)) - delta for delta < 2M, else tau = M.
 
-Usage: python bench/plan.py [--gpus 1000 4000 16384 65536 100000] [--days 30] [--seed 0] ...
-Prints a table and writes bench/results/plan.json and bench/results/plan.png (goodput against G).
+Usage: python main.py plan [--gpus 1000 4096 16384 65536 100000] [--days 30] [--seed 0] [--data FILE] ...
+Prints a table and writes --out (plan.json: the arguments, the model, per G the costs, the spare
+scan and each strategy's goodput, and the validations) and --png (plan.png: goodput against G).
+Errors: SystemExit when the data file is missing or malformed.
 """
 from __future__ import annotations
 
@@ -58,8 +60,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+DATA = Path(__file__).resolve().with_name("planner_data.json")
 STRATEGIES = ("restart", "spare_ckpt", "spare_peer")
 
 # Llama 3 (Dubey et al. 2024, Table 5): see the module docstring for the split.
@@ -231,27 +232,9 @@ def simulate(trace: list[Failure], strategy: str, costs: Costs, horizon_s: float
     return res
 
 
-# -- phase times from our measurements --------------------------------------------------------
-def _load(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
+# -- the recovery-cost model ------------------------------------------------------------------
 PHASES = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s", "first_step_excess_s")
 LOCAL_PHASES = ("first_step_excess_s",)  # each rank's work does not grow with its peers (compute)
-GPU_RUN = "recovery_1b_exactpin_nvidia-h200-x2_2026-11-30c.json"  # newest GPU recovery benchmark (1.36B)
-OTHER_HOST_RUNS = "gpu/scale_cpu_h200host_nvidia-h200_2026-12-01.json"  # bench/scale.py on the 16-core device host
-
-
-def phase_of(row: dict, phase: str) -> float:
-    """`row[phase]`, a recovery's seconds; a row written before `first_step_excess_s` existed
-    (2026-12-01) gets it as its first step less its steady step `step_s`, or the whole first step
-    when the row has no steady step."""
-    if phase == "first_step_excess_s" and phase not in row:
-        return max(0.0, row["first_step_s"] - row.get("step_s", 0.0))
-    return row[phase]
 
 
 def host_load(n: int, cores: int | None, phase: str = "rebuild_s") -> float:
@@ -279,39 +262,22 @@ def fit_phase(ns: list[int], ys: list[float], cores: int, phase: str) -> tuple[f
     return a, b
 
 
-def measured_model(results: Path = RESULTS, gpu_run: str = GPU_RUN) -> dict:
-    """Phase costs from the benchmark JSON: per phase a fixed latency a and a cost b per unit
-    of load, t(N) = a + b * host_load(N), fitted (`fit_phase`) to the actor-kill recoveries of
-    scale_cpu.json. Those runs put all N actors on one host of few cores, so each rank's work
-    (connecting to its N - 1 peers, the store's N clients) is also shared among the cores:
-    host_load = N * max(1, N / cores) there, N on a cluster (max(1, N / cores) and 1 for the
-    first step's excess, compute). Without scale runs: the in-place recovery of recovery_cpu.json, flat (b = 0).
-    The GPU run `gpu/<gpu_run>` (bench/recovery.py on 2 x H200), when present, gives the fixed parts."""
-    rec = _load(results / "recovery_cpu.json") or {}
-    tl = rec.get("timeline", {})
-    model = {"base": {p: phase_of(tl, p) if tl else 0.0 for p in PHASES}, "per_rank": {p: 0.0 for p in PHASES},
-             "full_restart_s": rec.get("full_restart_s", 30.0), "source": ["recovery_cpu.json"] if rec else []}
-    rows = _load(results / "scale_cpu.json")
-    actor = [r for r in rows or [] if r["failure"] == "actor"]
-    ns = sorted({r["n"] for r in actor})
-    if len(ns) >= 2:
-        cores = (_load(results / "scale_cpu_fit.json") or {}).get("cores", 2)
-        med = {p: [statistics.median(phase_of(r, p) for r in actor if r["n"] == n) for n in ns] for p in PHASES}
-        fits = {p: fit_phase(ns, med[p], cores, p) for p in PHASES}
-        held_out = {p: fit_phase(ns[:-1], med[p][:-1], cores, p) for p in PHASES} if len(ns) >= 3 else None
-        model.update(base={p: a for p, (a, _) in fits.items()}, per_rank={p: b for p, (_, b) in fits.items()},
-                     host_cores=cores, held_out=held_out,
-                     scale_rows={n: statistics.median(r["total_s"] for r in actor if r["n"] == n) for n in ns})
-        node = [r["total_s"] for r in rows if r["failure"] == "node"]
-        if node:
-            model["node_extra_s"] = max(0.0, statistics.median(node) - statistics.median(
-                r["total_s"] for r in actor))
-        model["source"].append("scale_cpu.json")
-    gpu = _load(results / "gpu" / gpu_run)
-    if gpu and gpu.get("timeline"):
-        model["gpu_base"] = {p: phase_of(gpu["timeline"], p) for p in PHASES}
-        model["source"].append(f"gpu/{gpu_run}")
-    return model
+def load_data(path: Path) -> dict:
+    """The planner's inputs from the JSON file `path` (written by `python -m bench.fit_planner`):
+    {"model": {"base": {phase: a (s)}, "per_rank": {phase: b (s per unit of load)},
+    "full_restart_s", "source": [files it was fitted to], and, where measured, "gpu_base": {phase:
+    a on GPUs (s)}, "node_extra_s", "host_cores" (of the host of the fitted runs), "held_out":
+    {phase: [a, b]} fitted without the largest N, "scale_rows": {N: measured total (s)}},
+    "other_host": {"cores", "rows": [scale-run rows of another host]} (optional)}.
+    Raises SystemExit when the file cannot be read or lacks the model."""
+    try:
+        data = json.loads(Path(path).read_text())
+        model = data["model"]
+        model["scale_rows"] = {int(n): s for n, s in model.get("scale_rows", {}).items()}  # JSON keys are strings
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"--data {path}: not a planner data file ({e!r}); write one with "
+                         "`python -m bench.fit_planner`") from e
+    return data
 
 
 def phase_at(model: dict, phase: str, n: int, gpu: bool = True, host_cores: int | None = None,
@@ -414,7 +380,7 @@ def validate_other_host(model: dict, rows: list[dict], cores: int) -> list[dict]
     that host's own fixed latencies, from its smallest N: a = y(N_min) - b x host_load(N_min).
     Compared: the control part (the total without the first step's excess, whose cost per rank
     is the host's compute speed), of the fastest run of each N (a run on a shared host is only ever
-    slowed down by it; the slowest 16-core runs held the 120 s gloo stall that is fixed since)."""
+    slowed down by it, so the fastest is the closest to the cost of the code)."""
     actor = [r for r in rows if r["failure"] == "actor"]
     ns = sorted({r["n"] for r in actor})
     ctrl = [p for p in PHASES if p not in LOCAL_PHASES]
@@ -468,23 +434,16 @@ def main(argv=None) -> dict:
     p.add_argument("--spares", type=int, default=None, help="spare GPUs (default: the recommended count)")
     p.add_argument("--traces", type=int, default=3, help="failure traces averaged per point")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results", default=str(RESULTS), help="where the benchmark JSON is read")
-    p.add_argument("--gpu-run", default=GPU_RUN, help="GPU recovery JSON under RESULTS/gpu for the fixed phase costs")
-    p.add_argument("--other-host", nargs="*", default=[str(f) for f in sorted(RESULTS.glob(OTHER_HOST_RUNS))],
-                   help="scale runs (bench/scale.py JSON, cores in its _fit.json) of another host, "
-                   "predicted with this model's costs per unit of load (validate_other_host)")
-    p.add_argument("--out", default=str(RESULTS / "plan.json"))
-    p.add_argument("--png", default=str(RESULTS / "plan.png"))
+    p.add_argument("--data", default=str(DATA), help="the planner's data file (load_data; default %(default)s)")
+    p.add_argument("--out", default="plan.json", help="the plan as JSON (default %(default)s)")
+    p.add_argument("--png", default="plan.png", help="goodput against G (default %(default)s; '' for none)")
     args = p.parse_args(argv)
-    model = measured_model(Path(args.results), args.gpu_run)
+    data = load_data(Path(args.data))
+    model = data["model"]
     results = [plan_one(g, args, model) for g in args.gpus]
     checks = validate(model)
-    other = []
-    if args.other_host and "host_cores" in model:
-        cores = {(_load(Path(f).with_name(Path(f).stem + "_fit.json")) or {}).get("cores") for f in args.other_host}
-        if len(cores) != 1 or None in cores:
-            raise SystemExit(f"--other-host: every file needs its _fit.json with the same 'cores', got {cores}")
-        other = validate_other_host(model, [r for f in args.other_host for r in _load(Path(f)) or []], cores.pop())
+    other_host = data.get("other_host")
+    other = validate_other_host(model, other_host["rows"], other_host["cores"]) if other_host else []
 
     print(f"phase model from {', '.join(model['source']) or 'defaults'}: seconds = fixed + b x load "
           f"(load on a cluster: N ranks, 1 for the first step's excess): "
@@ -532,7 +491,3 @@ def main(argv=None) -> dict:
         plot(results, Path(args.png))
     print(f"wrote {args.out}" + (f" and {args.png}" if args.png else ""))
     return out
-
-
-if __name__ == "__main__":
-    main()

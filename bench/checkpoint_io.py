@@ -2,8 +2,8 @@
 CheckpointManager against raw writes of the same bytes to the same storage, and the training
 stall of an async save vs a sync save.
 
-    .venv/bin/python bench/checkpoint.py [--backends local s3 gcs] [--repeat 3] [--dir /tmp]
-    python bench/checkpoint.py --engine megatron --set model.num_layers=24 ... --out PATH   (GPU)
+    python -m bench.checkpoint_io [--backends local s3 gcs] [--repeat 3] [--dir /tmp]        (repository root)
+    python -m bench.checkpoint_io --engine megatron --set model.num_layers=24 ... --out PATH   (GPU)
 
 What runs, per backend (each repeat in this order; the best time of each
 measure over the repeats is reported, every run is kept in the JSON):
@@ -65,16 +65,15 @@ import tempfile
 import time
 import uuid
 
+import torch
+
+from checkpoint import CheckpointManager
+from config import Config
+from local_storage import GCSServer, S3Server, free_port  # sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT before gcsfs loads
+from parallel_dims import ParallelDims
+from torch_engine import TorchEngine
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs import
-
-import torch  # noqa: E402
-
-from checkpoint import CheckpointManager  # noqa: E402
-from config import Config  # noqa: E402
-from parallel_dims import ParallelDims  # noqa: E402
-from torch_engine import TorchEngine  # noqa: E402
 
 # (vocab, hidden, ffn, layers, heads): params ~ 2*V*H + L*(4*H^2 + 3*H*F); bytes ~ 12 * params
 SIZES = {
@@ -168,20 +167,18 @@ def timed(fn):
 
 
 class ServerProcess:
-    """One loopback storage server of tests/storage_servers.py in a child process (so it does not
+    """One loopback storage server of local_storage.py in a child process (so it does not
     share this process's GIL); `server` is the parent-side handle (uri, storage_options)."""
 
     def __init__(self, kind: str):
-        from storage_servers import GCSServer, S3Server, free_port
-
         cls = {"s3": S3Server, "gcs": GCSServer}[kind]
         self.server = cls(port=free_port())
-        code = (f"import sys, time; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); "
-                f"from storage_servers import {cls.__name__} as C; C(port={self.server.port}).start(); "
+        code = (f"import time; from local_storage import {cls.__name__} as C; C(port={self.server.port}).start(); "
                 "print('ready', flush=True); time.sleep(1e9)")
         # the emulators print a traceback per client that closes a connection early: keep it in a log
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{kind}-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True)
         if self.proc.stdout.readline().strip() != "ready":
             self.stop(keep_log=True)
             raise RuntimeError(f"{kind} server did not start; see {self.log.name}")

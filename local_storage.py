@@ -1,8 +1,10 @@
-"""Real object-storage servers on loopback for tests: S3 (moto) and GCS (gcp-storage-emulator).
+"""S3 and GCS servers on loopback for local runs, tests and benchmarks: real object-storage
+servers (S3: moto, GCS: gcp-storage-emulator) in this process, so checkpoints to s3:// and gs://
+run without a cloud.
 
 Each server picks a free port, can be stopped (the port then refuses connections, as a dead
-endpoint would) and restarted on the same port with its objects kept. Use the session fixtures
-`s3_server` / `gcs_server`, or the classes directly:
+endpoint would) and restarted on the same port with its objects kept (tests/conftest.py has
+them as the session fixtures `s3_server` / `gcs_server`):
 
     server = S3Server().start()
     fs = s3fs.S3FileSystem(**server.storage_options)
@@ -22,7 +24,6 @@ import socket
 import time
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs import
-import pytest  # noqa: E402
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
 logging.getLogger("gcp_storage_emulator.storage").setLevel(logging.CRITICAL)  # logs every 404 as error
@@ -152,16 +153,3 @@ class GCSServer(_LoopbackServer):
             self._server.stop()
             self._server = None
 
-
-@pytest.fixture(scope="session")
-def s3_server():
-    server = S3Server().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def gcs_server():
-    server = GCSServer().start()
-    yield server
-    server.stop()

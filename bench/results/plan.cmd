@@ -1,0 +1,1 @@
+python -m bench.fit_planner && python main.py plan --out bench/results/plan.json --png bench/results/plan.png  # planner_data.json from the bench results (fit_planner), then the plan of the default inputs
