@@ -434,8 +434,6 @@ class ActorGroup:
         members of dropped replicas become spares. The global batch is unchanged: each replica
         gets a larger share, so more micro-batches accumulate. Raises ValueError when the batch
         sizes do not divide by the smaller dp; the caller turns that into a RecoveryError."""
-        from parallel_dims import RankCoords
-
         old, t = self.dims, self.cfg.train
         lost = sorted({old.coords(r).dp for r in failed})
         kept = [d for d in range(old.dp) if d not in lost]

@@ -100,7 +100,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     import ray
     from ray.cluster_utils import Cluster
     from local_storage import S3Server
-    from megatron_actor import MegatronActorGroup
+    from actor_group import ActorGroup
     from trainer import Trainer
 
     faults = schedule(n_faults, seed)
@@ -121,7 +121,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     tag = f"chaos-{int(time.time())}"
     try:
         ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, 0, [])
-        group = MegatronActorGroup(ref_cfg)
+        group = ActorGroup(ref_cfg)
         try:
             ref = Trainer(ref_cfg, group)
             ref.train(steps)
@@ -129,7 +129,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
             group.shutdown()
 
         cfg = make_cfg(s3.uri(f"{tag}/run"), f"/tmp/{tag}/run", steps, 6, chaos_events(faults))
-        group = MegatronActorGroup(cfg)
+        group = ActorGroup(cfg)
         by_step = {f["step"]: f for f in faults}
         corrupted: set[int] = set()
         outage: list[threading.Thread] = []

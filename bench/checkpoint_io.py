@@ -292,12 +292,13 @@ def bench_megatron(args, tmp: str, report) -> dict:
     import torch.distributed as dist
 
     from config import load_config, resolve
-    from megatron_engine import MegatronEngine, _tensors
+    from host_memory import state_tensors
+    from megatron_engine import MegatronEngine
     from training_batch import synthetic_batch
 
     cfg = resolve(load_config(args.config, ["model.engine=megatron", "cluster.num_workers=1",
                                             "cluster.num_spares=0", *args.overrides]))
-    dims, t, m = cfg.dims, cfg.train, cfg.model
+    dims, t, m = ParallelDims.from_config(cfg), cfg.train, cfg.model
     if dims.world_size != 1:
         raise SystemExit(f"--engine megatron runs one rank; got world size {dims.world_size}")
     torch.cuda.set_device(0)
@@ -307,9 +308,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     t0 = time.perf_counter()
     engine = MegatronEngine(cfg)
-    dist.init_process_group("nccl", store=dist.PrefixStore("gen1", store), rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
-    engine.connect(dims, 0)
+    connect_phases = engine.connect(dist.PrefixStore("gen1", store), dims, 0)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -317,7 +316,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
     torch.cuda.synchronize()
     info = {"device": torch.cuda.get_device_name(0), "engine": "megatron",
             "params": sum(p.numel() for p in engine.model.parameters()),
-            "build_s": build_s, "connect_phases": getattr(engine, "connect_phases", None),
+            "build_s": build_s, "connect_phases": connect_phases,
             "train_step_s": time.perf_counter() - t0, "train_step_loss": metrics["loss"],
             "model": dataclasses.asdict(m), "distributed_optimizer": m.distributed_optimizer,
             "train": {k: getattr(t, k) for k in ("seq_len", "global_batch_size", "mini_batch_size",
@@ -326,7 +325,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
           f"train step {info['train_step_s']:.1f} s (loss {metrics['loss']:.4f})", flush=True)
 
     def fingerprint() -> torch.Tensor:  # per state tensor: its sum in float64, on the GPU
-        return torch.stack([x.detach().to(engine.device).double().sum() for x in _tensors(engine._train_state())])
+        return torch.stack([x.detach().to(engine.device).double().sum() for x in state_tensors(engine._train_state())])
 
     mnt = _mount_of(tmp)
     print(f"  checkpoints under {tmp}: {mnt['dir_fs_type']} {mnt['dir_device']} on {mnt['dir_mount']}, "
@@ -342,7 +341,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
         os.makedirs(raw_root, exist_ok=True)
         gc.collect()
         r["d2h_s"], host = timed(engine.host_state)
-        shards = {"model": _tensors(host), "rng_rank0": [torch.get_rng_state(), torch.cuda.get_rng_state()]}
+        shards = {"model": state_tensors(host), "rng_rank0": [torch.get_rng_state(), torch.cuda.get_rng_state()]}
         r["payload_bytes"] = sum(x.numel() * x.element_size() for ts in shards.values() for x in ts)
         free = shutil.disk_usage(raw_root).free
         if free < 1.1 * r["payload_bytes"]:
@@ -376,7 +375,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
         r["files"] = len(files)
 
         saved = fingerprint()
-        for x in _tensors(engine._train_state()):  # so that the load has to restore every tensor
+        for x in state_tensors(engine._train_state()):  # so that the load has to restore every tensor
             x.zero_()
         engine.step = 0
         drop_cache(ckpt._step_path(step))

@@ -7,7 +7,7 @@ first steps of a rank in the state of a restored spare (built, connected, step 3
 step after a reconnect (a survivor's view of a recovery):
 - `spare`: a spare that reserved nothing: its rollback snapshot buffers are pinned
   (`megatron_engine.pinned_empty`) in a background thread while the first step runs;
-- `spare_reserved`: the snapshot memory pinned before the rank joins (what `MegatronActorGroup`
+- `spare_reserved`: the snapshot memory pinned before the rank joins (what `ActorGroup`
   has pre-warmed spares do: `MegatronEngine.reserve_host_memory`), then as `spare`;
 - `no_snapshot`: no rollback snapshot at all (isolates the pinned allocation);
 - `warm_up`: what a pre-warmed spare does before any failure: `MegatronEngine.warm_up` (a
@@ -38,6 +38,7 @@ def _variant(name: str) -> dict:
 
     import megatron_engine
     from config import load_config, resolve
+    from parallel_dims import ParallelDims
     from training_batch import synthetic_batch
 
     cfg = resolve(load_config(None, MODEL), num_gpus=1)
@@ -47,11 +48,7 @@ def _variant(name: str) -> dict:
 
     def join(e, gen):
         e.disconnect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("nccl", store=dist.PrefixStore(f"g{gen}", store), rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-        e.connect(cfg.dims, 0)
+        e.connect(dist.PrefixStore(f"g{gen}", store), ParallelDims.from_config(cfg), 0)
 
     def batch(step):
         t = cfg.train

@@ -1,7 +1,7 @@
 """PPO on real experience, CPU: the reward curve of `configs/ppo_cpu.yaml`, and the same run with
 two injected failures (`chaos.events`, kill on a rank), which must end with the same curve.
 
-Each run: `Trainer.train` over a `MegatronActorGroup` (real Ray actors, gloo), every step a
+Each run: `Trainer.train` over a `ActorGroup` (real Ray actors, gloo), every step a
 rollout (the policy samples its own completions), exact rewards, GRPO advantages and PPO
 updates. The run with failures recovers from spares (peer restore) and re-runs the step in
 flight, rollout included; sampling is a pure function of (seed, step, row) and the weights, so
@@ -20,9 +20,10 @@ import json
 import time
 from pathlib import Path
 
+from actor_group import ActorGroup
 from config import load_config, resolve
 from main import start_ray
-from megatron_actor import MegatronActorGroup
+from parallel_dims import ParallelDims
 from trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ def failures(steps: int) -> list[dict]:
 def run(cfg) -> dict:
     """Train `cfg` for train.steps steps; returns rewards, losses, recoveries and seconds."""
     t0 = time.perf_counter()
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(cfg.train.steps)
@@ -122,7 +123,7 @@ def main(argv=None) -> dict:
                    else args.config, "overrides": args.overrides, "task": ref_cfg.rl.task,
                    "task_args": ref_cfg.rl.task_args, "advantage": ref_cfg.rl.advantage,
                    "workers": ref_cfg.cluster.num_workers, "spares": ref_cfg.cluster.num_spares,
-                   "dp": ref_cfg.dims.dp, "window": w, "date": time.strftime("%Y-%m-%d")},
+                   "dp": ParallelDims.from_config(ref_cfg).dp, "window": w, "date": time.strftime("%Y-%m-%d")},
     }
     print(f"\n{'run':<16}{'reward first ' + str(w):>18}{'reward last ' + str(w):>17}{'exact last ' + str(w):>16}"
           f"{'recoveries':>12}{'seconds':>10}")

@@ -27,25 +27,24 @@ from pathlib import Path
 
 import ray
 
+from actor_group import ActorGroup
 from config import load_config, resolve
 from main import start_ray
-from megatron_actor import MegatronActorGroup
+from parallel_dims import ParallelDims
 from trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def kill_replica(trainer: Trainer, replica: int) -> None:
-    for r in trainer.group.dims.replica_ranks(replica):
-        ray.kill(trainer.group.workers[r].handle, no_restart=True)
-    trainer.failed_at = time.time()
+    trainer.group.kill(trainer.group.dims.replica_ranks(replica))
 
 
 def full_restart(cfg, detect_s: float) -> float:
     """Seconds from the failure to the first step done after a whole-job restart from the newest
     checkpoint (the steps since that checkpoint are lost on top of this)."""
     t0 = time.perf_counter()
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         manifest = trainer.ckpt.latest_verified()
@@ -69,11 +68,12 @@ def main(argv=None) -> dict:
     run_dir = f"/tmp/bench_recovery_{int(time.time())}"
     cfg = resolve(load_config(args.config, [f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt",
                                             "checkpoint.interval=2", *args.overrides]))
-    if cfg.cluster.num_spares < args.repeats * len(cfg.dims.replica_ranks(0)):
-        sys.exit(f"--repeats {args.repeats} needs cluster.num_spares >= {args.repeats * len(cfg.dims.replica_ranks(0))}")
+    dims = ParallelDims.from_config(cfg)
+    if cfg.cluster.num_spares < args.repeats * len(dims.replica_ranks(0)):
+        sys.exit(f"--repeats {args.repeats} needs cluster.num_spares >= {args.repeats * len(dims.replica_ranks(0))}")
     start_ray(cfg)
 
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     trainer = Trainer(cfg, group)
     trainer.train(3)  # kills land between checkpoints (every 2 steps), as failures do
     # Spares finish pre-warming first (GPU: `MegatronEngine.warm_up`), as in a long job: `noop`
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
     ray.get([s.handle.noop.remote() for s in group.pool.spares])
     committed_at_kill = []
     for i in range(args.repeats):
-        kill_replica(trainer, 1 + i % (cfg.dims.dp - 1) if cfg.dims.dp > 1 else 0)
+        kill_replica(trainer, 1 + i % (dims.dp - 1) if dims.dp > 1 else 0)
         committed_at_kill.append(trainer.committed_step)
         trainer.train(trainer.committed_step + 2)   # detect + recover + first step, then one more
     timelines = trainer.recoveries
@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
         "runs": {"recoveries": [t.to_dict() for t in timelines], "full_restarts": []},
         "config": {"device": cfg.cluster.device, "engine": cfg.model.engine,
                    "workers": cfg.cluster.num_workers, "spares": cfg.cluster.num_spares,
-                   "tp": cfg.dims.tp, "pp": cfg.dims.pp, "cp": cfg.dims.cp, "dp": cfg.dims.dp,
+                   "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
                    "date": time.strftime("%Y-%m-%d")},
     }
     print(f"\n{'phase':<14}{'seconds':>10}")

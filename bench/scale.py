@@ -43,9 +43,9 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
+from actor_group import ActorGroup
 from config import load_config, resolve
-from fault_tolerance import RecoveryTimeline
-from megatron_actor import MegatronActorGroup
+from failures import RecoveryTimeline
 from trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def make_cfg(n: int, nodes: int, run_dir: str, overrides: list[str]):
         f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt", *overrides]), num_gpus=0)
 
 
-def wait_refilled(group: MegatronActorGroup, want: int, timeout: float = 120.0) -> None:
+def wait_refilled(group: ActorGroup, want: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while len(group.pool) < want and time.monotonic() < deadline:
         group.poll_refills()
@@ -109,7 +109,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict,
     group = None
     try:
         t0 = time.perf_counter()
-        group = MegatronActorGroup(cfg, placement_timeout_s=120)
+        group = ActorGroup(cfg, placement_timeout_s=120)
         start_s = time.perf_counter() - t0
         pids = ray.get([s.handle.info.remote() for s in group.workers + group.pool.spares])
         actor_mb = statistics.mean(pss_mb(i["pid"]) for i in pids)
@@ -123,8 +123,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict,
         spares = len(group.pool)
         for i in range(repeats if "actor" in failures else 0):  # (a) one killed actor
             victim = (1 + 5 * i) % len(group.workers)
-            ray.kill(group.workers[victim].handle, no_restart=True)
-            trainer.failed_at = time.time()
+            group.kill([victim])
             trainer.train(trainer.committed_step + 2)
             rows.append({"n": n, "failure": "actor", **_row(trainer)})
             wait_refilled(group, spares)
@@ -141,7 +140,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict,
             victim = max(choices, key=lambda nid: by_node[nid])
             (handle,) = [h for h in node_handles if h.node_id == victim]
             cluster.remove_node(handle, allow_graceful=False)
-            trainer.failed_at = time.time()
+            group.injected_at = time.time()  # a node removed from outside the group
             recoveries = len(trainer.recoveries)
             # The node's workers exit some time after its raylet is gone: with short steps the
             # run can commit a step or two before the failure shows; train until it does.

@@ -2,7 +2,7 @@
 switched on and off, measured in one run on the same actors.
 
 What the machinery costs per step (read from the code):
-  health    the driver awaits each step in `MegatronActorGroup.wait` with a deadline
+  health    the driver awaits each step in `ActorGroup.wait` with a deadline
             (`Trainer.step_deadline`: hang_factor x median step time) and, every
             `health_interval_s` without a result, pings every rank's control group for its
             progress counter (`_progress`);
@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 
 from flops import FORMULA, flops_per_token, matmul_params, total_params
+from parallel_dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_FLOPS = 989e12  # FLOP/s per GPU: H100 SXM / H200 dense bf16 (no sparsity)
@@ -70,7 +71,7 @@ PEAK_BF16_FLOPS = 989e12  # FLOP/s per GPU: H100 SXM / H200 dense bf16 (no spars
 def model_flops(cfg) -> dict:
     """{"params", "params_matmul", "tokens_per_step", "flops_per_token", "flops_per_step",
     "vocab"} of a resolved config; FLOPs in FLOP, tokens in tokens."""
-    from megatron_engine import padded_vocab_size  # pure function, no Megatron import
+    from megatron_model import padded_vocab_size  # pure function, no Megatron import
 
     m, t = cfg.model, cfg.train
     vocab = padded_vocab_size(m.vocab_size) if m.engine == "megatron" else m.vocab_size
@@ -190,7 +191,7 @@ def components(group, reps: int) -> dict:
     """Seconds of each synchronous piece of the machinery, measured alone after the phases
     (median over `reps`, slowest rank): `engine.snapshot()` (the rollback copy; ~0 with the
     Megatron distributed optimizer), `engine.host_state()` (the copy sent to a holder), and one
-    health poll of every rank's control group from the driver (`MegatronActorGroup._progress`)."""
+    health poll of every rank's control group from the driver (`HealthMonitor._progress`)."""
     import ray
 
     def timed(actor, reps):  # runs on each actor's compute thread
@@ -304,7 +305,7 @@ def main(argv=None) -> dict:
 
     from config import load_config, resolve
     from main import start_ray
-    from megatron_actor import MegatronActorGroup
+    from actor_group import ActorGroup
     from trainer import Trainer
 
     run_dir = f"/tmp/bench_train_speed_{os.getpid()}_{int(time.time())}"
@@ -321,7 +322,7 @@ def main(argv=None) -> dict:
     started = not ray.is_initialized()
     if started:
         start_ray(cfg)
-    group = MegatronActorGroup(cfg)
+    group = ActorGroup(cfg)
     runs: dict[str, list[dict]] = {}
     try:
         data = Trainer(cfg, group)  # the OFF phase takes its batches from here (Trainer.batch)
@@ -362,7 +363,7 @@ def main(argv=None) -> dict:
     ref = runs["off"][0]["losses"]
     diffs = [abs(ref[s] - r["losses"][s]) for name in names for r in runs[name] for s in r["losses"]]
     ph = {name: summarize(merge(runs[name]), fl, peak, gpus) for name in names}
-    ft, d, m, t = cfg.fault_tolerance, cfg.dims, cfg.model, cfg.train
+    ft, d, m, t = cfg.fault_tolerance, ParallelDims.from_config(cfg), cfg.model, cfg.train
     snap = ("no-op: distributed optimizer" if m.engine == "megatron" and m.distributed_optimizer
             else "model + optimizer to host memory")
     result = {
