@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("options of every mode")
     g.add_argument("--config", default="config.yaml", metavar="FILE",
-                   help="YAML config file; every key is documented in it and in README (default: config.yaml)")
+                   help="YAML config file; every key is documented in it and in docs/configuration.md (default: config.yaml)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="override one config value, parsed as YAML, e.g. --set train.steps=10 (repeatable)")
     g.add_argument("--dry-run", action="store_true",
