@@ -137,8 +137,9 @@ class HealthMonitor:
         (Ray's workers exit when their raylet dies; until then they may still answer pings).
         Every rank on that node is then dead at once, without waiting for the timeout. Why:
         otherwise the node's ranks are found one at a time, each at its own timeout or failed
-        abort call (see docs/recovery.md, "Detect"). Caveat (not tested here): a firewall that rejects, rather than
-        drops, connections from the driver's node to a raylet port would make that node look lost."""
+        abort call (see docs/recovery.md, "Detect"). Caveat (not tested here): a firewall that
+        rejects, rather than drops, connections from the driver's node to a raylet port would
+        make that node look lost."""
         ft, workers = self.ft, self._workers()
         deadline = time.monotonic() + ft.health_timeout_s
         dead = self.lost_ranks()

@@ -188,7 +188,7 @@ class TorchEngine:
         gradient-ready order), and a multi-rank all-reduce sums each element in an order that
         depends on its offset in the buffer. A fixed layout makes every sum independent of the
         packing, so a run whose DDP was re-wrapped by a recovery stays bitwise equal to one that
-        never was. One collective, not one per parameter (as before): each gloo collective costs
+        never was. One collective, not one per parameter: each gloo collective costs
         a ring of 2 (N - 1) dependent transfers. Also counts progress (a rank stuck before the
         collective shows a lower count than peers waiting inside it) and is a fault-injection
         point."""
