@@ -240,8 +240,9 @@ class ActorGroup:
         self.holders: dict[str, object] = {}
         if cfg.fault_tolerance.memory_snapshot_interval > 0:
             # In a bundle of the placement group on that node: reserved, so the holder is where
-            # its key says (a soft node affinity fell back to another node for a node just added,
-            # and a rank's copies then sat on the rank's own node). Keyed by the node it runs on.
+            # its key says (a soft node affinity may fall back to another node, e.g. for a node
+            # just added, and a rank's copies would then sit on its own node). Keyed by the node
+            # it runs on.
             bundles = {s.node_id: s.bundle_index for s in sorted(slots, key=lambda s: -s.bundle_index)}
             handles = [SnapshotHolder.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, bundles[node])).remote() for node in sorted(bundles)]

@@ -19,11 +19,10 @@ def abort_process_groups() -> None:
     """Abort every process group of this process, each in its own thread, then drop them from
     torch's registry (`_abort_process_group`, whose own aborts are then no-ops).
 
-    Why threads: torch aborts the groups one after another (inside one ncclGroupStart/End), and
-    each NCCL communicator abort took ~0.53 s on H200 (NCCL 2.28, torch 2.11); with a collective
-    blocked on a killed peer and 17 groups (the default + 16; Megatron makes many, not counted) the sequential abort
-    had not returned after 25 s, while the threaded one returned in 0.87-0.96 s and freed the
-    stuck collective (bench/abort_probe.py, bench/results/gpu/abort_probe_nvidia-h200-x2_2026-11-29.json)."""
+    Why threads: torch aborts the groups one after another (inside one ncclGroupStart/End), so
+    the time grows with the number of communicators (Megatron makes many per rank) and, with a
+    collective blocked on a dead peer, may not return at all; aborted in parallel, every group is
+    freed at once (see docs/recovery.md, "Abort")."""
     from torch.distributed.distributed_c10d import _abort_process_group, _world
 
     threads = [threading.Thread(target=pg.abort, daemon=True) for pg in list(_world.pg_names)]
@@ -41,8 +40,8 @@ def recording_new_sockets(into: dict[int, str]):
     Why: gloo has no abort (torch 2.13's ProcessGroupGloo keeps Backend's no-op `abort`), so a
     rank blocked in a gloo collective is freed only when a socket of that collective fails.
     Without help that happens when a neighbour's process group is destroyed, one ring hop at a
-    time: measured with 24 ranks on 2 cores, the last survivor was freed 1.35 s after the first
-    (bench/scale.py). `shutdown_sockets` on what gloo opened frees every rank at once. Linux only
+    time, so the delay grows with the number of ranks (see docs/recovery.md, "Abort").
+    `shutdown_sockets` on what gloo opened frees every rank at once. Linux only
     (/proc/self/fd); elsewhere nothing is recorded and aborts fall back to that cascade."""
     before = set(_socket_links().values())
     try:
@@ -94,10 +93,8 @@ def left_collective(engine, timeout_s: float, poll_s: float = 0.01) -> bool:
     """Wait up to `timeout_s` seconds for `engine.in_collective` to turn False; returns whether
     it did. Why: gloo (tcp/pair.cc, torch 2.13) fails a pair's pending sends when its
     connection fails, but not a send queued behind a partial write (a peer that stopped reading
-    mid-message): that send returns only at the process-group timeout (`step_timeout_s`).
-    Measured with 2 gloo ranks (`tests/test_scenarios.py`): a send with no receive posted was
-    freed at once by `shutdown_sockets`, a send behind a partial write waited out the timeout.
-    Seen at N=64 on 16 cores (bench/scale.py): 2 of 3 killed-actor recoveries took 120 s."""
+    mid-message): that send returns only at the process-group timeout (`step_timeout_s`), so
+    a caller must not wait on it unbounded (see docs/recovery.md, "Abort")."""
     deadline = time.monotonic() + timeout_s
     while engine.in_collective:
         if time.monotonic() >= deadline:

@@ -130,16 +130,16 @@ class HealthMonitor:
         `fault_tolerance.health_timeout_s` seconds. An actor that is temporarily unreachable
         (`ActorUnavailableError`, e.g. its node's agent restarting) is retried until then and
         not reported if it answers; one still unreachable then is (its node is likely gone:
-        Ray marks a lost node dead only after ~15 s, measured with `Cluster.remove_node`).
+        Ray marks a lost node dead only some seconds later; see docs/recovery.md, "Detect").
 
         Lost nodes are found sooner: when a node's raylet refuses connections
         (`refuses_connections`), its process is gone, and with it every actor of that node
         (Ray's workers exit when their raylet dies; until then they may still answer pings).
-        Every rank on that node is then dead at once, without waiting for the timeout:
-        measured with `Cluster.remove_node` at N=8 (bench/scale.py), the node's ranks were
-        otherwise found one after 10 s (health_timeout_s) and the other only when its abort
-        call failed 1.5 s later. Caveat (not tested here): a firewall that rejects, rather than
-        drops, connections from the driver's node to a raylet port would make that node look lost."""
+        Every rank on that node is then dead at once, without waiting for the timeout. Why:
+        otherwise the node's ranks are found one at a time, each at its own timeout or failed
+        abort call (see docs/recovery.md, "Detect"). Caveat (not tested here): a firewall that
+        rejects, rather than drops, connections from the driver's node to a raylet port would
+        make that node look lost."""
         ft, workers = self.ft, self._workers()
         deadline = time.monotonic() + ft.health_timeout_s
         dead = self.lost_ranks()
@@ -172,7 +172,7 @@ class HealthMonitor:
 
     def lost_ranks(self, node_ids: set[str] | None = None) -> set[int]:
         """Ranks on a node (of `node_ids`; default: every worker's) whose raylet refuses
-        connections (`_lost_nodes`): dead, no ping needed."""
+        connections (`lost_nodes`): dead, no ping needed."""
         workers = self._workers()
         lost = self.lost_nodes({s.node_id for s in workers} if node_ids is None else node_ids)
         return {r for r, s in enumerate(workers) if s.node_id in lost}

@@ -25,9 +25,10 @@ def configure_host_allocator() -> None:
     """Make torch pin host memory with malloc + page mapping by 8 threads + cudaHostRegister
     instead of one cudaHostAlloc call (torch's PYTORCH_CUDA_ALLOC_CONF options from
     pytorch/pytorch#108488). Why: cudaHostAlloc holds a CUDA driver lock for the whole
-    allocation, and the step's kernel launches wait on it (see docs/gpu.md). The engine's own
-    buffers come from `pinned_empty` (the same registration path, exact size); this covers
-    what still pins through torch, e.g. Megatron's device-to-host copy in a synchronous save.
+    allocation, and the step's kernel launches wait on it (see bench/results/HISTORY.md). The
+    engine's own buffers come from `pinned_empty` (the same registration path, exact size);
+    this covers what still pins through torch, e.g. Megatron's device-to-host copy in a
+    synchronous save.
     Call before CUDA is initialised in the process; settings already in
     PYTORCH_CUDA_ALLOC_CONF are kept."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")

@@ -162,9 +162,9 @@ class MegatronActor:
         # Abortable barrier before the (uninterruptible) rendezvous inside init_process_group:
         # a member that never arrives must not strand the others in a blocking store wait.
         # A polling barrier on purpose: a `store.wait` that times out leaves a stale reply on the
-        # client's socket (measured: the following init_process_group then stalls), so it cannot
-        # be cut into abortable slices. Polling every 10 ms is cheap next to the rendezvous
-        # (measured with 48 ranks: barrier release 0.04 s, gloo init 0.22 s).
+        # client's socket (the following init_process_group then stalls), so it cannot be cut
+        # into abortable slices. Polling every 10 ms is cheap next to the rendezvous itself
+        # (see docs/recovery.md, "Rebuild").
         store.add("arrived", 1)
         deadline = time.monotonic() + ft.rendezvous_timeout_s
         while store.add("arrived", 0) < dims.world_size:

@@ -110,7 +110,7 @@ def write_buckets(async_fn, _rank: int, buckets: list, results_queue) -> None:
     request's finalize (`_rank`, Megatron's first argument, is not needed). Why not Megatron's
     fork of one writer process per bucket: it forks from a background thread while the
     training thread runs, and a lock another thread holds at the fork stays held forever in
-    the child (forked writers were seen stuck in futex_wait). Raises CheckpointError when
+    the child (a forked writer then hangs in futex_wait). Raises CheckpointError when
     `async_fn` is not the partial of megatron-core `WRITTEN_FOR`."""
     import queue
 

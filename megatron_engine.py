@@ -502,7 +502,7 @@ class MegatronEngine:
 
     def reserve_host_memory(self, nbytes: int, headroom: float = 0.1) -> bool:
         """Pin `nbytes` of host memory in a background thread, for the rollback snapshot buffers
-        this rank will need after it joins (`MegatronActorGroup` asks pre-warmed spares to do so
+        this rank will need after it joins (`actor_group.ActorGroup` asks pre-warmed spares to do so
         with the largest rank's `snapshot_nbytes`). Why ahead: pinning tens of GB takes seconds
         and slows this process's kernel launches meanwhile, so it is done before any failure
         instead of in the first steps after a recovery. Skipped (returns
@@ -530,7 +530,7 @@ class MegatronEngine:
         group, its GPU memory) and puts the CPU and CUDA RNG states back, so the spare later
         builds its model exactly as without it. Why: a fresh process's first step is about
         twice as slow as the next ones (inferred causes: CUDA's lazily loaded kernels, cuBLAS
-        handles and workspaces, NCCL's first initialisation; see docs/gpu.md).
+        handles and workspaces, NCCL's first initialisation; see docs/recovery.md, "Replace").
         Returns seconds; 0.0 without doing anything when this process is in a process group
         or holds a model (it has trained: nothing left to warm)."""
         import gc

@@ -14,7 +14,8 @@ import ray
 class _WireTensor:
     """A host tensor as a numpy array (bf16 viewed as int16: numpy has no bf16) plus its
     dtype. Why: Ray moves numpy arrays out of band through its object store (zero-copy) but
-    pickles a torch tensor's bytes, about 20x slower per GiB (docs/recovery.md)."""
+    pickles a torch tensor's bytes, an order of magnitude slower per GiB (docs/recovery.md,
+    "In-memory snapshot")."""
 
     __slots__ = ("array", "dtype")
 

@@ -188,7 +188,7 @@ class TorchEngine:
         gradient-ready order), and a multi-rank all-reduce sums each element in an order that
         depends on its offset in the buffer. A fixed layout makes every sum independent of the
         packing, so a run whose DDP was re-wrapped by a recovery stays bitwise equal to one that
-        never was. One collective, not one per parameter (as before): each gloo collective costs
+        never was. One collective, not one per parameter: each gloo collective costs
         a ring of 2 (N - 1) dependent transfers. Also counts progress (a rank stuck before the
         collective shows a lower count than peers waiting inside it) and is a fault-injection
         point."""
@@ -228,9 +228,8 @@ class TorchEngine:
         (`MegatronActor.abort`) does not fail every gloo operation: a send queued behind a
         partial write waits out the group's timeout (`step_timeout_s`; reproduced with two
         ranks in tests/test_scenarios.py; gloo's tcp/pair.cc signals a failing pair's
-        bound-buffer sends only). Seen at N=64 on 32 cores (bench/scale.py): 2 of 3
-        killed-actor recoveries had 2-3 survivors still inside the all-reduce 5 s after the
-        abort (that the cause is the same is inferred)."""
+        bound-buffer sends only), and a survivor stuck there would be replaced as hung (see
+        docs/recovery.md, "Abort")."""
         self._work = work
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
@@ -242,7 +241,7 @@ class TorchEngine:
         """Forget the DDP wrapper and groups of an aborted generation (no collective). A gloo
         group whose collective is still stuck (`_wait`) is kept until that collective ends at
         its timeout: destroying a group joins its worker threads, which would hold up the
-        next generation (measured: 5.6 s for a group with a 6 s timeout, 0 s when kept)."""
+        next generation by up to that timeout (see docs/recovery.md, "Abort")."""
         if self._work is not None and not self._work.is_completed():
             self._retired.append((self.dp_group, self._work))
         self._retired = [r for r in self._retired if not r[1].is_completed()]

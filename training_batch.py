@@ -43,9 +43,8 @@ class TrainingBatch:
 
     def __reduce__(self):
         # Pickled (Ray task arguments, results) as numpy arrays: Ray pickles a torch tensor's
-        # bytes, slowly for small ones too. Measured on 2 cores: 48 actor calls, each given a
-        # 10.6 KB part of a batch, took 65 ms to submit as tensors, 32 ms as numpy (the driver
-        # submits one call per rank every step). Tensors numpy cannot hold (GPU, bf16) stay tensors.
+        # bytes, slowly for small ones too, and the driver submits one call per rank every step
+        # (see bench/results/HISTORY.md). Tensors numpy cannot hold (GPU, bf16) stay tensors.
         tensors = [getattr(self, f.name) for f in dataclasses.fields(self)]
         if any(t is not None and (t.device.type != "cpu" or t.dtype == torch.bfloat16) for t in tensors):
             return TrainingBatch, tuple(tensors)
