@@ -212,7 +212,7 @@ def components(group, reps: int) -> dict:
     polls = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        group._progress()
+        group.health._progress()
         polls.append(time.perf_counter() - t0)
     res["health_poll_s"] = statistics.median(polls)
     return res

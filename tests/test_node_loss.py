@@ -83,7 +83,7 @@ def test_a_lost_node_is_found_at_once_with_all_its_actors(cluster, tmp_path):
         assert len(on_victim) == 2 and sum(s.node_id == victim for s in group.pool.spares) == 1  # 9 actors spread over 3 nodes
         c.remove_node(next(n for n in nodes if n.node_id == victim), allow_graceful=False)
         t0 = time.monotonic()
-        assert group.probe() == on_victim
+        assert group.health.probe() == on_victim
         group.prune_pool()
         assert len(group.pool) == 2 and all(s.node_id != victim for s in group.pool.spares)
         assert time.monotonic() - t0 < 30
