@@ -399,7 +399,7 @@ class ActorGroup:
         for r in ranks:
             ray.kill(self.workers[r].handle, no_restart=True)
         if injected:
-            self.injected_at = time.time()
+            self.mark_injected()
 
     def kill_node_of(self, rank: int) -> list[int]:
         """Fault injection: kill every actor (workers and spares) on the node of `rank`, as a
@@ -417,6 +417,11 @@ class ActorGroup:
         """Fault injection: arm `kind` at `point` on `rank` (`MegatronActor.arm_fault`), and
         record the time (`kill`)."""
         ray.get(self.workers[rank].handle.arm_fault.remote(kind, point))
+        self.mark_injected()
+
+    def mark_injected(self) -> None:
+        """Record that a fault is injected now (also for one injected outside the group, such
+        as a node removed from the cluster): the next recovery's `detect_s` counts from here."""
         self.injected_at = time.time()
 
     def take_injected_at(self) -> float | None:

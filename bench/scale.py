@@ -140,7 +140,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict,
             victim = max(choices, key=lambda nid: by_node[nid])
             (handle,) = [h for h in node_handles if h.node_id == victim]
             cluster.remove_node(handle, allow_graceful=False)
-            group.injected_at = time.time()  # a node removed from outside the group
+            group.mark_injected()
             recoveries = len(trainer.recoveries)
             # The node's workers exit some time after its raylet is gone: with short steps the
             # run can commit a step or two before the failure shows; train until it does.

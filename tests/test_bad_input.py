@@ -6,7 +6,6 @@ import torch
 from actor_group import ActorGroup
 from checkpoint import CheckpointManager, check_compatible, model_signature
 from config import ConfigError, load_config, resolve
-from training_batch import TrainingBatch
 
 
 def cfg_with(tmp_path, *overrides):
@@ -49,9 +48,19 @@ def test_checkpoint_from_another_model_names_both(tmp_path):
     ("advantages", lambda b: b.advantages.masked_fill(torch.ones_like(b.advantages, dtype=torch.bool), float("nan"))),
     ("loss_mask", lambda b: b.loss_mask[:, :-1]),
 ])
-def test_malformed_batch_names_field(field, bad):
+def test_a_malformed_batch_fails_on_the_driver_naming_the_field(monkeypatch, field, bad):
+    """The trainer validates each batch it makes (`Trainer.batch`) before any rank sees it."""
+    from types import SimpleNamespace
+
+    import trainer
     from training_batch import synthetic_batch
-    b = synthetic_batch(0, 1, 4, 8, 100)
-    setattr(b, field, bad(b))
+
+    def malformed(*args):
+        b = synthetic_batch(*args)
+        setattr(b, field, bad(b))
+        return b
+
+    monkeypatch.setattr(trainer, "synthetic_batch", malformed)
+    cfg = load_config(None, ["model.vocab_size=100"])
     with pytest.raises(ValueError, match=field):
-        TrainingBatch.validate(b, vocab_size=100)
+        trainer.Trainer.batch(SimpleNamespace(cfg=cfg), 1)

@@ -15,14 +15,6 @@ def _state():
             "rng": torch.get_rng_state()}
 
 
-def test_round_trip_still_loads(tmp_path):
-    m = CheckpointManager(str(tmp_path))
-    m.commit(1, {}, m.save_shard(1, "s", _state()))
-    out = m.load_shard(1, "s", {"w": torch.zeros(6), "b": torch.zeros(2, dtype=torch.bfloat16),
-                                "step": 0, "rng": torch.get_rng_state()}, m.latest_verified())
-    assert torch.equal(out["w"], torch.arange(6.0)) and out["step"] == 3
-
-
 class _Evil:
     def __reduce__(self):
         return (os.system, ("touch /tmp/pwned_by_checkpoint",))

@@ -78,7 +78,6 @@ def test_empty_pool_shrinks_dp_when_allowed(reference, tmp_path):
     # recovery is charged against is step 2 alone: neither the run's first step nor the re-run.
     tl, times = trainer.recoveries[0], trainer.step_times
     assert len(times) == 6 and tl.steady_step_s == times[1]
-    assert tl.total_s == pytest.approx(sum(getattr(tl, p) for p in tl.CONTROL) + max(0.0, tl.first_step_s - times[1]))
     assert trainer.steady_step_s() == statistics.median([times[1], *times[3:]])
 
 
@@ -110,3 +109,17 @@ def test_snapshot_wire_format_round_trip(ray_session):
             b.add_(1) if b.dtype != torch.bool else b.logical_not_()  # writable
         else:
             assert a == b
+
+
+def test_recovery_total_is_the_control_phases_plus_the_first_steps_excess():
+    """`RecoveryTimeline.total_s`: detect + abort + replace + rebuild + restore + the first step's
+    excess over a steady step (all of the first step when no steady step ran)."""
+    from failures import RecoveryTimeline
+
+    tl = RecoveryTimeline("crash", [1], ["n"], detect_s=1, abort_s=2, replace_s=3, rebuild_s=4, restore_s=5,
+                          first_step_s=10, steady_step_s=4)
+    assert (tl.first_step_excess_s, tl.total_s) == (6, 21)
+    tl.steady_step_s = 0.0
+    assert tl.total_s == 25
+    tl.steady_step_s = 12.0  # a first step faster than the steady one costs nothing
+    assert tl.total_s == 15

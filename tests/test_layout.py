@@ -69,3 +69,28 @@ def test_readme_module_map_names_every_root_module():
     named = {m for m in re.findall(r"`(\w+)\.py`", readme) if not m.startswith("test_")}
     assert MODULES - named == set(), f"root modules missing from the README's module map: {MODULES - named}"
     assert named - MODULES == set(), f"README names modules that do not exist: {named - MODULES}"
+
+
+def test_both_engines_implement_the_engine_protocol():
+    """Every method of `engine.Engine` exists on both engines with its parameters (further ones
+    only if optional), and the actor reaches no engine attribute outside the protocol."""
+    import inspect
+
+    import engine
+    import megatron_engine
+    import torch_engine
+
+    methods = {n: inspect.signature(f) for n, f in vars(engine.Engine).items()
+               if callable(f) and not n.startswith("_")}
+    assert len(methods) >= 15, methods
+    for cls in (torch_engine.TorchEngine, megatron_engine.MegatronEngine):
+        for name, sig in methods.items():
+            assert hasattr(cls, name), f"{cls.__name__} lacks {name}"
+            params = list(inspect.signature(getattr(cls, name)).parameters.values())
+            extra = params[len(sig.parameters):]  # further parameters must be optional
+            assert [p.name for p in params[:len(sig.parameters)]] == list(sig.parameters) and \
+                all(p.default is not p.empty for p in extra), \
+                f"{cls.__name__}.{name}{inspect.signature(getattr(cls, name))} does not fit Engine.{name}{sig}"
+    attributes = set(engine.Engine.__annotations__) | set(methods)
+    used = set(re.findall(r"self\.engine\.(\w+)", (ROOT / "megatron_actor.py").read_text()))
+    assert used <= attributes, f"the actor uses engine attributes outside the protocol: {used - attributes}"

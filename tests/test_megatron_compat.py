@@ -1,16 +1,19 @@
-"""`megatron_compat` against the installed Megatron-Core (CPU): the version its patches were
-written for is the installed one, and every Megatron-Core attribute a patch replaces or relies
-on still exists, so an upgrade fails here, patch by patch, rather than in a GPU run."""
+"""`megatron_compat` against Megatron-Core (CPU): the version its patches were written for is the
+one requirements.txt pins, and every Megatron-Core attribute a patch replaces or relies on still
+exists in the installed one, so an upgrade fails here, patch by patch, rather than in a GPU run."""
 import logging
 
 
-def test_installed_megatron_core_is_the_one_the_patches_were_written_for():
-    import megatron.core
+def test_the_pinned_megatron_core_is_the_one_the_patches_were_written_for():
+    import re
+    from pathlib import Path
 
     import megatron_compat
 
-    assert megatron.core.__version__ == megatron_compat.WRITTEN_FOR, \
-        "re-check every patch of megatron_compat.PATCHES against the installed megatron-core, then update WRITTEN_FOR"
+    pin = re.search(r"^megatron-core==(\S+)", (Path(__file__).parent.parent / "requirements.txt").read_text(), re.M)
+    assert pin and pin.group(1) == megatron_compat.WRITTEN_FOR, \
+        "re-check every patch of megatron_compat.PATCHES against the pinned megatron-core, then update WRITTEN_FOR"
+
 
 
 def test_every_patched_megatron_attribute_exists():

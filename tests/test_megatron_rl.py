@@ -245,14 +245,11 @@ def test_rollouts_tp2_pp2_match_tp1_cpu(hf_dir):
             assert max(out["engine_loss"].values()) < ATOL, (where, out["engine_loss"])
 
 
-def test_config_accepts_rl_with_megatron_refuses_cp():
-    from config import ConfigError, load_config
+def test_config_accepts_rl_with_megatron_and_tp():
+    from config import load_config
 
-    sets = ["rl.enabled=true", "model.engine=megatron", "cluster.num_workers=2"]
-    cfg = load_config(None, sets + ["parallel.tp=2"])
-    assert cfg.rl.enabled and cfg.model.engine == "megatron"
-    with pytest.raises(ConfigError, match=r"^parallel\.cp: .*set parallel\.cp=1"):
-        load_config(None, sets + ["parallel.cp=2"])
+    cfg = load_config(None, ["rl.enabled=true", "model.engine=megatron", "cluster.num_workers=2", "parallel.tp=2"])
+    assert cfg.rl.enabled and cfg.model.engine == "megatron" and cfg.parallel.tp == 2
 
 
 # -- GPU: the real MegatronEngine with rl.enabled (not run in CI) ---------------------------------

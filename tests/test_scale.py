@@ -92,6 +92,7 @@ def test_pool_take_prefers_other_node_and_fullest_node():
     pool = BackupPool(sp)
     assert pool.take({"A"}, set()).node_id == "B"
     assert pool.take(set(), set()).node_id in {"A", "B"}
+    assert BackupPool(sp).take(set(), set()).node_id == "B"  # from the node holding the most spares
     pool = BackupPool(sp)
     assert pool.take({"B"}, set()).node_id == "A"
     assert pool.take({"B"}, set()).node_id == "B"  # none elsewhere: any

@@ -160,11 +160,9 @@ def test_abort_frees_a_gloo_collective_whose_peer_is_alive_but_hung():
     assert result["errors"] and "closed" in result["errors"][0].lower(), result
 
 
-def _send_rank(rank: int, world: int, store, receiver_posts: bool) -> dict:
-    """Rank 0 sends 256 MB to rank 1 and its sockets are shut down while the send waits (what
-    `MegatronActor.abort` does). With `receiver_posts`, rank 1 posts the receive and stops
-    itself (SIGSTOP) at once, so rank 0's write stops part-way; otherwise rank 1 posts nothing
-    and rank 0's send waits for a receive."""
+def _send_rank(rank: int, world: int, store) -> dict:
+    """Rank 0 sends 256 MB to rank 1, which posts no receive, and rank 0's sockets are shut down
+    while the send waits (what the torch engine's `abort` does)."""
     from types import SimpleNamespace
 
     from comms import left_collective
@@ -175,10 +173,6 @@ def _send_rank(rank: int, world: int, store, receiver_posts: bool) -> dict:
                                 timeout=datetime.timedelta(seconds=10))
     big = torch.ones(64 * 2**20)
     if rank == 1:
-        store.set("pid1", str(os.getpid()))
-        if receiver_posts:
-            dist.irecv(big, 0)
-            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 sends SIGCONT when done
         store.wait(["done"], datetime.timedelta(seconds=60))
         return {}
     work = dist.isend(big, 1)
@@ -194,26 +188,36 @@ def _send_rank(rank: int, world: int, store, receiver_posts: bool) -> dict:
 
     t = threading.Thread(target=wait, daemon=True)
     t.start()
-    pid1 = int(store.get("pid1"))
-    t.join(2.0)  # rank 1 has posted its receive (or not) by now
+    t.join(2.0)  # the send is pending by now
     shutdown_sockets(sockets)
     left = left_collective(engine, 3.0)
-    os.kill(pid1, signal.SIGCONT)
     store.set("done", "1")
     t.join(30.0)
     return {"left": left, "errors": errors}
 
 
-def test_a_gloo_send_behind_a_partial_write_outlives_the_socket_shutdown():
-    """Why `MegatronActor.abort` checks that the compute thread left its collective: a pending
-    gloo send is freed at once when its connection is shut down, but one whose write stopped
-    part-way (the peer stopped reading) is not: it returns only at the group's timeout (10 s
-    here). `left_collective` tells the two apart within its grace (3 s)."""
-    freed = spawn_ranks(_send_rank, 2, False, timeout_s=120)[0]
+def test_the_socket_shutdown_frees_a_pending_gloo_send():
+    """A gloo send waiting for a receive is freed at once when `shutdown_sockets` shuts its
+    connection down, and `left_collective` sees the compute thread leave within its grace."""
+    freed = spawn_ranks(_send_rank, 2, timeout_s=120)[0]
     assert freed["left"] and freed["errors"] and "closed" in freed["errors"][0].lower(), freed
-    stuck = spawn_ranks(_send_rank, 2, True, timeout_s=120)[0]
-    assert not stuck["left"], stuck
-    assert stuck["errors"] and "timed out" in stuck["errors"][0].lower(), stuck
+
+
+def test_left_collective_waits_for_the_compute_thread_within_its_grace():
+    """`comms.left_collective`: True as soon as the compute thread leaves its collective, False
+    (after the grace, not later) when it does not; a rank then gets replaced."""
+    from types import SimpleNamespace
+
+    from comms import left_collective
+
+    engine = SimpleNamespace(in_collective=True)
+    threading.Timer(0.2, setattr, (engine, "in_collective", False)).start()
+    t0 = time.monotonic()
+    assert left_collective(engine, 5.0) and time.monotonic() - t0 < 4.0
+    engine.in_collective = True
+    t0 = time.monotonic()
+    assert not left_collective(engine, 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
 
 
 def _engine_stuck_rank(rank: int, world: int, store, cfg) -> dict:
