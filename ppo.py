@@ -49,14 +49,18 @@ def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _aggregate(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
+def _aggregate(loss_mat: Tensor, mask: Tensor, mode: str, weights: Tensor | None = None) -> Tensor:
     """Reduce per-token losses [B, S] to a scalar.
 
     token-mean: sum over masked tokens / number of masked tokens.
     seq-mean-token-sum: per-sequence sum over masked tokens, mean over the B sequences.
     seq-mean-token-mean: per-sequence mean over masked tokens, mean over the B sequences.
     A sequence with no masked tokens counts as 0 in the seq-mean modes.
+    With `weights` (float32 [B, S], from `global_loss_weights`): sum(loss_mat * weights), the
+    part of the mode's reduction over a larger batch that these rows contribute.
     """
+    if weights is not None:
+        return (loss_mat * weights).sum()
     if mode == "token-mean":
         return _masked_mean(loss_mat, mask)
     seq_sum = (loss_mat * mask).sum(dim=-1)  # [B]
@@ -74,6 +78,7 @@ def policy_loss(
     eps_clip_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    loss_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Dual-clip PPO policy loss (to minimise).
 
@@ -87,6 +92,8 @@ def policy_loss(
         old_log_probs: float32 [B, S], behaviour policy.
         advantages: float32 [B, S].
         loss_mask: float32 [B, S], 1 = token trained on.
+        loss_weights: float32 [B, S] or None: reduce by sum(loss * loss_weights) instead of
+            the mode over these rows (`global_loss_weights`: the mode over the global batch).
 
     Returns:
         (loss, metrics): loss is a scalar tensor; metrics are python floats over masked tokens:
@@ -121,7 +128,7 @@ def policy_loss(
     pg3 = -advantages * clip_ratio_c
     negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(clip1, pg3), clip1)
-    loss = _aggregate(loss_mat, loss_mask, loss_agg_mode)
+    loss = _aggregate(loss_mat, loss_mask, loss_agg_mode, loss_weights)
 
     with torch.no_grad():
         metrics = {
@@ -237,23 +244,50 @@ def token_entropy(logits: Tensor) -> Tensor:
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-               clip: float, loss_agg_mode: str = "token-mean") -> Tensor:
+               clip: float, loss_agg_mode: str = "token-mean", weights: Tensor | None = None) -> Tensor:
     """Clipped value loss of PPO (Schulman et al. 2017, arXiv:1707.06347, as in the OpenAI
     baselines implementation and verl's `compute_value_loss`):
         V_clip = old_V + clamp(V - old_V, -clip, clip)
         loss   = 0.5 * max((V - R)^2, (V_clip - R)^2), aggregated over the mask.
-    values, old_values, returns, mask: float32 [B, S]. clip <= 0 disables clipping.
-    Returns a scalar tensor."""
+    values, old_values, returns, mask: float32 [B, S]. clip <= 0 disables clipping. `weights`:
+    as `_aggregate`'s. Returns a scalar tensor."""
     err = (values - returns) ** 2
     if clip > 0:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (clipped - returns) ** 2)
-    return _aggregate(0.5 * err, mask, loss_agg_mode)
+    return _aggregate(0.5 * err, mask, loss_agg_mode, weights)
 
 
-def aggregate(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+def aggregate(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", weights: Tensor | None = None) -> Tensor:
     """Public form of the loss reduction used by `policy_loss` (see `_aggregate`)."""
-    return _aggregate(loss_mat, mask, mode)
+    return _aggregate(loss_mat, mask, mode, weights)
+
+
+def global_loss_weights(loss_mask: Tensor, mode: str, mini_batch_size: int, scale: float = 1.0) -> Tensor:
+    """Per-token weights that make `loss_agg_mode` exact over each mini-batch of the global
+    batch, however its rows are split over DP replicas and micro-batches.
+
+    Mini-batch k is rows [k * mini_batch_size, (k + 1) * mini_batch_size) of `loss_mask`
+    (float32 [B, S] of the global batch; `dispatch.MeshDispatch` keeps it so at any dp). For
+    its rows, with m = mini_batch_size, T = its masked tokens and n_b row b's masked tokens:
+    token-mean w = mask / T; seq-mean-token-sum w = mask / m; seq-mean-token-mean
+    w = mask / (n_b * m) (an empty row or mini-batch weighs 0). Then sum(loss * w) over any
+    split of the mini-batch's rows adds up to the mode's reduction over the whole mini-batch.
+    `scale` multiplies every weight: an engine that averages over its micro-batches and DDP
+    over its dp replicas needs scale = dp * micro-batches per replica to restore the sum.
+    Returns float32 [B, S]. Raises ValueError for an unknown mode or B % mini_batch_size != 0."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"ppo.loss_agg_mode={mode!r} is not one of {LOSS_AGG_MODES}")
+    if loss_mask.shape[0] % mini_batch_size:
+        raise ValueError(f"a batch of {loss_mask.shape[0]} rows has no whole mini-batches of {mini_batch_size}")
+    minis = loss_mask.view(-1, mini_batch_size, loss_mask.shape[1])     # [K, m, S]
+    if mode == "token-mean":
+        norm = minis.sum(dim=(1, 2), keepdim=True)                       # [K, 1, 1]
+    elif mode == "seq-mean-token-sum":
+        norm = torch.full((minis.shape[0], 1, 1), float(mini_batch_size))
+    else:
+        norm = minis.sum(dim=2, keepdim=True) * mini_batch_size          # [K, m, 1]
+    return (minis * scale / norm.clamp(min=1)).view_as(loss_mask)
 
 
 def ppo_objective(log_probs: Tensor, mb, ppo_cfg, rl_cfg=None, values: Tensor | None = None,
@@ -262,34 +296,35 @@ def ppo_objective(log_probs: Tensor, mb, ppo_cfg, rl_cfg=None, values: Tensor | 
     (`policy_loss`), and with RL (`rl_cfg` given) plus `value_coef` x the clipped value loss
     (when `values` are given: GAE's value head), `kl_coef` x KL(policy || reference) (when the
     micro-batch has `ref_log_probs`), and - `entropy_coef` x the entropy (when `entropy` is
-    given), each aggregated with `ppo_cfg.loss_agg_mode`.
+    given), each aggregated with `ppo_cfg.loss_agg_mode`: over the micro-batch alone, or with
+    the micro-batch's `loss_weights` (`global_loss_weights`) as its share of the global batch's.
 
     Args:
         log_probs: float32 [B, S] of the current policy (carries the gradient).
         mb: the micro-batch (`training_batch.TrainingBatch`: old_log_probs, advantages,
-            loss_mask, and for RL old_values, returns, ref_log_probs).
+            loss_mask, loss_weights, and for RL old_values, returns, ref_log_probs).
         values: float32 [B, S] or None; entropy: float32 [B, S] (`token_entropy`) or None.
 
     Returns:
         (loss, metrics): a scalar tensor and python floats (`policy_loss`'s, plus with RL
         `pg_loss` and `vf_loss` / `kl` / `entropy` for the terms that are on).
     """
-    p, r = ppo_cfg, rl_cfg
+    p, r, w = ppo_cfg, rl_cfg, mb.loss_weights
     loss, metrics = policy_loss(log_probs, mb.old_log_probs, mb.advantages, mb.loss_mask,
-                                p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c, p.loss_agg_mode)
+                                p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c, p.loss_agg_mode, w)
     if r is None:
         return loss, metrics
     metrics["pg_loss"] = loss.item()
     if values is not None:
-        vf = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, r.value_clip, p.loss_agg_mode)
+        vf = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, r.value_clip, p.loss_agg_mode, w)
         loss = loss + r.value_coef * vf
         metrics["vf_loss"] = vf.item()
     if mb.ref_log_probs is not None:
-        kl = _aggregate(kl_penalty(log_probs, mb.ref_log_probs, r.kl_estimator), mb.loss_mask, p.loss_agg_mode)
+        kl = _aggregate(kl_penalty(log_probs, mb.ref_log_probs, r.kl_estimator), mb.loss_mask, p.loss_agg_mode, w)
         loss = loss + r.kl_coef * kl
         metrics["kl"] = kl.item()
     if entropy is not None:
-        ent = _aggregate(entropy, mb.loss_mask, p.loss_agg_mode)
+        ent = _aggregate(entropy, mb.loss_mask, p.loss_agg_mode, w)
         loss = loss - r.entropy_coef * ent
         metrics["entropy"] = ent.item()
     return loss, metrics

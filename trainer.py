@@ -11,6 +11,7 @@ re-run after recovery with the same data (data are a pure function of (seed, ste
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -22,6 +23,7 @@ from config import Config
 from failures import RecoveryTimeline, WorkerFailure, slowest
 from fault_tolerance import recover
 from metrics import RunMetrics
+from ppo import global_loss_weights
 from training_batch import synthetic_batch
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,9 @@ log = logging.getLogger(__name__)
 class Trainer:
     """Drives one run over an `ActorGroup`.
 
-    Attributes: `losses` (step -> mean over DP replicas of the replica's PPO loss, float),
+    Attributes: `losses` (step -> the step's PPO loss: mean over its mini-batches of each one's
+    `ppo.loss_agg_mode` over the global mini-batch, float), `grad_norms` (step -> the largest
+    gradient norm before clipping of its mini-batches),
     `rewards` (RL: step -> mean reward of the step's samples), `replayed_rewards`,
     `rollout_stats` (RL: step -> reward, exact, response_len),
     `replayed` (step -> loss of each re-run of a step that had been committed before),
@@ -45,6 +49,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.committed_step = 0
         self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float] = {}  # step -> the largest gradient norm of its mini-batches
         self.replayed: dict[int, list[float]] = {}
         self.rewards: dict[int, float] = {}
         self.replayed_rewards: dict[int, list[float]] = {}
@@ -69,6 +74,16 @@ class Trainer:
         batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
         batch.validate(m.vocab_size)  # a malformed batch fails here, before any rank sees it
         return batch
+
+    def _weighted(self, batch):
+        """`batch` with `loss_weights` for the current DP size (`ppo.global_loss_weights`): the
+        loss of each mini-batch is its `ppo.loss_agg_mode` over the whole global mini-batch, so
+        the update does not depend on dp or the micro-batch split (a shrink, a reshard). The
+        scale undoes the engines' mean over a replica's micro-batches and DDP's mean over dp."""
+        t, dp = self.cfg.train, self.group.dims.dp
+        scale = dp * (t.mini_batch_size // dp // t.micro_batch_size)
+        weights = global_loss_weights(batch.loss_mask, self.cfg.ppo.loss_agg_mode, t.mini_batch_size, scale)
+        return dataclasses.replace(batch, loss_weights=weights)
 
     def step_deadline(self) -> float:
         """Seconds a step may take before it is a hang: `hang_factor` x the median of the last
@@ -112,7 +127,7 @@ class Trainer:
     def _step(self, step: int) -> float:
         self._arm_chaos(step)
         t0 = time.perf_counter()
-        batch = self.batch(step) if self.rollouts is None else self.experience(step)
+        batch = self._weighted(self.batch(step) if self.rollouts is None else self.experience(step))
         results = self.group.call("train_step", step, batch, dispatch="mesh",
                                   timeout=self.step_deadline())
         self.step_times.append(time.perf_counter() - t0)
@@ -122,6 +137,7 @@ class Trainer:
                 self.recoveries[-1].first_step_detail = slowest(parts)
         elif len(self.step_times) > 1:
             self._steady_times.append(self.step_times[-1])
+        self.grad_norms[step] = results[0]["grad_norm"]  # after the all-reduce: the same on every replica
         return sum(r["loss"] for r in results) / len(results)
 
     def train(self, until_step: int, after_step=None) -> None:

@@ -27,6 +27,9 @@ class TrainingBatch:
         clipping), aligned like old_log_probs.
     ref_log_probs: float32 [B, S] or None: log-probs under the frozen reference policy (KL
         penalty); computed by the engine when needed.
+    loss_weights: float32 [B, S] or None: each token's weight in the loss of its mini-batch of
+        the global batch (`ppo.global_loss_weights`, set by the trainer), so the update does not
+        depend on how the rows are split; None: the loss aggregates over the micro-batch alone.
     """
 
     input_ids: Tensor
@@ -37,6 +40,7 @@ class TrainingBatch:
     returns: Tensor | None = None
     old_values: Tensor | None = None
     ref_log_probs: Tensor | None = None
+    loss_weights: Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -116,6 +120,7 @@ class TrainingBatch:
             "returns": torch.float32,
             "old_values": torch.float32,
             "ref_log_probs": torch.float32,
+            "loss_weights": torch.float32,
         }
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}")

@@ -421,3 +421,40 @@ def test_spare_reserves_pinned_memory_only_with_headroom():
     assert MegatronEngine.reserve_host_memory(spare, 4096)
     assert spare._arena.result().numel() == 4096
     assert MegatronEngine.reserve_host_memory(spare, 8192) and spare._arena.result().numel() == 4096  # kept
+
+
+def _micro_split_rank(rank, world, store) -> dict:
+    """One rank trains two steps of the same batches (token-mean, `loss_weights` as the trainer
+    sets them) twice: with micro-batches of 1 and of 2 rows. Returns micro-batch size -> [loss,
+    grad_norm] of each step."""
+    import dataclasses
+
+    from megatron_engine import MegatronEngine
+    from ppo import global_loss_weights
+
+    out = {}
+    for gen, micro in enumerate((1, 2), start=1):
+        cfg = _cfg(extra=("ppo.loss_agg_mode=token-mean", f"train.micro_batch_size={micro}"))
+        dims, t = ParallelDims.from_config(cfg), cfg.train
+        engine = MegatronEngine(cfg)
+        _join(engine, store, gen, rank, dims)
+        out[micro] = []
+        for step in (1, 2):
+            b = _batch(cfg, step, dims, rank)
+            w = global_loss_weights(b.loss_mask, "token-mean", t.mini_batch_size,
+                                    dims.dp * (t.mini_batch_size // dims.dp // micro))
+            res = engine.train_step(dataclasses.replace(b, loss_weights=w), step)
+            out[micro] += [res["loss"], res["grad_norm"]]
+        del engine
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_the_micro_batch_split_does_not_change_the_training():
+    """With the trainer's `loss_weights`, Megatron's pipeline schedule (which averages the
+    micro-batches' losses) computes each mini-batch's token-mean over the whole mini-batch:
+    micro-batches of 1 and of 2 rows give the same losses and gradient norms (the norm shows
+    the gradient's scale, which Adam's update hides) within bf16 tolerance."""
+    (out,) = spawn_ranks(_micro_split_rank, 1, timeout_s=600)
+    assert out[2] == pytest.approx(out[1], rel=LOSS_RTOL), out

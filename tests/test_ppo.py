@@ -129,3 +129,23 @@ def test_token_log_probs_uniform_logits():
 def test_token_log_probs_shape_error():
     with pytest.raises(ValueError, match="logits"):
         token_log_probs(torch.zeros(1, 3, 4), torch.zeros(1, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_global_loss_weights_make_each_mini_batch_exact_under_any_split(mode):
+    """sum(loss * w) over the rows of any split of a mini-batch adds up to the mode's reduction
+    over the whole mini-batch (rows of different token counts, one row with none)."""
+    from ppo import aggregate, global_loss_weights
+
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(8, 6, generator=g) < 0.5).float()
+    mask[3] = 0
+    loss = torch.randn(8, 6, generator=g)
+    w = global_loss_weights(mask, mode, mini_batch_size=4, scale=1.0)
+    for k in range(2):
+        rows = slice(4 * k, 4 * k + 4)
+        expected = aggregate(loss[rows], mask[rows], mode)
+        halves = sum((loss[r] * w[r]).sum() for r in (slice(4 * k, 4 * k + 1), slice(4 * k + 1, 4 * k + 4)))
+        assert torch.allclose(halves, expected, atol=1e-6) and torch.allclose(
+            aggregate(loss[rows], mask[rows], mode, w[rows]), expected, atol=1e-6)
+    assert torch.allclose(global_loss_weights(mask, mode, 4, scale=3.0), 3.0 * w)
