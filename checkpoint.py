@@ -62,6 +62,7 @@ from typing import Any, Callable
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 import torch.utils.serialization
 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -103,8 +104,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, committed, read or verified; the message names the URI."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A verified checkpoint does not fit the state it is loaded into (a key missing or of
+    another shape): the checkpoint is bad for this run, the loading rank is not."""
+
+
 class _NotCommitted(CheckpointError):
     """manifest.json is missing or does not parse (as opposed to storage being unreachable)."""
+
+
+class _InvalidManifest(_NotCommitted):
+    """manifest.json is there but does not parse or names another step: a damaged checkpoint."""
 
 
 class CheckpointManager:
@@ -255,9 +265,10 @@ class CheckpointManager:
         other values replaced) and return it. With ``manifest``, first checks the size and
         sha256 of this shard's files; ``verified``: the caller has just checked them against it
         (``verify_files``), so local files get a size check only instead of a second full read
-        (downloaded copies are always hashed: they are what gets loaded). Raises CheckpointError
-        on a missing shard, a mismatch, a state_dict that does not fit the checkpoint, or
-        storage failure past the retry limits."""
+        (downloaded copies are always hashed: they are what gets loaded). Raises
+        CheckpointMismatch when ``state_dict`` does not fit the checkpoint (a key missing or of
+        another shape; a key only the checkpoint has is logged), CheckpointError on a missing
+        shard, a size or hash mismatch, or storage failure past the retry limits."""
         _check_name(name)
         where = f"{self.step_uri(step)}/{name}"
         expected = None
@@ -288,7 +299,14 @@ class CheckpointManager:
             if problems:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
         reader = _SafeReader(os.path.join(step_dir, name))
-        as_checkpoint_error(f"loading shard {name!r} from {where}", dcp.load, state_dict, storage_reader=reader, no_dist=True)
+        what = f"loading shard {name!r} from {where}"
+        as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
+        # dcp.load fails on a key the checkpoint lacks or of another shape, but loads a subset
+        # silently: a key only the checkpoint has is named here.
+        saved = as_checkpoint_error(what, reader.read_metadata).state_dict_metadata
+        unexpected = sorted(set(saved) - set(flatten_state_dict(state_dict)[0]))
+        if unexpected:
+            logger.warning("%s: the checkpoint holds keys this run does not load: %s", where, ", ".join(unexpected[:20]))
         return state_dict
 
     def check_writable(self) -> None:
@@ -373,9 +391,9 @@ class CheckpointManager:
         try:
             manifest = _parse_manifest(data)
         except (ValueError, KeyError, TypeError) as exc:
-            raise _NotCommitted(f"invalid {where}: {exc!r}") from exc
+            raise _InvalidManifest(f"invalid {where}: {exc!r}") from exc
         if manifest.step != step:
-            raise _NotCommitted(f"invalid {where}: it names step {manifest.step}")
+            raise _InvalidManifest(f"invalid {where}: it names step {manifest.step}")
         return manifest
 
     def verify(self, step: int) -> list[str]:
@@ -463,10 +481,15 @@ class CheckpointManager:
         return sorted(int(m.group(1)) for p in names if (m := _STEP_DIR.match(p.rstrip("/").rsplit("/", 1)[-1])))
 
     def _manifest_or_none(self, step: int) -> Manifest | None:
+        """The manifest of `step`, or None when the step is not committed (no manifest: a save
+        in progress or abandoned) or its manifest is damaged (skipped with a warning)."""
         try:
             return self.read_manifest(step)
+        except _InvalidManifest as exc:
+            logger.warning("skipping checkpoint step %d: %s", step, exc)
         except _NotCommitted:
-            return None
+            pass
+        return None
 
     def _find(self, path: str) -> list[str]:
         self.fs.invalidate_cache(path)
@@ -587,13 +610,16 @@ def _check_name(name: str) -> None:
         raise ValueError(f"invalid shard name {name!r}: use letters, digits, '_', '.', '-'")
 
 
-def as_checkpoint_error(what: str, fn: Callable, *args, **kwargs) -> Any:
+def as_checkpoint_error(what: str, fn: Callable, *args, error: type = CheckpointError, **kwargs) -> Any:
     """``fn(*args, **kwargs)``; any error it raises, DCP's CheckpointException (a
-    BaseException) included, becomes CheckpointError("{what} failed: ...")."""
+    BaseException) included, becomes ``error``("{what} failed: ..."), except that one caused by a
+    CheckpointError raised inside (storage past its retry budget) stays a plain CheckpointError."""
     try:
         return fn(*args, **kwargs)
     except (Exception, dcp.CheckpointException) as exc:
-        raise CheckpointError(f"{what} failed: {_describe(exc)}") from exc
+        inner = [e for e, _ in exc.failures.values()] if isinstance(exc, dcp.CheckpointException) else [exc]
+        cls = CheckpointError if any(isinstance(e, CheckpointError) for e in inner) else error
+        raise cls(f"{what} failed: {_describe(exc)}") from exc
 
 
 def _describe(exc: BaseException) -> str:

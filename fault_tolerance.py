@@ -182,24 +182,28 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
         if ft.restore == "memory":
             raise RecoveryError(NO_MEMORY_RESTORE)
         timeline.notes.append("in-memory restore impossible")
-    manifest = _newest_verified_by_ranks(group, ckpt, manifests if manifests is not None else
-                                         ckpt.committed_manifests(), timeout)
-    if manifest is None:
-        timeline.restore_source = "initial"
-        group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
-        return 0
-    check_manifest(manifest)  # ConfigError: stop, don't retry
-    timeline.restore_source = f"checkpoint step {manifest.step}"
-    return min(group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers], timeout))
+    for manifest in _verified_by_ranks(group, ckpt, manifests if manifests is not None else
+                                       ckpt.committed_manifests(), timeout):
+        check_manifest(manifest)  # ConfigError: stop, don't retry
+        loaded = group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers], timeout)
+        if errors := [f"rank {r}: {e}" for r, e in enumerate(loaded) if isinstance(e, str)]:
+            # A bad checkpoint, not bad ranks: no spare is spent on it; every rank loads an older one.
+            log.warning("checkpoint %s does not load, trying an older one: %s",
+                        ckpt.step_uri(manifest.step), "; ".join(errors))
+            timeline.notes.append(f"checkpoint step {manifest.step} does not load")
+            continue
+        timeline.restore_source = f"checkpoint step {manifest.step}"
+        return manifest.step
+    timeline.restore_source = "initial"
+    group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
+    return 0
 
 
-def _newest_verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: list,
-                              timeout: float) -> Manifest | None:
-    """The newest of the committed `manifests` whose files all verify (sizes, sha256), every rank
-    reading its share of the files in parallel (the driver reads only manifests); a step with
-    problems is skipped with a warning naming them. None if there is none. Raises
-    CheckpointError when storage is down past the retry budget (an outage is not "no
-    checkpoint")."""
+def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: list, timeout: float):
+    """The committed `manifests` whose files all verify (sizes, sha256), newest first, every
+    rank reading its share of the files in parallel (the driver reads only manifests); a step
+    with problems is skipped with a warning naming them. Raises CheckpointError when storage is
+    down past the retry budget (an outage is not "no checkpoint")."""
     world = group.dims.world_size
     for manifest in reversed(manifests):
         results = group.wait([s.handle.verify_checkpoint.remote(group.generation, manifest, r, world)
@@ -208,9 +212,9 @@ def _newest_verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manife
             raise CheckpointError("; ".join(errors))
         problems = [p for ps in results for p in ps]
         if not problems:
-            return manifest
-        log.warning("skipping checkpoint %s: %s", ckpt.step_uri(manifest.step), "; ".join(problems))
-    return None
+            yield manifest
+        else:
+            log.warning("skipping checkpoint %s: %s", ckpt.step_uri(manifest.step), "; ".join(problems))
 
 
 def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, committed_step: int,

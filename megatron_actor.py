@@ -24,7 +24,7 @@ import time
 
 import ray
 
-from checkpoint import CheckpointError, CheckpointManager, Manifest
+from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, Manifest
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from failures import InjectedFault, StaleGenerationError
 from parallel_dims import ParallelDims
@@ -251,10 +251,15 @@ class MegatronActor:
         except CheckpointError as e:
             return str(e)
 
-    def load_checkpoint(self, generation: int, manifest: Manifest) -> int:
-        """Load this rank's state from a committed, verified checkpoint; returns its step."""
+    def load_checkpoint(self, generation: int, manifest: Manifest) -> int | str:
+        """Load this rank's state from a committed, verified checkpoint; returns its step, or the
+        message of the CheckpointMismatch that stopped the load (a key missing or of another
+        shape): a bad checkpoint, not a failure of this rank."""
         self._check(generation)
-        self.engine.load_checkpoint(self.ckpt, manifest, self.rank)
+        try:
+            self.engine.load_checkpoint(self.ckpt, manifest, self.rank)
+        except CheckpointMismatch as e:
+            return str(e)
         return manifest.step
 
     def rollback(self, generation: int, step: int) -> bool:

@@ -12,7 +12,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, as_checkpoint_error
+from checkpoint import CheckpointError, CheckpointMismatch, as_checkpoint_error
 from host_memory import carve, pinned_empty, state_nbytes
 from megatron_compat import fetch_before_read, write_buckets
 
@@ -145,14 +145,15 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
     Object storage: the global files are downloaded into a private staging directory first,
     then each `.distcp` file only when this rank's load plan reads from it (so a rank fetches
     the files holding its shards, not the whole checkpoint); every download is checked against
-    the manifest's size and sha256. Raises CheckpointError on a mismatch, a storage failure or
-    any load error (on every rank: DCP gathers one rank's read error to all)."""
+    the manifest's size and sha256. Raises CheckpointMismatch when the checkpoint does not fit
+    `sharded_state_dict`, CheckpointError on a download mismatch or a storage failure (on every
+    rank: DCP gathers one rank's read error to all)."""
     from megatron.core import dist_checkpointing
 
     what = f"loading {ckpt.step_uri(manifest.step)}/{MEGATRON_SHARD}"
     path = ckpt.local_dir(manifest.step, MEGATRON_SHARD)
     if path is not None:
-        return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path)
+        return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path, error=CheckpointMismatch)
     import tempfile
 
     prefix = MEGATRON_SHARD + "/"
@@ -171,5 +172,5 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
 
         with fetch_before_read(fetch):
             return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict,
-                                       os.path.join(stage, MEGATRON_SHARD))
+                                       os.path.join(stage, MEGATRON_SHARD), error=CheckpointMismatch)
 

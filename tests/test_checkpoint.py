@@ -208,6 +208,33 @@ def test_missing_or_garbled_manifest(make_manager, caplog):
     assert "step_00000003" in caplog.text and "step_00000002" in caplog.text
 
 
+def test_a_manifest_with_a_missing_field_is_skipped_with_a_warning_naming_the_step(make_manager, caplog):
+    m = make_manager(keep_last=5)
+    for step in (1, 2):
+        save_and_commit(m, step)
+    m.fs.pipe_file(f"{m.root}/step_00000002/manifest.json", b'{"step": 2, "layout": {}, "extra": {}}')
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        assert [x.step for x in m.committed_manifests()] == [1]
+    assert "skipping checkpoint step 2: invalid" in caplog.text
+
+
+def test_a_state_that_does_not_fit_the_checkpoint_names_step_shard_and_key(make_manager, caplog):
+    """A key missing from the checkpoint or of another shape: CheckpointMismatch (a bad checkpoint
+    for this run) naming the step, the shard and the key; a key only the checkpoint has: a warning."""
+    from checkpoint import CheckpointMismatch
+
+    m = make_manager()
+    m.commit(1, {}, m.save_shard(1, "model", {"a": torch.ones(3), "b": torch.ones(2)}))
+    manifest = m.latest_verified()
+    with pytest.raises(CheckpointMismatch, match=r"step_00000001/model.*Missing key.*: c"):
+        m.load_shard(1, "model", {"a": torch.zeros(3), "b": torch.zeros(2), "c": torch.zeros(1)}, manifest)
+    with pytest.raises(CheckpointMismatch, match=r"step_00000001/model.*Size mismatch.* for a"):
+        m.load_shard(1, "model", {"a": torch.zeros(4), "b": torch.zeros(2)}, manifest)
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        assert torch.equal(m.load_shard(1, "model", {"a": torch.zeros(3)}, manifest)["a"], torch.ones(3))
+    assert "step_00000001/model: the checkpoint holds keys this run does not load: b" in caplog.text
+
+
 def test_retention_keep_last(make_manager):
     m = make_manager(keep_last=2)
     save_and_commit(m, 1)

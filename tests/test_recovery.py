@@ -20,7 +20,7 @@ def make_cfg(tmp_path, *overrides):
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", *overrides]), num_gpus=0)
 
 
-def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=()):
+def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2=None):
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
@@ -29,6 +29,8 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=()):
         trainer.train(2)
         if half_written_step is not None:  # every rank writes its shards; the driver never commits
             group.call("save_checkpoint", half_written_step)
+        if after_step_2 is not None:
+            after_step_2(trainer)
         if kill_ranks:
             wait_for_snapshots(group, 2)
         for r in [kill_rank] if kill_rank is not None else kill_ranks:
@@ -74,6 +76,29 @@ def test_checkpoint_restore_skips_half_written_and_replays(reference, tmp_path):
     assert tl.restore_source == "checkpoint step 1" and tl.restored_step == 1 and tl.steps_lost == 1
     assert trainer.losses == reference[0]
     assert trainer.replayed == {2: [reference[0][2]]}  # the replayed step computed the same loss
+    assert digests == reference[1]
+
+
+def test_a_checkpoint_that_does_not_load_falls_back_to_an_older_one(reference, tmp_path, caplog):
+    """Checkpoint step 2 verifies (its manifest lists the files as they are) but its model shard
+    lacks the model's keys: the load fails naming the step and a key, no spare is spent on it,
+    recovery loads step 1 instead and replays step 2, bitwise as the run without failure."""
+    def commit_a_bad_step_2(trainer):
+        ckpt = trainer.ckpt
+        trainer.save(2)
+        m = ckpt.read_manifest(2)
+        files = [f for f in m.files if not f.path.startswith("model/")] + ckpt.save_shard(2, "model", {"step": 2})
+        ckpt.commit(2, m.layout, files, m.extra)
+        assert ckpt.verify(2) == []
+
+    trainer, digests, spares = run(make_cfg(tmp_path, "fault_tolerance.restore=checkpoint"), kill_rank=0,
+                                   after_step_2=commit_a_bad_step_2)
+    (tl,) = trainer.recoveries
+    assert (tl.failed_ranks, tl.restore_source, tl.attempts) == ([0], "checkpoint step 1", 1)
+    assert "checkpoint step 2 does not load" in tl.notes and spares == 1
+    warning = next(r.getMessage() for r in caplog.records if "does not load" in r.getMessage())
+    assert "step_00000002/model" in warning and "Missing key" in warning, warning
+    assert trainer.losses == reference[0] and trainer.replayed == {2: [reference[0][2]]}
     assert digests == reference[1]
 
 
