@@ -18,10 +18,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from checkpoint import CheckpointError, CheckpointManager
-from config import Config, ConfigError, require
+from config import Config, require
 from dispatch import dispatch_remote, get_dispatch_type
-from failures import slowest
+from failures import ClusterError, slowest
 from health import HealthMonitor
 from megatron_actor import MegatronActor
 from parallel_dims import ParallelDims, RankCoords
@@ -163,7 +162,8 @@ class BackupPool:
 def preflight(cfg: Config, resources: dict) -> None:
     """Checks that need the cluster, run before any actor starts. `resources`: Ray's
     `cluster_resources()` (logical CPU / GPU totals). Raises ConfigError naming the field when the
-    cluster cannot hold every worker and spare, or the checkpoint URI cannot be written."""
+    cluster cannot hold every worker and spare. (The checkpoint URI needs no cluster:
+    `checkpoint.check_uri`, before Ray starts.)"""
     c = cfg.cluster
     n = c.num_workers + c.num_spares
     need = {"CPU": n * c.cpus_per_actor}
@@ -178,10 +178,6 @@ def preflight(cfg: Config, resources: dict) -> None:
                 f"{c.num_workers} workers + {c.num_spares} spares need {amount:g} {res} "
                 f"({'cpus' if res == 'CPU' else 'gpus'}_per_actor each) but the cluster has {have:g} "
                 f"{res}; lower cluster.num_spares / cluster.{res.lower()}s_per_actor or add nodes")
-    try:
-        CheckpointManager.from_config(cfg.checkpoint).check_writable()
-    except CheckpointError as e:
-        raise ConfigError(f"checkpoint.uri: {e}; check the URI, endpoint and credentials") from None
 
 
 class ActorGroup:
@@ -210,7 +206,7 @@ class ActorGroup:
         ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
         if not ready:
             remove_placement_group(self.placement_group)
-            raise RuntimeError(
+            raise ClusterError(
                 f"cluster too small: {n} bundles of {bundle} (cluster.num_workers={c.num_workers} + "
                 f"cluster.num_spares={c.num_spares}) could not be placed within {placement_timeout_s:.0f} s; "
                 f"cluster has {ray.cluster_resources()}. Lower cluster.num_spares / cpus_per_actor / "

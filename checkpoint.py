@@ -78,6 +78,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _WRITE_THREADS = 1  # >1 loses errors: DCP (torch 2.13) only prints exceptions of its extra writer threads
 _HASH_CHUNK = 8 << 20  # bytes
+PROBE_BUDGET_S = 10.0  # retries of the start-up storage probe: a wrong endpoint is reported in seconds
 
 
 @dataclass
@@ -309,14 +310,29 @@ class CheckpointManager:
             logger.warning("%s: the checkpoint holds keys this run does not load: %s", where, ", ".join(unexpected[:20]))
         return state_dict
 
-    def check_writable(self) -> None:
+    def check_writable(self, budget_s: float | None = None) -> None:
         """Write, read back and delete a small probe object under the URI, so a wrong endpoint,
-        a missing bucket or no permission shows before training starts. Raises CheckpointError
-        (one retry budget at most)."""
-        probe = f"{self.root}/.probe-{uuid.uuid4().hex}"
-        self._retry(f"writing a probe to {self.uri}", self._write_atomic, probe, b"ok")
-        self._retry(f"reading a probe from {self.uri}", self.fs.cat_file, probe)
-        self._retry(f"deleting a probe from {self.uri}", self._rm, probe, False)
+        a missing bucket or no permission shows before training starts. `budget_s`: seconds of
+        retries at most (default: `retry_budget_s`). Raises CheckpointError naming the URI and
+        the endpoint tried."""
+        probe, path = copy.copy(self), f"{self.root}/.probe-{uuid.uuid4().hex}"
+        probe.retry_budget_s = min(self.retry_budget_s, budget_s or self.retry_budget_s)
+        try:
+            probe._retry(f"writing a probe to {self.uri}", self._write_atomic, path, b"ok")
+            probe._retry(f"reading a probe from {self.uri}", self.fs.cat_file, path)
+            probe._retry(f"deleting a probe from {self.uri}", self._rm, path, False)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (endpoint: {self.endpoint()})") from e
+
+    def endpoint(self) -> str:
+        """The storage endpoint this manager talks to, for messages (no credentials)."""
+        if self._local:
+            return "the local file system"
+        endpoint = ((getattr(self.fs, "client_kwargs", None) or {}).get("endpoint_url")
+                    or getattr(self.fs, "_location", None))  # s3fs's setting; gcsfs's resolved one
+        if endpoint is None and self.fs.protocol[0] in ("s3", "s3a"):
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS's default"
+        return endpoint or f"the default of {self.fs.protocol[0]}://"
 
     # ---------------------------------------------------------------- commit
     def commit(self, step: int, layout: dict, files: list[FileEntry], extra: dict | None = None) -> Manifest:
@@ -529,6 +545,16 @@ class CheckpointManager:
 
 
 # -------------------------------------------------------------------- module helpers
+def check_uri(k: CheckpointConfig, budget_s: float = PROBE_BUDGET_S) -> None:
+    """`checkpoint.uri` can be written (`CheckpointManager.check_writable`, at most `budget_s`
+    seconds of retries). Needs no cluster: run it before Ray starts. Raises ConfigError naming
+    the field, the URI and the endpoint."""
+    try:
+        CheckpointManager.from_config(k).check_writable(budget_s)
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.uri: {e}; check the URI, endpoint and credentials") from None
+
+
 def model_signature(cfg: Config) -> dict:
     """What a checkpoint must match to be loaded into this run's model (recorded in manifests)."""
     m = cfg.model

@@ -29,6 +29,11 @@ class WorkerFailure(RuntimeError):
         self.detected_at = time.time()
 
 
+class ClusterError(RuntimeError):
+    """The cluster cannot hold the run (its placement group cannot be placed); the message says
+    what was asked, what the cluster has and what to change."""
+
+
 class RecoveryError(RuntimeError):
     """Recovery is impossible (no spare left, nothing to restore from); the message says why."""
 

@@ -8,7 +8,7 @@ train : `train.steps` steps with automatic failure detection and recovery (injec
         with `--set chaos.events=[...]`), a progress bar on a terminal, and a report at the end.
 
 Both write to `run_dir`: recoveries.jsonl, loss.png, recoveries.png (demo: demo.json too).
-Exit status: 0 ok, 1 demo losses differ, 2 config error.
+Exit status: 0 ok, 1 demo losses differ, 2 config or cluster error (one line on stderr).
 """
 from __future__ import annotations
 
@@ -342,14 +342,25 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--kill-ranks {bad}: must be in [0, world size={dims.world_size})")
         elif args.mode == "demo" and not 0 <= args.kill_replica < dims.dp:
             raise ConfigError(f"--kill-replica {args.kill_replica}: must be in [0, dp={dims.dp})")
+        if not args.dry_run:
+            from checkpoint import check_uri
+            check_uri(cfg.checkpoint)  # storage needs no cluster: checked before Ray starts
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         print_dry_run(cfg)
         return 0
+    from failures import ClusterError
+
     start_ray(cfg, log_to_driver=args.verbose)
-    return {"demo": cmd_demo, "train": cmd_train}[args.mode](cfg, args)
+    try:
+        return {"demo": cmd_demo, "train": cmd_train}[args.mode](cfg, args)
+    except ConfigError as e:  # what needs the cluster (preflight) or a checkpoint (its model)
+        print(f"config error: {e}", file=sys.stderr)
+    except ClusterError as e:
+        print(f"cluster error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

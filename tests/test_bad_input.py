@@ -6,6 +6,7 @@ import torch
 from actor_group import ActorGroup
 from checkpoint import CheckpointManager, check_compatible, model_signature
 from config import ConfigError, load_config, resolve
+from local_storage import free_port
 
 
 def cfg_with(tmp_path, *overrides):
@@ -21,10 +22,55 @@ def test_cluster_too_small_reports_what_is_there(ray_session, tmp_path):
     assert ray_session.available_resources().get("CPU") == 8  # nothing was placed or started
 
 
-def test_unreachable_checkpoint_uri(ray_session, tmp_path):
+def test_unreachable_checkpoint_uri(tmp_path, monkeypatch):
+    from checkpoint import check_uri
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     cfg = cfg_with(tmp_path, "checkpoint.uri=s3://no-such-bucket-for-tests/x", "checkpoint.retry_budget_s=1")
-    with pytest.raises(ConfigError, match="^checkpoint.uri: .*no-such-bucket-for-tests"):
-        ActorGroup(cfg)
+    with pytest.raises(ConfigError, match="^checkpoint.uri: .*no-such-bucket-for-tests.*endpoint: http://127.0.0.1"):
+        check_uri(cfg.checkpoint)
+
+
+def main_fails(*sets: str, env: dict | None = None) -> str:
+    """Run `main.py train --set ...` as a user would; assert it exits 2 with no traceback; return
+    its last stderr line."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "main.py", "train", *(a for s in sets for a in ("--set", s))],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    return out.stderr.strip().splitlines()[-1]
+
+
+def test_the_cli_reports_unreachable_storage_in_one_line_before_ray_starts(tmp_path):
+    line = main_fails(f"run_dir={tmp_path}", "checkpoint.uri=s3://no-such-bucket-for-tests/x",
+                      env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x",
+                           "AWS_SECRET_ACCESS_KEY": "x"})
+    assert line.startswith("config error: checkpoint.uri: ") and "endpoint: http://127.0.0.1" in line, line
+
+
+def test_the_cli_reports_a_cluster_too_small_in_one_line(tmp_path):
+    line = main_fails(f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", "cluster.num_spares=20",
+                      "cluster.cpus_per_actor=1", "cluster.ray_num_cpus=2")
+    assert line.startswith("config error: cluster.num_workers: 4 workers + 20 spares need 24 CPU"), line
+
+
+def test_a_placement_that_cannot_be_placed_is_a_cluster_error(ray_session, tmp_path):
+    """Enough CPUs in total but not free (another placement group holds them): after the
+    placement timeout, a ClusterError saying what was asked and what the cluster has."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from failures import ClusterError
+
+    hog = placement_group([{"CPU": 8}])
+    ray_session.get(hog.ready(), timeout=60)
+    try:
+        with pytest.raises(ClusterError, match=r"^cluster too small: 8 bundles .*cluster.num_spares=4"):
+            ActorGroup(cfg_with(tmp_path), placement_timeout_s=2)
+    finally:
+        remove_placement_group(hog)
 
 
 def test_checkpoint_from_another_model_names_both(tmp_path):
