@@ -237,9 +237,11 @@ class MegatronActor:
         self._check(generation)
         futures, self._pending_save = self._pending_save or [], None
         try:
-            return [f for future in futures for f in future.result()]
+            files = [f for future in futures for f in future.result()]
         except CheckpointError as e:
             return str(e)
+        self.fault_point("mid_save")  # written, not yet committed
+        return files
 
     def verify_checkpoint(self, generation: int, manifest: Manifest, part: int, parts: int) -> list[str] | str:
         """Check part `part` of `parts` of the manifest's files (every `parts`-th file from

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import pytest
 import ray
 import torch
 import torch.distributed as dist
@@ -67,11 +68,15 @@ def test_briefly_unreachable_actor_is_not_replaced(ray_session, tmp_path):
         group.shutdown()
 
 
-def test_killed_mid_checkpoint_write_uses_previous_checkpoint(ray_session, tmp_path):
-    """Rank 0 (which writes the model shard) dies after its first shard of step 2 is written:
-    step 2 is never committed; recovery from checkpoint uses step 1 and replays step 2."""
+@pytest.mark.parametrize("async_save", [False, True])
+def test_killed_mid_checkpoint_write_uses_previous_checkpoint(ray_session, tmp_path, async_save):
+    """Rank 0 (which writes the model shard) dies between writing files of step 2 and the commit
+    (sync: after its first shard; async: after the background write, before the commit): step 2
+    is never committed; recovery from checkpoint uses step 1 and replays step 2."""
+    # an async save of step 2 is finished (and would be committed) after step 3 has run
     cfg = make_cfg(tmp_path, "cluster.num_spares=2", "fault_tolerance.restore=checkpoint",
-                   "chaos.events=[{step: 2, rank: 0, kind: kill, point: mid_save}]")
+                   f"checkpoint.async_save={str(async_save).lower()}",
+                   f"chaos.events=[{{step: {3 if async_save else 2}, rank: 0, kind: kill, point: mid_save}}]")
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
