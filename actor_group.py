@@ -281,6 +281,11 @@ class ActorGroup:
         parts = self.wait(refs, self.cfg.fault_tolerance.step_timeout_s)
         return slowest(parts)
 
+    def state_digests(self) -> list[str]:
+        """Each rank's `Engine.state_digest` (weights, optimizer state, schedule, step), by rank."""
+        return ray.get([s.handle.state_digest.remote() for s in self.workers],
+                       timeout=self.cfg.fault_tolerance.step_timeout_s)
+
     def wait(self, refs: list, timeout: float, ranks: list[int] | None = None) -> list:
         """Results of `refs` (one per rank, or one per rank of `ranks`); raises WorkerFailure
         naming the failed ranks (`HealthMonitor.wait`)."""

@@ -139,7 +139,8 @@ class PPOConfig:
     """Dual-clip bound for negative advantages; > 1."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How token losses reduce to one number: the mean over all tokens, or per sequence the sum
-    (or mean) over its tokens, then the mean over sequences."""
+    (or mean) over its tokens, then the mean over sequences; taken over each whole mini-batch of
+    the global batch, so the update does not depend on the DP size or the micro-batch split."""
 
 
 @dataclass

@@ -131,7 +131,8 @@ class Engine(Protocol):
         engine can form such a group; None: the whole DP group."""
 
     def state_digest(self) -> str:
-        """SHA-256 over the model parameters: replicas that agree bitwise have equal digests."""
+        """SHA-256 over the live training state (`engine.state_digest`: weights, optimizer state,
+        schedule and step): replicas and runs that agree bitwise have equal digests."""
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, ckpt: CheckpointManager, step: int, dims: ParallelDims, rank: int,
@@ -156,15 +157,18 @@ class Engine(Protocol):
         seconds (0.0 when there is nothing to warm)."""
 
 
-def params_digest(module: torch.nn.Module) -> str:
-    """SHA-256 over the tensors of `module.state_dict()` (names and bytes, in name order; other
-    entries, such as Megatron's `_extra_state`, are skipped): `Engine.state_digest`."""
+def state_digest(state) -> str:
+    """SHA-256 over a training state (nested dicts / lists of tensors and python values, as an
+    engine's `_train_state`): every tensor's dtype, shape and bytes and every other leaf's repr,
+    in the state's order. Equal digests: bitwise equal weights, optimizer state and counters."""
     import hashlib
 
     h = hashlib.sha256()
-    for name, p in sorted(module.state_dict().items()):
-        if not torch.is_tensor(p):
-            continue
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for x in torch.utils._pytree.tree_leaves(state):
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu().contiguous()
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(x).encode())
     return h.hexdigest()

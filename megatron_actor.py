@@ -279,5 +279,5 @@ class MegatronActor:
         self.engine.broadcast_from(src_rank, ranks)
 
     def state_digest(self) -> str:
-        """SHA-256 over the model parameters (replicas must agree bitwise)."""
+        """SHA-256 over this rank's training state: weights, optimizer state, schedule, step."""
         return self.engine.state_digest()

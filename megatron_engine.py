@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 import comms
 from config import Config
-from engine import StepInterrupt, params_digest
+from engine import StepInterrupt, state_digest
 from host_memory import (carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import load_sharded, save_sharded
@@ -680,9 +680,10 @@ class MegatronEngine:
         self._set_train_state(state)
 
     def state_digest(self) -> str:
-        """SHA-256 over the model parameters (`engine.params_digest`): replicas that agree
-        bitwise have equal digests."""
-        return params_digest(self.model)
+        """SHA-256 over the live training state (`engine.state_digest`): replicas that agree
+        bitwise have equal digests (with the distributed optimizer, DP replicas hold different
+        optimizer shards: compare rank with rank)."""
+        return state_digest(self._train_state())
 
     # -- checkpoints -------------------------------------------------------------------------
     def _rng_state(self) -> dict:

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import check_compatible
 from config import Config
 from comms import abort_process_groups, left_collective, recording_new_sockets, shutdown_sockets
-from engine import StepInterrupt, params_digest
+from engine import StepInterrupt, state_digest
 from parallel_dims import ParallelDims
 from ppo import ppo_objective, token_entropy, token_log_probs
 from training_batch import TrainingBatch
@@ -476,7 +476,7 @@ class TorchEngine:
         self._set_train_state(torch.utils._pytree.tree_unflatten(leaves, spec))
 
     def state_digest(self) -> str:
-        return params_digest(self.model)
+        return state_digest(self._train_state())
 
     # -- spare preparation: nothing to do (a fresh engine's first step is as fast as the next) --
     def snapshot_nbytes(self) -> int:

@@ -3,6 +3,8 @@
 (i) Recovery: a DP replica is killed with `ray.kill` between steps; the next step detects it,
     a pre-warmed spare replaces it, groups are rebuilt, state comes from peers, the step runs.
     Time = detect + abort + replace + rebuild + restore + first step (RecoveryTimeline).
+    The same steps also run without a failure first: `matches_reference` says whether the
+    losses match (`main.losses_match`) and the final training states are bitwise identical.
 (ii) Full restart, as a job restart would do it: detect (same as (i)), then every actor torn down
     and the placement group removed, a new placement group and actors (imports, model build),
     a new process-group generation, the newest checkpoint loaded, and the first step re-run.
@@ -11,7 +13,7 @@ Usage (repository root): python -m bench.recovery [--repeats 3] [--full-restarts
                                                   [--set a.b=v ...]
 Prints a table and writes bench/results/recovery_<device>.json:
 {"recovery_s", "full_restart_s", "ratio", "steps_lost", "full_restart_steps_lost", "detect_s",
- "step_s", "timeline", "runs", "config"} (medians over repeats; `timeline` is the median run's;
+ "step_s", "timeline", "matches_reference", "runs", "config"} (medians over repeats; `timeline` is the median run's;
  `step_s`: the median step without a recovery, `Trainer.steady_step_s`, beside `first_step_s`).
 The JSON is first written before the full restarts (without their keys), so a run cut short
 there keeps its recoveries; `--full-restarts 0` skips them.
@@ -19,6 +21,7 @@ there keeps its recoveries; `--full-restarts 0` skips them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -29,7 +32,7 @@ import ray
 
 from actor_group import ActorGroup
 from config import load_config, resolve
-from main import start_ray
+from main import losses_match, start_ray
 from parallel_dims import ParallelDims
 from trainer import Trainer
 
@@ -56,6 +59,18 @@ def full_restart(cfg, detect_s: float) -> float:
         group.shutdown()
 
 
+def reference_run(cfg, steps: int) -> tuple[dict, list[str]]:
+    """The same steps without a failure (its own checkpoint URI): (losses, state digests)."""
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, uri=cfg.checkpoint.uri + "-reference"))
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(steps)
+        return trainer.losses, group.state_digests()
+    finally:
+        group.shutdown()
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "config.yaml"))
@@ -72,6 +87,8 @@ def main(argv=None) -> dict:
     if cfg.cluster.num_spares < args.repeats * len(dims.replica_ranks(0)):
         sys.exit(f"--repeats {args.repeats} needs cluster.num_spares >= {args.repeats * len(dims.replica_ranks(0))}")
     start_ray(cfg)
+    steps = 3 + 2 * args.repeats
+    ref_losses, ref_digests = reference_run(cfg, steps)
 
     group = ActorGroup(cfg)
     trainer = Trainer(cfg, group)
@@ -86,7 +103,10 @@ def main(argv=None) -> dict:
         trainer.train(trainer.committed_step + 2)   # detect + recover + first step, then one more
     timelines = trainer.recoveries
     step_s = trainer.steady_step_s()
+    digests = group.state_digests()
     group.shutdown()
+    matches = {"losses": all(losses_match(ref_losses[s], trainer.losses[s], cfg) for s in ref_losses),
+               "state": digests == ref_digests}
     totals = [t.total_s for t in timelines]
     median_tl = sorted(timelines, key=lambda t: t.total_s)[len(timelines) // 2]
     result = {
@@ -95,6 +115,7 @@ def main(argv=None) -> dict:
         "detect_s": statistics.median(t.detect_s for t in timelines),
         "step_s": step_s,
         "timeline": median_tl.to_dict(),
+        "matches_reference": matches,
         "runs": {"recoveries": [t.to_dict() for t in timelines], "full_restarts": []},
         "config": {"device": cfg.cluster.device, "engine": cfg.model.engine,
                    "workers": cfg.cluster.num_workers, "spares": cfg.cluster.num_spares,
@@ -105,6 +126,8 @@ def main(argv=None) -> dict:
     for phase in (*median_tl.PHASES, "total_s"):
         print(f"{phase[:-2]:<14}{median_tl.to_dict()[phase]:>10.3f}")
     print(f"{'(steady step':<14}{step_s:>10.3f})")
+    print(f"vs the run without failure: losses {'match' if matches['losses'] else 'DIFFER'}, final training "
+          f"state (weights + optimizer) {'identical' if matches['state'] else 'differs'}")
     out = Path(args.out or ROOT / "bench" / "results" / f"recovery_{cfg.cluster.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))  # kept even when the restarts below are cut short

@@ -38,7 +38,7 @@ def train(cfg):
     try:
         trainer = Trainer(cfg, group)
         trainer.train(cfg.train.steps)
-        return trainer, ray.get([s.handle.state_digest.remote() for s in group.workers]), group.dims
+        return trainer, group.state_digests(), group.dims
     finally:
         group.shutdown()
 

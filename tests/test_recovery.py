@@ -36,7 +36,7 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2
         for r in [kill_rank] if kill_rank is not None else kill_ranks:
             ray.kill(group.workers[r].handle, no_restart=True)
         trainer.train(4)
-        digests = ray.get([s.handle.state_digest.remote() for s in group.workers])
+        digests = group.state_digests()
         return trainer, digests, len(group.pool)
     finally:
         group.shutdown()

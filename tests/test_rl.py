@@ -274,7 +274,7 @@ def run(cfg, steps):
     try:
         trainer = Trainer(cfg, group)
         trainer.train(steps)
-        return trainer, ray.get([s.handle.state_digest.remote() for s in group.workers])
+        return trainer, group.state_digests()
     finally:
         group.shutdown()
 
