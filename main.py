@@ -180,7 +180,7 @@ def print_report(ref: dict, run: dict, cfg: Config) -> bool:
           f"({'bitwise' if cfg.cluster.device == 'cpu' else 'bf16 tolerance'})")
     same = ref["state_digests"] == run["state_digests"]
     print(f"final training state (weights + optimizer, per rank): {'identical' if same else 'differs'}"
-          + ("" if cfg.cluster.device == "cpu" else " (not required on GPU: bf16 kernels need not be bitwise)"))
+          + ("" if same or cfg.cluster.device == "cpu" else " (not required on GPU: bf16 kernels need not be bitwise)"))
     return ok and (same or cfg.cluster.device != "cpu")
 
 

@@ -75,7 +75,7 @@ class Trainer:
         batch.validate(m.vocab_size)  # a malformed batch fails here, before any rank sees it
         return batch
 
-    def _weighted(self, batch):
+    def with_loss_weights(self, batch):
         """`batch` with `loss_weights` for the current DP size (`ppo.global_loss_weights`): the
         loss of each mini-batch is its `ppo.loss_agg_mode` over the whole global mini-batch, so
         the update does not depend on dp or the micro-batch split (a shrink, a reshard). The
@@ -127,7 +127,7 @@ class Trainer:
     def _step(self, step: int) -> float:
         self._arm_chaos(step)
         t0 = time.perf_counter()
-        batch = self._weighted(self.batch(step) if self.rollouts is None else self.experience(step))
+        batch = self.with_loss_weights(self.batch(step) if self.rollouts is None else self.experience(step))
         results = self.group.call("train_step", step, batch, dispatch="mesh",
                                   timeout=self.step_deadline())
         self.step_times.append(time.perf_counter() - t0)

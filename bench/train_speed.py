@@ -97,7 +97,7 @@ def lean_step(trainer, step: int) -> float:
 
     group = trainer.group
     refs = dispatch_remote(group.handles, "__ray_call__", group.dims, MeshDispatch, engine_step,
-                           step, trainer.batch(step))
+                           step, trainer.with_loss_weights(trainer.batch(step)))
     results = MeshDispatch.collect(group.dims, ray.get(refs))
     return sum(r["loss"] for r in results) / len(results)
 

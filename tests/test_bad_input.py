@@ -23,12 +23,17 @@ def test_cluster_too_small_reports_what_is_there(ray_session, tmp_path):
 
 
 def test_unreachable_checkpoint_uri(tmp_path, monkeypatch):
+    import s3fs
+
     from checkpoint import check_uri
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     cfg = cfg_with(tmp_path, "checkpoint.uri=s3://no-such-bucket-for-tests/x", "checkpoint.retry_budget_s=1")
-    with pytest.raises(ConfigError, match="^checkpoint.uri: .*no-such-bucket-for-tests.*endpoint: http://127.0.0.1"):
-        check_uri(cfg.checkpoint)
+    try:
+        with pytest.raises(ConfigError, match="^checkpoint.uri: .*no-such-bucket-for-tests.*endpoint: http://127.0.0.1"):
+            check_uri(cfg.checkpoint)
+    finally:  # fsspec caches the client made for this endpoint: later tests must not get it
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def main_fails(*sets: str, env: dict | None = None) -> str:

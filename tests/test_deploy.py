@@ -89,3 +89,21 @@ def test_dockerfile_cmd_is_valid_and_venv_stays_out():
     from config import load_config, resolve
     resolve(load_config(ROOT / "config.yaml", [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]), num_gpus=4)
     assert ".venv" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_the_demo_verdict_needs_the_final_state_too(capsys):
+    """Equal losses are not enough on CPU: the first update of a step runs at ratio 1, where the
+    PPO loss does not depend on the weights. The demo also compares each rank's final training
+    state (`Engine.state_digest`)."""
+    from config import load_config, resolve
+    from main import print_report
+
+    cfg = resolve(load_config(None, []), num_gpus=0)
+    ref = {"losses": {1: 0.5, 2: 0.25}, "replayed": {}, "recoveries": [], "state_digests": ["a", "b"]}
+    tl = {"kind": "crash", "failed_ranks": [1], "failed_nodes": ["n"], "restored_step": 1, "restore_source": "peer",
+          "steps_lost": 0, "attempts": 1, **{p: 0.0 for p in ("detect_s", "abort_s", "replace_s", "rebuild_s",
+                                                             "restore_s", "first_step_s", "first_step_excess_s", "total_s")}}
+    run = {**ref, "recoveries": [tl]}
+    assert print_report(ref, run, cfg)
+    assert not print_report(ref, {**run, "state_digests": ["a", "c"]}, cfg)
+    assert "final training state (weights + optimizer, per rank): differs" in capsys.readouterr().out

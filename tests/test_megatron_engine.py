@@ -423,29 +423,28 @@ def test_spare_reserves_pinned_memory_only_with_headroom():
     assert MegatronEngine.reserve_host_memory(spare, 8192) and spare._arena.result().numel() == 4096  # kept
 
 
-def _micro_split_rank(rank, world, store) -> dict:
-    """One rank trains two steps of the same batches (token-mean, `loss_weights` as the trainer
-    sets them) twice: with micro-batches of 1 and of 2 rows. Returns micro-batch size -> [loss,
-    grad_norm] of each step."""
+def _weighted_steps(rank, world, store, sets=()) -> list:
+    """This rank trains two steps (token-mean, `loss_weights` as `Trainer.with_loss_weights`
+    sets them) of the small GPT at the layout of `world` ranks and `sets`; returns [loss,
+    grad_norm] of each step (the loss: this replica's share, dp x its part of the global
+    mini-batch's)."""
     import dataclasses
 
     from megatron_engine import MegatronEngine
     from ppo import global_loss_weights
 
-    out = {}
-    for gen, micro in enumerate((1, 2), start=1):
-        cfg = _cfg(extra=("ppo.loss_agg_mode=token-mean", f"train.micro_batch_size={micro}"))
-        dims, t = ParallelDims.from_config(cfg), cfg.train
-        engine = MegatronEngine(cfg)
-        _join(engine, store, gen, rank, dims)
-        out[micro] = []
-        for step in (1, 2):
-            b = _batch(cfg, step, dims, rank)
-            w = global_loss_weights(b.loss_mask, "token-mean", t.mini_batch_size,
-                                    dims.dp * (t.mini_batch_size // dims.dp // micro))
-            res = engine.train_step(dataclasses.replace(b, loss_weights=w), step)
-            out[micro] += [res["loss"], res["grad_norm"]]
-        del engine
+    cfg = _cfg(world=world, extra=("ppo.loss_agg_mode=token-mean", *sets))
+    dims, t = ParallelDims.from_config(cfg), cfg.train
+    engine = MegatronEngine(cfg)
+    _join(engine, store, 1, rank, dims)
+    out = []
+    for step in (1, 2):
+        full = _batch(cfg, step, ParallelDims(tp=1, pp=1, cp=1, dp=1), 0)
+        w = global_loss_weights(full.loss_mask, "token-mean", t.mini_batch_size,
+                                dims.dp * (t.mini_batch_size // dims.dp // t.micro_batch_size))
+        mine = dataclasses.replace(full, loss_weights=w).strided(dims.coords(rank).dp, dims.dp)
+        res = engine.train_step(mine, step)
+        out += [res["loss"], res["grad_norm"]]
     return out
 
 
@@ -456,5 +455,17 @@ def test_the_micro_batch_split_does_not_change_the_training():
     micro-batches' losses) computes each mini-batch's token-mean over the whole mini-batch:
     micro-batches of 1 and of 2 rows give the same losses and gradient norms (the norm shows
     the gradient's scale, which Adam's update hides) within bf16 tolerance."""
-    (out,) = spawn_ranks(_micro_split_rank, 1, timeout_s=600)
-    assert out[2] == pytest.approx(out[1], rel=LOSS_RTOL), out
+    (one,) = spawn_ranks(_weighted_steps, 1, ("train.micro_batch_size=1",), timeout_s=600)
+    (two,) = spawn_ranks(_weighted_steps, 1, ("train.micro_batch_size=2",), timeout_s=600)
+    assert two == pytest.approx(one, rel=LOSS_RTOL), (one, two)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 CUDA GPUs")
+def test_the_dp_size_does_not_change_the_training():
+    """The same at dp=2 (Megatron DDP averages the replicas' gradients) against dp=1: the
+    replicas' mean loss and the (all-reduced, so common) gradient norm."""
+    (one,) = spawn_ranks(_weighted_steps, 1, timeout_s=600)
+    two = spawn_ranks(_weighted_steps, 2, timeout_s=600)
+    mean = [(a + b) / 2 if i % 2 == 0 else a for i, (a, b) in enumerate(zip(*two))]
+    assert mean == pytest.approx(one, rel=LOSS_RTOL), (one, two)
