@@ -185,8 +185,9 @@ class ActorGroup:
 
     Creates one placement group of (num_workers + num_spares) bundles, one actor per bundle,
     sorts them by (node, GPU), builds every engine (workers and spares alike), hosts the
-    rendezvous store and forms generation 1. Raises RuntimeError with the resources needed
-    when the cluster cannot place the bundles within `placement_timeout_s` seconds.
+    rendezvous store and forms generation 1. Raises ConfigError (`preflight`: the cluster's
+    totals are too small) or ClusterError (the bundles could not be placed within
+    `placement_timeout_s` seconds), naming what was asked and what the cluster has.
     """
 
     REFILL_ATTEMPTS = 3  # starts of a spare on a freed bundle (one that dies, e.g. on a lost node, is retried)
@@ -262,13 +263,6 @@ class ActorGroup:
     @property
     def handles(self) -> list:
         return [s.handle for s in self.workers]
-
-    def describe(self) -> list[str]:
-        """One line per rank and spare: where it runs (for logs and --dry-run)."""
-        lines = [f"rank {r} {self.dims.coords(r)} on node {s.node_id[:8]} ({s.node_ip}) device {s.device[1]}"
-                 for r, s in enumerate(self.workers)]
-        return lines + [f"spare on node {s.node_id[:8]} ({s.node_ip}) device {s.device[1]}"
-                        for s in self.pool.spares]
 
     def form_generation(self) -> dict[str, float]:
         """Start the next membership generation: every worker joins new process groups.
