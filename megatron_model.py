@@ -164,7 +164,7 @@ def load_hf_weights(model, bridge, hf_path: str, tp_rank: int, tp_size: int) -> 
 
 
 def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
-                    use_cpu_initialization: bool = False, initialize: bool = True):
+                    use_cpu_initialization: bool = False, initialize: bool = True, sdpa: bool = True):
     """This rank's pipeline stage of the Megatron-Core GPTModel, and its TransformerConfig.
     Megatron's groups must exist (`parallel_state.initialize_model_parallel(tp, pp, cp)`).
 
@@ -173,7 +173,9 @@ def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
     model.hf_path): the architecture of the HF config (`hf_model_args`) and this rank's TP/PP
     shard of its weights (`load_hf_weights`). Params in cfg.model.dtype on the current CUDA
     device (on CPU with `use_cpu_initialization`). Layer spec: Transformer Engine's when
-    installed, else Megatron's local one. `initialize=False`: params left uninitialised and
+    installed, else Megatron's local one with its core attention on torch's fused SDPA kernels
+    (`megatron_attention.SDPAttention`; `sdpa=False`: Megatron's own, which materialises the
+    scores). `initialize=False`: params left uninitialised and
     no HF weights read (the caller copies weights in). Raises ValueError as `hf_model_args`,
     `load_hf_weights`."""
     from megatron.core import parallel_state as ps
@@ -200,8 +202,14 @@ def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, use_cpu_initialization=use_cpu_initialization,
         perform_initialization=initialize)
-    spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tc.qk_layernorm) if have_transformer_engine()
-            else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tc.qk_layernorm))
+    if have_transformer_engine():
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tc.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tc.qk_layernorm)
+        if sdpa:
+            from megatron_attention import SDPAttention
+
+            spec.submodules.self_attention.submodules.core_attention = SDPAttention
     model = GPTModel(config=tc, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), position_embedding_type="rope", **gpt)
     if bridge is not None and initialize:
