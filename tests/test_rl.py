@@ -4,7 +4,6 @@ checkpoint samples and trains exactly as the run without failure)."""
 import random
 
 import pytest
-import ray
 import torch
 
 from config import ConfigError, load_config, resolve
