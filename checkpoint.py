@@ -304,8 +304,7 @@ class CheckpointManager:
         as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
         # dcp.load fails on a key the checkpoint lacks or of another shape, but loads a subset
         # silently: a key only the checkpoint has is named here.
-        saved = as_checkpoint_error(what, reader.read_metadata).state_dict_metadata
-        unexpected = sorted(set(saved) - set(flatten_state_dict(state_dict)[0]))
+        unexpected = sorted(set(reader.metadata.state_dict_metadata) - set(flatten_state_dict(state_dict)[0]))
         if unexpected:
             logger.warning("%s: the checkpoint holds keys this run does not load: %s", where, ", ".join(unexpected[:20]))
         return state_dict
@@ -624,6 +623,7 @@ class _SafeReader(dcp.FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        self.metadata = metadata  # kept: the caller compares its keys with what it loaded
         return metadata
 
 

@@ -44,6 +44,11 @@ def token_log_probs(logits: Tensor, input_ids: Tensor) -> Tensor:
     return F.pad(picked, (1, 0))
 
 
+def _check_agg_mode(mode: str) -> None:
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"ppo.loss_agg_mode={mode!r} is not one of {LOSS_AGG_MODES}")
+
+
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """sum(values * mask) / sum(mask); 0 when the mask is empty."""
     return (values * mask).sum() / mask.sum().clamp(min=1)
@@ -111,8 +116,7 @@ def policy_loss(
         )
     if clip_ratio_c <= 1:
         raise ValueError(f"ppo.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip lower bound)")
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"ppo.loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+    _check_agg_mode(loss_agg_mode)
     shapes = {t.shape for t in (log_probs, old_log_probs, advantages, loss_mask)}
     if len(shapes) != 1:
         raise ValueError(
@@ -276,8 +280,7 @@ def global_loss_weights(loss_mask: Tensor, mode: str, mini_batch_size: int, scal
     `scale` multiplies every weight: an engine that averages over its micro-batches and DDP
     over its dp replicas needs scale = dp * micro-batches per replica to restore the sum.
     Returns float32 [B, S]. Raises ValueError for an unknown mode or B % mini_batch_size != 0."""
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"ppo.loss_agg_mode={mode!r} is not one of {LOSS_AGG_MODES}")
+    _check_agg_mode(mode)
     if loss_mask.shape[0] % mini_batch_size:
         raise ValueError(f"a batch of {loss_mask.shape[0]} rows has no whole mini-batches of {mini_batch_size}")
     minis = loss_mask.view(-1, mini_batch_size, loss_mask.shape[1])     # [K, m, S]

@@ -80,10 +80,10 @@ class SnapshotSender:
     """A rank's background sends of its snapshots to a `SnapshotHolder`, at most one in flight:
     a send slower than the snapshot interval makes the next `send` wait for it (bounded host
     memory: one copy being sent, one being taken) instead of piling copies up, and a send
-    stuck past `timeout_s` (holder unreachable) makes that snapshot skipped (`skipped` counts)."""
+    stuck past `timeout_s` (holder unreachable) makes that snapshot skipped."""
 
     def __init__(self, timeout_s: float):
-        self.timeout_s, self.skipped = timeout_s, 0
+        self.timeout_s = timeout_s
         self._thread: threading.Thread | None = None
 
     def send(self, holder, key: tuple, step: int, take_state: Callable[[], dict]) -> bool:
@@ -93,7 +93,6 @@ class SnapshotSender:
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s)
             if self._thread.is_alive():
-                self.skipped += 1
                 return False
         state = to_wire(take_state())
         self._thread = threading.Thread(target=lambda: ray.get(holder.put.remote(key, step, state)),
