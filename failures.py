@@ -90,5 +90,7 @@ class RecoveryTimeline:
 
 
 def slowest(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Per key, the largest of the ranks' seconds (rounded to 0.1 ms): the slowest rank's time."""
-    return {k: round(max(p[k] for p in parts), 4) for k in parts[0]}
+    """Per key, the largest of the ranks' seconds (rounded to 0.1 ms) among the ranks that have
+    it (a survivor and a spare report different parts): the slowest rank's time."""
+    keys = dict.fromkeys(k for p in parts for k in p)
+    return {k: round(max(p[k] for p in parts if k in p), 4) for k in keys}

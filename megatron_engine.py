@@ -5,14 +5,15 @@ The model comes from `megatron_model`, the TP/PP/CP operations and RL sampling f
 `megatron_ops`, checkpoint I/O from `megatron_checkpoint`, pinned host buffers from
 `host_memory`, and every patch of Megatron-Core internals from `megatron_compat`.
 
-Lifecycle. Megatron layers take their process groups when they are built, so the model, DDP
-wrapper, optimizer and LR schedule are (re)built in every `connect`, after
-`parallel_state.initialize_model_parallel` has made the groups of the new generation. A rank
-that already held a model (a survivor) carries its training state into the new objects by
-copying tensors in place (model params, fp32 main params, Adam moments and step, schedule),
-so a membership change loses nothing. A pre-warmed spare has imported Megatron and made its
-CUDA context in `__init__`; its model is built from `train.seed` when it first joins, so it
-starts equal to a reference run's step 0.
+Lifecycle. Megatron layers, DDP buckets and the optimizer keep the process groups they were
+built with. In every `connect`, `parallel_state.initialize_model_parallel` makes the groups of
+the new generation; a rank that keeps its layout and rank position (a survivor) keeps its model,
+DDP wrapper, optimizer and schedule and only moves their group references onto the new groups
+(`megatron_groups.rebind`): no tensor is copied and nothing is built. A rank whose position
+changed (DP resized) builds the objects again and copies its training state into them in place.
+A pre-warmed spare has imported Megatron and made its CUDA context in `__init__`; with
+tp = pp = cp = 1 it also builds its model while warming (`warm_up`), else when it first joins,
+from `train.seed`, so it starts equal to a reference run's step 0.
 
 Peer restore and the distributed optimizer. With `model.distributed_optimizer: true` each DP
 rank holds a different shard of the fp32 main params and Adam moments, so no DP peer can supply
@@ -53,6 +54,7 @@ from host_memory import (carve, configure_host_allocator, copy_state, pin_in_bac
                          same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import load_sharded, save_sharded
 from megatron_compat import patch_distributed_optimizer
+from megatron_groups import StaleGroups, make_groups, rebind
 from megatron_model import build_gpt_model, have_transformer_engine, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
                           vocab_parallel_entropy)
@@ -138,20 +140,28 @@ class MegatronEngine:
         self._send_buffers: dict | None = None  # pinned buffers of `host_state`
         self._connected = False
         self._interrupt = StepInterrupt()  # hooks on each model `_build` makes
+        self._groups: dict = {}        # this generation's groups by role (`megatron_groups`)
+        self._position: tuple | None = None  # (dims, rank) the model, DDP and optimizer were built for
+        self._prebuilt: dict | None = None   # spare: the model `warm_up` built, its groups and RNG states
+        self._tc = None                # the model's TransformerConfig
 
     # -- process groups ----------------------------------------------------------------------
     def connect(self, store, dims: ParallelDims, rank: int) -> dict[str, float]:
         """Join a generation as `rank` of `dims`: create the default NCCL process group from
         `store` (collective timeout `fault_tolerance.step_timeout_s`; with
-        `fault_tolerance.nccl_eager_init` its communicator is made at once, on device 0), make
-        Megatron's groups on it and build model, DDP, optimizer and schedule on them. A rank
-        that already held a model keeps its training state and RNG state; a new one starts from
-        the seeded step-0 state. Returns seconds by part: `process_group_s`, `groups_s`,
-        `build_s`, `state_copy_s`. Raises ValueError when `dims` has other tp / pp / cp sizes
-        than the config."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+        `fault_tolerance.nccl_eager_init` its communicator is made at once, on device 0) and
+        Megatron's groups on it (`megatron_groups.make_groups`).
 
+        A rank that held this layout and rank position before (a survivor) keeps its model, DDP
+        wrapper, optimizer and schedule: only their group references move to the new groups
+        (`megatron_groups.rebind`), so its state and RNG states are untouched. Otherwise the
+        objects are built for the new position: a spare from the model it built while warming
+        (`warm_up`, layouts with tp = pp = cp = 1) or from `train.seed`, starting equal to a
+        reference run's step 0; a rank whose position changed carries its training state and
+        RNG states over by copying tensors in place. Returns seconds by part:
+        `process_group_s`, `groups_s`, and `rebind_s` or `build_s` (model), `wrap_s` (DDP,
+        optimizer, schedule), `state_copy_s`. Raises ValueError when `dims` has other tp / pp /
+        cp sizes than the config."""
         if (dims.tp, dims.pp, dims.cp) != (self.cfg.parallel.tp, self.cfg.parallel.pp, self.cfg.parallel.cp):
             raise ValueError(f"dims {dims} do not match the config's parallel sizes {self.cfg.parallel}")
         ft = self.cfg.fault_tolerance
@@ -159,37 +169,47 @@ class MegatronEngine:
         dist.init_process_group("nccl", store=store, rank=rank, world_size=dims.world_size,
                                 timeout=datetime.timedelta(seconds=ft.step_timeout_s),
                                 device_id=torch.device("cuda", 0) if ft.nccl_eager_init else None)
-        process_group_s = time.perf_counter() - t_pg
-        # Carry the live state over, unless its optimizer shards no longer fit (DP resized under
-        # the distributed optimizer: the state is then restored from a checkpoint).
-        self._wait_snapshot_copy()  # the rebuild frees tensors it may still be reading
-        keep = self.model is not None and not (self.cfg.model.distributed_optimizer and self.dims.dp != dims.dp)
-        old = self._train_state() if keep else None
-        rng = self._rng_state() if old is not None else None
+        parts = {"process_group_s": time.perf_counter() - t_pg}
+        self._wait_snapshot_copy()  # a rebuild frees tensors it may still be reading
         t0 = time.perf_counter()
-        ps.destroy_model_parallel()
-        ps.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp,
-                                     create_gloo_process_groups=False)
+        old_groups, self._groups = self._groups, make_groups(dims)
+        parts["groups_s"] = time.perf_counter() - t0
+        same_position = self.ddp is not None and self._position == (dims, rank)
         self.dims, self.rank = dims, rank
-        model_parallel_cuda_manual_seed(self.cfg.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
-        t1 = time.perf_counter()
-        self._build()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if old is None:
-            self.step = 0
-        else:
-            self._set_train_state(old)
-            torch.cuda.set_rng_state(rng["cuda"])
-            torch.set_rng_state(rng["cpu"])
-            get_cuda_rng_tracker().set_states(rng["tracker"])
-            torch.cuda.synchronize()
-        del old
+        if not (same_position and self._rebind([self.ddp, self.optimizer, self.ref_model], old_groups, parts)):
+            # Carry the live state over, unless its optimizer shards no longer fit (DP resized
+            # under the distributed optimizer: the state is then restored from a checkpoint).
+            keep = self.ddp is not None and not (self.cfg.model.distributed_optimizer and self._position[0].dp != dims.dp)
+            old = self._train_state() if keep else None
+            rng = self._rng_state() if keep else None
+            self._build(parts)
+            t2 = time.perf_counter()
+            if old is None:
+                self.step = 0
+            else:
+                self._set_train_state(old)
+                self._set_rng_state(rng)
+                torch.cuda.synchronize()
+            del old
+            parts["state_copy_s"] = time.perf_counter() - t2
+        self._position = (dims, rank)
         self._trained_since_connect = False
         self._interrupt.clear()
         self._connected = True
-        return {"process_group_s": process_group_s, "groups_s": t1 - t0, "build_s": t2 - t1,
-                "state_copy_s": time.perf_counter() - t2}
+        return parts
+
+    def _rebind(self, objects: list, old_groups: dict, parts: dict) -> bool:
+        """Move `objects` onto this generation's groups (`megatron_groups.rebind`); adds
+        `rebind_s` to `parts`. False (logged) when some reference could not be moved: the
+        caller builds the objects again."""
+        t0 = time.perf_counter()
+        try:
+            rebind(objects, old_groups, self._groups)
+        except (StaleGroups, ValueError) as e:
+            log.warning("rank %s builds its model again: %s", self.rank, e)
+            return False
+        parts["rebind_s"] = time.perf_counter() - t0
+        return True
 
     def interrupt(self) -> None:
         """Make the running step (or rollout) raise `engine.Interrupted` at its next
@@ -219,21 +239,37 @@ class MegatronEngine:
             comms.abort_process_groups()
         comms.close_open_nccl_groups()
 
-    def _build(self) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.transformer.module import Float16Module
-
-        m, t, d = self.cfg.model, self.cfg.train, self.dims
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
+    def _build(self, parts: dict) -> None:
+        """Build model, DDP, optimizer and schedule for this generation's position, from the
+        model `warm_up` built when it fits (tp = pp = cp = 1: every rank's model is the same
+        shard) and nothing else was built since. Adds `build_s` or `rebind_s`, and `wrap_s`."""
         self.model = self.ddp = self.optimizer = self.scheduler = self.ref_model = None
         torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        prebuilt, self._prebuilt = self._prebuilt, None
+        if prebuilt is not None and self._rebind(list(prebuilt["objects"]), prebuilt["groups"], parts):
+            self.model, self.ref_model, self._tc = prebuilt["objects"]
+            self._set_rng_state(prebuilt["rng"])
+        else:
+            self._build_model()
+            parts["build_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._wrap()
+        torch.cuda.synchronize()
+        parts["wrap_s"] = time.perf_counter() - t1
+
+    def _build_model(self) -> None:
+        """This rank's GPTModel stage (value head, frozen reference policy as RL needs), seeded
+        from `train.seed` and the pipeline rank, on the current groups."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.module import Float16Module
+
+        d = self.dims
+        model_parallel_cuda_manual_seed(self.cfg.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
         # HF weights are in the model before DDP (its buffers) and the optimizer (fp32 main
         # params) copy them.
-        model, tc = build_gpt_model(self.cfg, d.tp, d.pp, d.cp, self.hf_bridge)
+        model, self._tc = build_gpt_model(self.cfg, d.tp, d.pp, d.cp, self.hf_bridge)
         self.model = model.to(self.device)
         if self.rl is not None and self.rl.kl_coef > 0:
             # Same layout and groups; weights = this policy's as built (a survivor's trained
@@ -246,6 +282,17 @@ class MegatronEngine:
             self.ref_model = Float16Module(ref_tc, ref) if self.bf16 else ref
         if self.rl is not None and self.rl.advantage == "gae" and ps.is_pipeline_last_stage():
             add_value_head(self.model)  # before DDP and the optimizer: trained with the model
+
+    def _wrap(self) -> None:
+        """DDP wrapper, optimizer and LR schedule around `self.model`, on the current groups."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer.module import Float16Module
+
+        m, t, tc = self.cfg.model, self.cfg.train, self._tc
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
         module = Float16Module(tc, self.model) if self.bf16 else self.model
         self.ddp = DistributedDataParallel(
             config=tc, module=module,
@@ -527,10 +574,11 @@ class MegatronEngine:
         one-layer model with this config's sizes (tp = pp = cp = 1, one micro-batch, no RL
         terms, no HF weights: with `model.hf_path` the sizes are cfg.model's) in a private NCCL
         world of one rank, then frees everything it built (Megatron's groups, the process
-        group, its GPU memory) and puts the CPU and CUDA RNG states back, so the spare later
-        builds its model exactly as without it. Why: a fresh process's first step is about
-        twice as slow as the next ones (inferred causes: CUDA's lazily loaded kernels, cuBLAS
-        handles and workspaces, NCCL's first initialisation; see docs/recovery.md, "Replace").
+        group, its GPU memory) and puts the CPU and CUDA RNG states back. Why: a fresh process's
+        first step is about twice as slow as the next ones (inferred causes: CUDA's lazily
+        loaded kernels, cuBLAS handles and workspaces, NCCL's first initialisation; see
+        docs/recovery.md, "Replace"). With tp = pp = cp = 1 it then builds the spare's model
+        (`_prebuild`), so that joining does not build it.
         Returns seconds; 0.0 without doing anything when this process is in a process group
         or holds a model (it has trained: nothing left to warm)."""
         import gc
@@ -564,7 +612,33 @@ class MegatronEngine:
             torch.cuda.empty_cache()
             torch.set_rng_state(rng[0])
             torch.cuda.set_rng_state(rng[1])
+        p = self.cfg.parallel
+        if p.tp == p.pp == p.cp == 1:
+            self._prebuild()
         return time.perf_counter() - t0
+
+    def _prebuild(self) -> None:
+        """Spare, tp = pp = cp = 1 (every rank holds the same model shard): build the model
+        stage now, in a private NCCL world of one rank, exactly as `connect` would build it;
+        `connect` then only moves it onto the generation's groups. Keeps the RNG states the
+        build leaves (what a build at join would leave) for `connect`, and restores the
+        process's own."""
+        from megatron.core import parallel_state as ps
+
+        rng = self._rng_state()
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            groups = make_groups(ParallelDims(tp=1, pp=1, cp=1, dp=1))
+            self.dims = ParallelDims(tp=1, pp=1, cp=1, dp=1)
+            self._build_model()
+            torch.cuda.synchronize()
+            self._prebuilt = {"objects": (self.model, self.ref_model, self._tc), "groups": groups,
+                              "rng": self._rng_state()}
+        finally:
+            self.model = self.ref_model = self.dims = None
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+            self._set_rng_state(rng)
 
     def snapshot_nbytes(self) -> int:
         """Bytes of this rank's rollback snapshot (0 with the distributed optimizer: none kept)."""
@@ -692,6 +766,15 @@ class MegatronEngine:
         return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
                 "tracker": get_cuda_rng_tracker().get_states()}
 
+    @staticmethod
+    def _set_rng_state(rng: dict) -> None:
+        """Make `rng` (from `_rng_state`) the process's CPU, CUDA and Megatron tracker states."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        torch.set_rng_state(rng["cpu"])
+        torch.cuda.set_rng_state(rng["cuda"])
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+
     def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -747,11 +830,6 @@ class MegatronEngine:
         self.scheduler.num_steps = int(loaded["sched_steps"])
         self.scheduler.step(increment=0)
         if same:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-            rng = loaded["rng"]
-            torch.set_rng_state(rng["cpu"])
-            torch.cuda.set_rng_state(rng["cuda"])
-            get_cuda_rng_tracker().set_states(rng["tracker"])
+            self._set_rng_state(loaded["rng"])
         self.step, self._dirty = int(loaded["step"]), False
 
