@@ -213,6 +213,7 @@ class ActorGroup:
                 f"cluster has {ray.cluster_resources()}. Lower cluster.num_spares / cpus_per_actor / "
                 f"gpus_per_actor or add nodes")
         self._refills: dict = {}  # build ObjectRef -> (handle, bundle index, attempt) of a spare being refilled
+        self._warming: dict[int, object] = {}  # id(spare slot) -> its prepare_spare ObjectRef
         self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers)
         self.injected_at: float | None = None  # wall-clock time of the last injected fault (`kill`)
         handles = [self._new_actor(i) for i in range(n)]
@@ -258,7 +259,15 @@ class ActorGroup:
         rank's size) and warm up (`MegatronActor.prepare_spare`), so neither slows the first
         steps after a recovery."""
         for s in spares:
-            s.handle.prepare_spare.remote(self.snapshot_nbytes)
+            self._warming[id(s)] = s.handle.prepare_spare.remote(self.snapshot_nbytes)
+
+    def wait_spares_warm(self, timeout: float) -> float:
+        """Wait until every spare of the pool has finished warming (`_prepare`), at most
+        `timeout` seconds; returns the seconds waited."""
+        t0 = time.perf_counter()
+        refs = [self._warming[id(s)] for s in self.pool.spares if id(s) in self._warming]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        return time.perf_counter() - t0
 
     @property
     def handles(self) -> list:
@@ -266,14 +275,20 @@ class ActorGroup:
 
     def form_generation(self) -> dict[str, float]:
         """Start the next membership generation: every worker joins new process groups.
-        Returns the slowest rank's seconds for each part of its join (`MegatronActor.join`).
-        Raises WorkerFailure if a member dies while joining."""
+        Returns the slowest rank's seconds for each part of its join (`MegatronActor.join`),
+        and `spare_warm_wait_s` when a spare taken from the pool was still warming (its join
+        waits for that). Raises WorkerFailure if a member dies while joining."""
         self.generation += 1
+        warming = [self._warming.pop(id(s)) for s in self.workers if id(s) in self._warming]
+        t0 = time.perf_counter()
+        if warming:
+            ray.wait(warming, num_returns=len(warming), timeout=self.cfg.fault_tolerance.step_timeout_s)
+        waited = time.perf_counter() - t0
         refs = [s.handle.join.remote(self.generation, r, self.dims, self.store_host, self.store_port,
                                      self.holder_for(s.node_id))
                 for r, s in enumerate(self.workers)]
         parts = self.wait(refs, self.cfg.fault_tolerance.step_timeout_s)
-        return slowest(parts)
+        return {**slowest(parts), **({"spare_warm_wait_s": round(waited, 4)} if warming else {})}
 
     def state_digests(self) -> list[str]:
         """Each rank's `Engine.state_digest` (weights, optimizer state, schedule, step), by rank."""

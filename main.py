@@ -122,7 +122,8 @@ def write_plots(cfg: Config, series: dict, recoveries: list[dict], replayed: dic
 def run_steps(cfg: Config, kill_replica: int | None, kill_ranks: list[int] | None = None) -> dict:
     """The demo's scripted sequence on a fresh actor group; returns losses and timelines.
     After step 2 it kills the ranks `kill_ranks`, else every rank of DP replica `kill_replica`
-    (None and None: no failure)."""
+    (None and None: no failure), once the spares have finished warming: the recovery it
+    measures is the one of a warm pool."""
     from actor_group import ActorGroup
     from trainer import Trainer
 
@@ -135,6 +136,7 @@ def run_steps(cfg: Config, kill_replica: int | None, kill_ranks: list[int] | Non
         trainer.train(2)
         if kill_ranks or kill_replica is not None:
             ranks = kill_ranks or group.dims.replica_ranks(kill_replica)
+            group.wait_spares_warm(cfg.fault_tolerance.step_timeout_s)
             log.warning("event=demo_kill ranks=%s nodes=%s step=3", ",".join(map(str, ranks)),
                         ",".join(sorted({group.workers[r].node_id[:8] for r in ranks})))
             group.kill(ranks)

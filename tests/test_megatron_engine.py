@@ -110,9 +110,12 @@ def _scenarios(rank, world, store, tmp, storage) -> dict:
     out["rollback_dist_opt"] = e.rollback(1)
     e.snapshot()
     out["step2"] = e.train_step(_batch(cfg, 2, dims, rank), 2)
-    before = _digest(e)
-    _join(e, store, 2, rank, dims)                         # new generation keeps the state
+    before, objects = _digest(e), (e.model, e.ddp, e.optimizer, e.scheduler)
+    phases = _join(e, store, 2, rank, dims)                # new generation keeps the state
     out["reconnect_keeps_state"] = _digest(e) == before
+    # ... and the objects: only their process groups changed (megatron_groups.rebind)
+    out["reconnect_keeps_objects"] = (all(a is b for a, b in zip(objects, (e.model, e.ddp, e.optimizer, e.scheduler)))
+                                      and "rebind_s" in phases and "build_s" not in phases)
     e.load_checkpoint(ckpt, ckpt.latest_verified(), rank)
     out["load_digest_equal"] = _digest(e) == saved_digest
     out["moments_equal"] = all(torch.equal(a, b) for a, b in zip(saved_moments, _moments(e)))
@@ -169,6 +172,7 @@ def _check_common(res: dict, rank: int, world: int) -> None:
     assert ("megatron/.metadata" in res["files"]) == (rank == 0)
     assert res["rollback_dist_opt"] is False
     assert res["reconnect_keeps_state"] and res["load_digest_equal"]
+    assert res["reconnect_keeps_objects"]
     assert res["moments_equal"] and res["moments_nonzero"]
     assert res["step2_again"]["loss"] == res["step2"]["loss"]
     assert res["step2_again"]["grad_norm"] == res["step2"]["grad_norm"]
@@ -210,9 +214,10 @@ def test_engine_two_gpus(tmp_path, backend, request):
 
 def _warm_up_ranks(rank, world, store) -> dict:
     """A spare that ran `warm_up` before joining against one that did not (same process, one
-    after the other): the warm-up frees its GPU memory, keeps the RNG states and leaves no
-    process group; the warmed engine then builds the same step-0 state and trains the same
-    first step."""
+    after the other): the warm-up frees the GPU memory of its one-layer step (it keeps only the
+    spare's prebuilt model), keeps the RNG states and leaves no process group; the warmed engine
+    joins without building a model, with the same step-0 state, and trains the same first
+    step."""
     import torch.distributed as dist
 
     from megatron_engine import MegatronEngine
@@ -226,10 +231,12 @@ def _warm_up_ranks(rank, world, store) -> dict:
     warm = MegatronEngine(cfg)
     memory, rng = torch.cuda.memory_allocated(), (torch.get_rng_state(), torch.cuda.get_rng_state())
     out = {"seconds": warm.warm_up()}
-    out["freed"] = torch.cuda.memory_allocated() <= memory
+    prebuilt = sum(p.numel() * p.element_size() for p in warm._prebuilt["objects"][0].parameters())
+    out["freed"] = torch.cuda.memory_allocated() - memory <= prebuilt + (1 << 20)
     out["rng_kept"] = torch.equal(rng[0], torch.get_rng_state()) and torch.equal(rng[1], torch.cuda.get_rng_state())
     out["no_group_left"] = not dist.is_initialized()
-    _join(warm, store, 2, rank, ParallelDims.from_config(cfg))
+    phases = _join(warm, store, 2, rank, ParallelDims.from_config(cfg))
+    out["prebuilt_used"] = "build_s" not in phases and "rebind_s" in phases
     out["same_state"] = _digest(warm) == cold_state
     step = warm.train_step(_batch(cfg, 1, ParallelDims.from_config(cfg), rank), 1)
     out["same_step"] = (step["loss"], step["grad_norm"]) == (cold_step["loss"], cold_step["grad_norm"])
@@ -243,7 +250,7 @@ def test_spare_warm_up_leaves_no_trace():
     (res,) = spawn_ranks(_warm_up_ranks, 1)
     assert res["seconds"] > 0
     assert res["freed"] and res["rng_kept"] and res["no_group_left"]
-    assert res["same_state"] and res["same_step"] and res["rank_not_warmed_again"]
+    assert res["prebuilt_used"] and res["same_state"] and res["same_step"] and res["rank_not_warmed_again"]
 
 
 def _interrupted_ranks(rank, world, store) -> dict:

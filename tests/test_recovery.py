@@ -20,7 +20,7 @@ def make_cfg(tmp_path, *overrides):
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", *overrides]), num_gpus=0)
 
 
-def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2=None):
+def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2=None, at_end=None):
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
@@ -36,6 +36,8 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2
         for r in [kill_rank] if kill_rank is not None else kill_ranks:
             ray.kill(group.workers[r].handle, no_restart=True)
         trainer.train(4)
+        if at_end is not None:
+            at_end(trainer)
         digests = group.state_digests()
         return trainer, digests, len(group.pool)
     finally:
@@ -48,9 +50,18 @@ def reference(ray_session, tmp_path_factory):
     return trainer.losses, digests
 
 
+def _model_ids(group) -> list[int]:
+    """Each rank's id() of its engine's model object (`__ray_call__` runs in the actor)."""
+    return ray.get([s.handle.__ray_call__.remote(lambda actor: id(actor.engine.module)) for s in group.workers])
+
+
 def test_peer_restore_matches_bitwise(reference, tmp_path):
-    trainer, digests, spares = run(make_cfg(tmp_path), kill_rank=1)
+    ids = {}
+    trainer, digests, spares = run(make_cfg(tmp_path), kill_rank=1,
+                                   after_step_2=lambda t: ids.setdefault("before", _model_ids(t.group)),
+                                   at_end=lambda t: ids.setdefault("after", _model_ids(t.group)))
     assert trainer.losses == reference[0]
+    assert ids["before"][0] == ids["after"][0]  # the survivor kept its model object
     assert digests == reference[1]  # final weights identical on every rank
     (tl,) = trainer.recoveries
     assert (tl.kind, tl.failed_ranks, tl.restore_source, tl.steps_lost) == ("crash", [1], "peer", 0)
