@@ -32,6 +32,10 @@ PATCHES = (
      ("FileSystemWriterAsync.write_preloaded_data_multiproc", "FileSystemWriterAsync.write_preloaded_data"),
      "re-implements the async write (partial(write_preloaded_data_multiproc, transform_list, "
      "use_msc)) with threads instead of forked writers"),
+    ("one_group_per_membership", "megatron.core.parallel_state",
+     ("create_group", "initialize_model_parallel"),
+     "initialize_model_parallel makes every group through the module's create_group(ranks=..., "
+     "timeout=..., pg_options=..., group_desc=...)"),
 )
 
 
@@ -78,6 +82,40 @@ def patch_distributed_optimizer(optimizer) -> None:
     for o in optimizer.chained_optimizers:
         if isinstance(o, DistributedOptimizer):
             o._set_main_param_and_optimizer_states = functools.partial(_set_main_param_and_state, o)
+
+
+@contextlib.contextmanager
+def one_group_per_membership():
+    """Inside the block, Megatron's `parallel_state.create_group` makes one process group per
+    distinct member list and hands it to every role with those members (the default group for
+    all ranks), instead of one communicator per role. Why: `initialize_model_parallel` makes
+    17 groups whatever the layout, and with eagerly initialised NCCL each is a communicator
+    split, paid again in every generation; most of them repeat a member list (with tp = pp =
+    cp = 1 every model-parallel group is the rank alone and every data-parallel one is the
+    world). Ranks make groups in the same order, so every rank shares the same ones. Groups
+    with their own NCCL options or local synchronisation are made as Megatron asks."""
+    from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+
+    original, made = ps.create_group, {}
+    world = tuple(range(dist.get_world_size()))
+
+    def create_group(ranks=None, timeout=None, backend=None, pg_options=None,
+                     use_local_synchronization=False, group_desc=None):
+        key = tuple(sorted(ranks))
+        if pg_options is not None or use_local_synchronization or backend not in (None, dist.get_backend()):
+            return original(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc)
+        if key == world:
+            return dist.group.WORLD
+        if key not in made:
+            made[key] = original(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc)
+        return made[key]
+
+    ps.create_group = create_group
+    try:
+        yield
+    finally:
+        ps.create_group = original
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from megatron_compat import one_group_per_membership
 from parallel_dims import ParallelDims
 
 
@@ -25,12 +26,14 @@ class StaleGroups(RuntimeError):
 
 def make_groups(dims: ParallelDims) -> dict[str, dist.ProcessGroup]:
     """Replace Megatron's groups (`parallel_state`) by ones of the current default process
-    group for the layout `dims`; returns them by role (`groups_by_role`)."""
+    group for the layout `dims`, one communicator per distinct member list
+    (`megatron_compat.one_group_per_membership`); returns them by role (`groups_by_role`)."""
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp,
-                                 create_gloo_process_groups=False)
+    with one_group_per_membership():
+        ps.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp,
+                                     create_gloo_process_groups=False)
     return groups_by_role()
 
 
