@@ -81,3 +81,15 @@ def test_compiled_reference_on_cpu(tmp_path):
     r = json.loads(out.read_text())
     assert r["compiled"] and r["params"] == 98_624 and r["mfu"] is None
     assert positive(r["tokens_per_s"]) and r["losses"][-1] < r["losses"][0]
+
+
+def test_profile_step_runs_on_cpu(tmp_path):
+    """bench/profile_step.py on the torch engine: the tables add up and the trace is written."""
+    run_bench("profile_step", "--steps", "1", "--warmup", "1", "--top", "5", "--out-dir", str(tmp_path),
+              "--set", "cluster.device=cpu")
+    r = json.loads((tmp_path / "profile_step_cpu.json").read_text())
+    assert r["engine"] == "torch" and r["time_basis"] == "cpu" and len(r["top"]) == 5
+    assert math.isclose(sum(r["shares"].values()), 1.0) and r["shares"]["matmul"] > 0
+    assert all(row["category"] in r["shares"] for row in r["top"])
+    assert positive(r["total_s_per_step"]) and r["host_syncs"]["count_per_step"] > 0  # the loss's .item()
+    assert (tmp_path / "profile_step_cpu.trace.json.gz").stat().st_size > 0
