@@ -26,8 +26,8 @@ Log-probs across shards: the vocabulary-parallel cross entropy gives log p(token
 rank from its vocabulary shard (-CE = log p). With cp > 1 the sequence is cut into 2*cp chunks
 and rank r keeps chunks r and 2*cp-1-r (Megatron's load-balanced layout); labels are shifted
 before the split, and per-token log-probs are all-gathered (differentiably) over the CP group
-before the PPO loss. Context parallelism needs Transformer Engine attention (the local spec
-has none), so cp > 1 raises at build time without TE.
+before the PPO loss. Attention over the CP-split sequence is Transformer Engine's where it is
+installed, else `megatron_attention.SDPAttention`'s (K/V all-gathered over the CP group).
 
 Vocabulary: the embedding is padded to a multiple of 128 (`megatron_model.padded_vocab_size`).
 Padded entries take part in the softmax, as in Megatron's own training (RL masks them:
@@ -55,7 +55,7 @@ from host_memory import (carve, configure_host_allocator, copy_state, pin_in_bac
 from megatron_checkpoint import load_sharded, save_sharded
 from megatron_compat import patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
-from megatron_model import build_gpt_model, have_transformer_engine, hf_bridge, hf_model_args
+from megatron_model import build_gpt_model, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
                           vocab_parallel_entropy)
 from parallel_dims import ParallelDims
@@ -81,8 +81,7 @@ class MegatronEngine:
     `__init__` also sets up the process for CUDA (`host_memory.configure_host_allocator`, NCCL's
     environment, device 0): make the engine before anything initialises CUDA in the process.
 
-    Raises ValueError from `__init__` when the config asks for something this install cannot
-    run (cp > 1 without Transformer Engine) or `model.hf_path` holds a model it cannot load
+    Raises ValueError from `__init__` when `model.hf_path` holds a model it cannot load
     (`hf_bridge`, `hf_model_args`).
 
     RL (`rl.enabled`, as `TorchEngine`): `generate` samples rollouts (`sample_rollouts`); with
@@ -102,9 +101,6 @@ class MegatronEngine:
         torch.cuda.set_device(0)
         self.cfg = cfg
         m = cfg.model
-        if cfg.parallel.cp > 1 and not have_transformer_engine():
-            raise ValueError("parallel.cp > 1 needs Transformer Engine attention (the local layer "
-                             "spec has no context parallelism); install transformer_engine or set parallel.cp=1")
         # Pre-warm: imports and the CUDA context; the model needs this generation's groups.
         from megatron.core import dist_checkpointing, parallel_state  # noqa: F401
         from megatron.core.models.gpt import GPTModel  # noqa: F401

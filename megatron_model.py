@@ -6,7 +6,8 @@ Vocabulary: Megatron needs vocab % tp == 0; the embedding is padded to a multipl
 """
 from __future__ import annotations
 
-import importlib.util
+import functools
+import logging
 import math
 import os
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from config import Config
 
+log = logging.getLogger(__name__)
 VOCAB_MULTIPLE = 128
 
 
@@ -24,8 +26,48 @@ def padded_vocab_size(vocab_size: int) -> int:
 
 
 def have_transformer_engine() -> bool:
-    """Whether Transformer Engine is installed (its layer spec; context-parallel attention)."""
-    return importlib.util.find_spec("transformer_engine") is not None
+    """Whether Megatron-Core can build Transformer Engine's layer spec here: `transformer_engine`
+    and Megatron's TE extension import (Megatron's own `HAVE_TE`). The one check of the TE path:
+    everything else follows from the spec `build_gpt_model` picks by it."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return gpt_layer_specs.HAVE_TE
+
+
+_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+            "gradient_accumulation_fusion", "cross_entropy_loss_fusion", "persist_layer_norm")
+
+
+def backend_summary(tc, spec: str, core_attention: type) -> str:
+    """One line (key=value) naming the kernels a model of TransformerConfig `tc` runs on: the
+    layer spec ('transformer_engine' / 'local'), the core-attention class, for SDPA the
+    backends torch has enabled and those that can run this model's attention (head dim, dtype,
+    causal; `torch.backends.cuda.can_use_*`, on the current CUDA device), the fusions the config
+    turns on, and the Adam class Megatron's optimizer uses (TE's or Apex's fused one, else
+    torch's AdamW)."""
+    import torch.backends.cuda as tbc
+    from megatron.core import optimizer
+
+    parts = [f"spec={spec}", f"core_attention={core_attention.__name__}"]
+    if core_attention.__name__ == "SDPAttention":
+        enabled = [n for n, on in (("flash", tbc.flash_sdp_enabled()), ("mem_efficient", tbc.mem_efficient_sdp_enabled()),
+                                   ("cudnn", tbc.cudnn_sdp_enabled()), ("math", tbc.math_sdp_enabled())) if on]
+        parts.append(f"sdpa_enabled={','.join(enabled)}")
+        if torch.cuda.is_available():
+            d = tc.kv_channels
+            q = torch.empty(1, tc.num_attention_heads, 128, d, dtype=tc.params_dtype, device="cuda")
+            params = tbc.SDPAParams(q, q, q, None, 0.0, True, False)
+            usable = [n for n, f in (("flash", tbc.can_use_flash_attention), ("mem_efficient", tbc.can_use_efficient_attention),
+                                     ("cudnn", tbc.can_use_cudnn_attention)) if f(params)]
+            parts.append(f"sdpa_usable={','.join(usable) or 'math only'}")
+    fused = [f for f in _FUSIONS if getattr(tc, f, False)]
+    parts += [f"fusions={','.join(fused) or 'none'}", f"adam={optimizer.Adam.__module__}.{optimizer.Adam.__name__}"]
+    return "event=backend " + " ".join(parts)
+
+
+@functools.cache
+def _log_once(line: str) -> None:
+    log.info("%s", line)
 
 
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # config.json model_type values model.hf_path may hold
@@ -173,9 +215,10 @@ def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
     model.hf_path): the architecture of the HF config (`hf_model_args`) and this rank's TP/PP
     shard of its weights (`load_hf_weights`). Params in cfg.model.dtype on the current CUDA
     device (on CPU with `use_cpu_initialization`). Layer spec: Transformer Engine's when
-    installed, else Megatron's local one with its core attention on torch's fused SDPA kernels
+    Megatron can build it (`have_transformer_engine`), else Megatron's local one with its core attention on torch's fused SDPA kernels
     (`megatron_attention.SDPAttention`; `sdpa=False`: Megatron's own, which materialises the
-    scores). `initialize=False`: params left uninitialised and
+    scores); with cfg.parallel.cp > 1 SDPAttention gathers K/V over the CP group. Global rank 0
+    logs `backend_summary` (INFO) once per process. `initialize=False`: params left uninitialised and
     no HF weights read (the caller copies weights in). Raises ValueError as `hf_model_args`,
     `load_hf_weights`."""
     from megatron.core import parallel_state as ps
@@ -202,7 +245,8 @@ def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, use_cpu_initialization=use_cpu_initialization,
         perform_initialization=initialize)
-    if have_transformer_engine():
+    te = have_transformer_engine()
+    if te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tc.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tc.qk_layernorm)
@@ -210,6 +254,9 @@ def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
             from megatron_attention import SDPAttention
 
             spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if torch.distributed.get_rank() == 0:  # each distinct line once per process
+        _log_once(backend_summary(tc, "transformer_engine" if te else "local",
+                                  spec.submodules.self_attention.submodules.core_attention))
     model = GPTModel(config=tc, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), position_embedding_type="rope", **gpt)
     if bridge is not None and initialize:

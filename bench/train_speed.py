@@ -45,11 +45,24 @@ On CPU the peak is unknown: MFU is null unless --peak-tflops (the machine's peak
 
 Usage (repository root): python -m bench.train_speed [--steps 8] [--warmup 2] [--repeats 1]
                                                      [--config config.yaml] [--set a.b=v ...] [--out PATH]
+                                                     [--reference both|eager|none]
+A micro-batch sweep is one run per size: --set train.micro_batch_size=N (the reference follows it).
+The plain-PyTorch reference (--reference, default both): after the phases, when the actors are
+gone, bench/reference_llama.py trains an HF `LlamaForCausalLM` of the same shape with the
+plainest fast loop (SDPA, bf16 autocast, fused AdamW), eager and under torch.compile, each in a
+process of its own on the driver's machine (its first GPU), on one GPU's share of the global
+batch (global_batch_size / gpus rows; micro-batches of train.micro_batch_size), for the same
+--warmup and --steps. Its MFU counts no old-log-prob pass (r = 0: it runs none).
+
 Prints a table and writes bench/results/train_speed_<device>.json:
 {"device", "engine", "layout", "params", "tokens_per_step", "flops_per_step",
+ "mfu" (the engine's step MFU: off.mfu), "reference_eager_mfu", "reference_compiled_mfu",
+ "reference": {"eager": {...}, "compiled": {...}} (bench/reference_llama.py's JSON, or {"error"}),
+ "tokens_per_s_per_gpu_vs_reference": {"eager", "compiled"} (off tokens/s per GPU / the reference's),
  "off": {"step_s", "tokens_per_s", "mfu", ...}, "on": {...}, "on_no_memory": {...} | null,
  "overhead_ratio", "overhead_ratio_no_memory", "components", "config", ...}
-(step_s: median seconds per timed step; overhead_ratio = on.step_s / off.step_s).
+(step_s: median seconds per timed step; overhead_ratio = on.step_s / off.step_s; MFU null on
+CPU without --peak-tflops).
 """
 from __future__ import annotations
 
@@ -60,6 +73,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.reference_llama import run_reference
 from flops import FORMULA, flops_per_token, matmul_params, total_params
 from parallel_dims import ParallelDims
 
@@ -294,6 +308,9 @@ def main(argv=None) -> dict:
     p.add_argument("--lag-timeout", type=float, default=120.0,
                    help="seconds to wait for the holders to catch up after an ON phase (default 120)")
     p.add_argument("--no-components", action="store_true", help="skip the per-component timings")
+    p.add_argument("--reference", choices=("both", "eager", "none"), default="both",
+                   help="after the engine, the plain-PyTorch HF Llama of the same shape "
+                        "(bench/reference_llama.py): eager and torch.compile (both, default), eager only, or none")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/train_speed_<device>.json)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
@@ -360,6 +377,11 @@ def main(argv=None) -> dict:
         if started:
             ray.shutdown()
 
+    # After the actors are gone (the GPU is free): the plain loop, one GPU's share of the batch.
+    refs = {mode: run_reference(args.config, args.overrides, max(cfg.train.micro_batch_size,
+                                                                 cfg.train.global_batch_size // gpus),
+                                mode == "compiled", args.steps, args.warmup, args.peak_tflops)
+            for mode in {"both": ("eager", "compiled"), "eager": ("eager",), "none": ()}[args.reference]}
     ref = runs["off"][0]["losses"]
     diffs = [abs(ref[s] - r["losses"][s]) for name in names for r in runs[name] for s in r["losses"]]
     ph = {name: summarize(merge(runs[name]), fl, peak, gpus) for name in names}
@@ -383,6 +405,13 @@ def main(argv=None) -> dict:
         if "on_no_memory" in ph else None,
         "losses_equal": all(x == 0.0 for x in diffs), "loss_max_abs_diff": max(diffs),
         "components": comp,
+        "mfu": ph["off"]["mfu"],
+        "reference_eager_mfu": refs.get("eager", {}).get("mfu"),
+        "reference_compiled_mfu": refs.get("compiled", {}).get("mfu"),
+        "reference": refs,
+        "tokens_per_s_per_gpu_vs_reference": {
+            mode: ratio(ph["off"]["tokens_per_s"], r["tokens_per_s"] * gpus) if "tokens_per_s" in r else None
+            for mode, r in refs.items()},
         "machinery": {
             "off": "engine.train_step through __ray_call__ + ray.get, nothing else",
             "on_no_memory": None if "on_no_memory" not in ph else
@@ -441,6 +470,14 @@ def print_table(r: dict) -> None:
     for n in names:
         if r[n]["stopped_early"]:
             print(f"{n} stopped early: {r[n]['stopped_early']}")
+    for mode, ref in r["reference"].items():
+        if "error" in ref:
+            print(f"reference {mode}: failed: {ref['error'][-300:]}")
+            continue
+        print(f"reference {mode} (HF Llama, plain loop, {ref['rows']} rows/step on one device): "
+              f"{ref['step_s']:.4f} s/step, {ref['tokens_per_s']:,.0f} tokens/s, MFU {fmt(ref['mfu'], '.1%')}; "
+              f"engine (off) per GPU / reference: {fmt(r['tokens_per_s_per_gpu_vs_reference'][mode], '.3f')}x "
+              f"tokens/s, {fmt(ratio(r['mfu'], ref['mfu']), '.3f')}x MFU")
     if r["components"]:
         c = r["components"]
         print(f"alone: engine.snapshot() {c['snapshot_s']:.4f} s, engine.host_state() "

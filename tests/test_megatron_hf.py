@@ -416,3 +416,24 @@ def test_hf_engine_two_gpus_tp2_pp2(tmp_path):
     assert all(f"tp2_pp1_{n}_logits" in r for r in results for n in dirs)
     assert all(f"tp1_pp2_{n}_log_probs" in results[1] for n in dirs)  # the last stage
     _check_gpu(results)
+
+
+def test_backend_summary_names_the_kernels():
+    """The start-up line `build_gpt_model` logs on rank 0: spec, core attention, the SDPA
+    backends torch has enabled (this process's settings), the fusions on, the Adam in use."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_attention import SDPAttention
+    from megatron_model import backend_summary, have_transformer_engine
+
+    tc = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bias_activation_fusion=True)
+    line = backend_summary(tc, "local", SDPAttention)
+    assert line.startswith("event=backend spec=local core_attention=SDPAttention sdpa_enabled=")
+    assert "fusions=bias_activation_fusion " in line
+    assert ("adam=torch.optim.adamw.AdamW" in line) == (not have_transformer_engine())
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]):  # what torch reports, not a fixed list
+        assert "flash" not in backend_summary(tc, "local", SDPAttention).split("sdpa_enabled=")[1].split()[0]
+    assert "sdpa" not in backend_summary(tc, "local", DotProductAttention)

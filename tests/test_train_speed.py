@@ -4,6 +4,8 @@ whose JSON must be complete and sane, with the parameter formula equal to the li
 import json
 import math
 
+import pytest
+
 import flops
 from conftest import run_bench
 
@@ -39,7 +41,7 @@ def positive(x) -> bool:
 
 def test_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "train_speed.json"
-    run_bench("train_speed", "--steps", "2", "--warmup", "1", "--out", str(out),
+    run_bench("train_speed", "--steps", "2", "--warmup", "1", "--out", str(out), "--reference", "eager",
               "--set", "cluster.device=cpu", "--set", "cluster.num_workers=2", "--set", "cluster.num_spares=0")
     r = json.loads(out.read_text())
     for key in ("device", "engine", "layout", "params", "tokens_per_step", "off", "on",
@@ -59,3 +61,35 @@ def test_bench_runs_on_cpu(tmp_path):
     assert r["losses_equal"]  # the same steps in every phase, bitwise on CPU
     assert r["on"]["recoveries"] == 0 and r["on"]["snapshot_lag_s"] >= 0
     assert all(v >= 0 for v in r["components"].values())
+    # the plain-PyTorch reference of the same shape, one device's share of the batch (CPU: all of it)
+    assert r["mfu"] is None and r["reference_eager_mfu"] is None and r["reference_compiled_mfu"] is None
+    ref = r["reference"]["eager"]
+    assert set(r["reference"]) == {"eager"} and not ref["compiled"]
+    assert ref["params"] == r["params"] and ref["rows"] == 16 and ref["tokens_per_step"] == 16 * 32
+    assert len(ref["step_s_all"]) == 2 and positive(ref["tokens_per_s"])
+    assert all(math.isfinite(x) for x in ref["losses"]) and ref["losses"][-1] < ref["losses"][0]  # it trains
+    assert math.isclose(r["tokens_per_s_per_gpu_vs_reference"]["eager"],
+                        r["off"]["tokens_per_s"] / ref["tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_compiled_reference_on_cpu(tmp_path):
+    """bench/reference_llama.py under torch.compile (inductor on CPU: about half a minute)."""
+    out = tmp_path / "ref.json"
+    run_bench("reference_llama", "--compile", "--steps", "2", "--warmup", "1", "--out", str(out),
+              "--set", "cluster.device=cpu", "--set", "model.dtype=float32")
+    r = json.loads(out.read_text())
+    assert r["compiled"] and r["params"] == 98_624 and r["mfu"] is None
+    assert positive(r["tokens_per_s"]) and r["losses"][-1] < r["losses"][0]
+
+
+def test_profile_step_runs_on_cpu(tmp_path):
+    """bench/profile_step.py on the torch engine: the tables add up and the trace is written."""
+    run_bench("profile_step", "--steps", "1", "--warmup", "1", "--top", "5", "--out-dir", str(tmp_path),
+              "--set", "cluster.device=cpu")
+    r = json.loads((tmp_path / "profile_step_cpu.json").read_text())
+    assert r["engine"] == "torch" and r["time_basis"] == "cpu" and len(r["top"]) == 5
+    assert math.isclose(sum(r["shares"].values()), 1.0) and r["shares"]["matmul"] > 0
+    assert all(row["category"] in r["shares"] for row in r["top"])
+    assert positive(r["total_s_per_step"]) and r["host_syncs"]["count_per_step"] > 0  # the loss's .item()
+    assert (tmp_path / "profile_step_cpu.trace.json.gz").stat().st_size > 0
