@@ -15,6 +15,7 @@ import importlib
 import logging
 
 import megatron.core
+import torch
 
 from checkpoint import CheckpointError
 
@@ -32,6 +33,10 @@ PATCHES = (
      ("FileSystemWriterAsync.write_preloaded_data_multiproc", "FileSystemWriterAsync.write_preloaded_data"),
      "re-implements the async write (partial(write_preloaded_data_multiproc, transform_list, "
      "use_msc)) with threads instead of forked writers"),
+    ("foreach_grad_norm", "megatron.core.optimizer.clip_grads",
+     ("l2_norm_impl", "multi_tensor_scale_impl", "multi_tensor_applier"),
+     "without TE / Apex, clip_grads' local fallbacks: l2_norm_impl(chunk, noop, [tensors], per_tensor) "
+     "-> ([1] norm, None), multi_tensor_scale_impl(chunk, noop, [src, dst], scale)"),
     ("one_group_per_membership", "megatron.core.parallel_state",
      ("create_group", "initialize_model_parallel"),
      "initialize_model_parallel makes every group through the module's create_group(ranks=..., "
@@ -82,6 +87,38 @@ def patch_distributed_optimizer(optimizer) -> None:
     for o in optimizer.chained_optimizers:
         if isinstance(o, DistributedOptimizer):
             o._set_main_param_and_optimizer_states = functools.partial(_set_main_param_and_state, o)
+
+
+def _foreach_l2_norm(_chunk_size, _noop_flag, tensor_lists, _per_tensor, *_args):
+    """`local_multi_tensor_l2_norm` without a host sync: Megatron-Core's builds a host tensor
+    from one device scalar per parameter (a device sync each, ~170 per step on a 24-layer
+    model); here the per-tensor norms stay on the device (`torch._foreach_norm`)."""
+    (tensors,) = tensor_lists
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)).float())
+    return norm.reshape(1), None
+
+
+def _foreach_scale(_chunk_size, _noop_flag, tensor_lists, scale):
+    """`local_multi_tensor_scale` (dst = src * scale) as one foreach launch, in place when src
+    is dst (gradient clipping), instead of two kernels per tensor."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def foreach_grad_norm() -> None:
+    """Without Transformer Engine or Apex, make Megatron-Core's gradient clipping use
+    `_foreach_l2_norm` and `_foreach_scale` (same results, no per-parameter device sync).
+    A no-op when a fused implementation is installed."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        clip_grads.multi_tensor_scale_impl = _foreach_scale
 
 
 @contextlib.contextmanager

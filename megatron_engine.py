@@ -53,7 +53,7 @@ from engine import StepInterrupt, state_digest
 from host_memory import (carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import load_sharded, save_sharded
-from megatron_compat import patch_distributed_optimizer
+from megatron_compat import foreach_grad_norm, patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
 from megatron_model import build_gpt_model, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
@@ -99,6 +99,7 @@ class MegatronEngine:
             # NCCL reads it at its first communicator; aborting communicators is faster with it.
             os.environ["NCCL_COMM_SPLIT_SHARE_RESOURCES"] = "1"
         torch.cuda.set_device(0)
+        foreach_grad_norm()  # gradient clipping without a device sync per parameter
         self.cfg = cfg
         m = cfg.model
         # Pre-warm: imports and the CUDA context; the model needs this generation's groups.

@@ -42,3 +42,23 @@ def test_another_version_logs_one_warning_naming_each_patch(monkeypatch, caplog)
     message = record.getMessage()
     assert "0.99.0" in message and megatron_compat.WRITTEN_FOR in message
     assert all(f"  {name}: " in message for name, *_ in megatron_compat.PATCHES)
+
+
+def test_the_foreach_grad_norm_and_scale_are_megatrons_math():
+    """The sync-free replacements of Megatron-Core's local clip-grad helpers: the global L2 norm
+    of a list of tensors, and dst = src * scale (in place when src is dst)."""
+    import torch
+
+    from megatron_compat import _foreach_l2_norm, _foreach_scale
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) for n in (3, 70, 1)]
+    norm, _ = _foreach_l2_norm(0, None, [grads], False)
+    assert norm.shape == (1,)
+    assert torch.allclose(norm[0], torch.linalg.vector_norm(torch.cat(grads)), rtol=1e-6)
+    expected = [x * 0.5 for x in grads]
+    _foreach_scale(0, None, [grads, grads], 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    out = [torch.empty_like(x) for x in grads]
+    _foreach_scale(0, None, [grads, out], 2.0)
+    assert all(torch.equal(a, b * 2.0) for a, b in zip(out, grads))

@@ -1,0 +1,1 @@
+python3 main.py demo --summary /root/out/demo_1gpu_default_groups_nvidia-h200_2026-12-01.json --set cluster.device=cuda --set cluster.num_workers=1 --set cluster.num_spares=1 --set cluster.gpus_per_actor=0.5 --set run_dir=/tmp/d2 --set checkpoint.uri=/tmp/d2/ckpt --kill-ranks 0
