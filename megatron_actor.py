@@ -177,7 +177,9 @@ class MegatronActor:
         t1 = time.perf_counter()
         phases = self.engine.connect(store, dims, rank)
         if holder is not None and self.cfg.fault_tolerance.memory_snapshot_interval:
-            self.engine.prepare_host_copy()  # before the first snapshot step, in the background
+            # Before the first snapshot step, in the background.
+            self.engine.prepare_host_copy()
+            self._sender.connect(holder)
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
         return {"rendezvous_s": t1 - t0, **phases}
 

@@ -57,38 +57,49 @@ def from_wire(state):
     return torch.utils._pytree.tree_map(lambda x: x.tensor() if isinstance(x, _WireTensor) else x, state)
 
 
-def wire_parts(state, part_bytes: int = PART_BYTES) -> tuple[tuple, list[list]]:
-    """`state` cut for sending: (meta, parts). meta = (pytree spec, number of leaves, {index:
-    leaf} of the non-tensor leaves); parts = lists of (leaf index, `_WireTensor`), consecutive
-    tensors of about `part_bytes` each (a larger tensor is a part of its own). No bytes are
-    copied: the wire tensors view the host tensors of `state`. At least one part."""
+class _Slot:
+    """Where leaf `index` of a state goes (the holder joins the parts without a pytree spec:
+    pickling torch's TreeSpec is slow and deprecated in Ray's serializer)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def wire_parts(state, part_bytes: int = PART_BYTES) -> tuple[object, list[list]]:
+    """`state` cut for sending: (meta, parts). meta: `state` with each tensor replaced by its
+    slot; parts: lists of (slot index, `_WireTensor`), consecutive tensors of about
+    `part_bytes` each (a larger tensor is a part of its own), at least one part. No bytes are
+    copied: the wire tensors view the host tensors of `state`."""
     import torch
 
-    leaves, spec = torch.utils._pytree.tree_flatten(state)
-    others = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+    tensors = []
+
+    def slot(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        tensors.append(x)
+        return _Slot(len(tensors) - 1)
+
+    meta = torch.utils._pytree.tree_map(slot, state)
     parts, size = [[]], 0
-    for i, x in enumerate(leaves):
-        if i in others:
-            continue
+    for i, x in enumerate(tensors):
         n = x.numel() * x.element_size()
         if parts[-1] and size + n > part_bytes:
             parts.append([])
             size = 0
         parts[-1].append((i, _WireTensor(x)))
         size += n
-    return (spec, len(leaves), others), parts
+    return meta, parts
 
 
-def join_parts(meta: tuple, parts: list[list]):
+def join_parts(meta, parts: list[list]):
     """Inverse of `wire_parts`: the state with `_WireTensor` leaves (`from_wire` makes tensors)."""
     import torch
 
-    spec, n, others = meta
-    leaves = [others.get(i) for i in range(n)]
-    for part in parts:
-        for i, x in part:
-            leaves[i] = x
-    return torch.utils._pytree.tree_unflatten(leaves, spec)
+    wires = {i: x for part in parts for i, x in part}
+    return torch.utils._pytree.tree_map(lambda x: wires[x.index] if isinstance(x, _Slot) else x, meta)
 
 
 @ray.remote(num_cpus=0)
@@ -101,13 +112,15 @@ class SnapshotHolder:
     (the newest complete copies plus one arriving)."""
 
     def __init__(self, keep: int = 2):
+        import torch  # noqa: F401 (the parts hold torch dtypes: imported now, not in the first put)
+
         self.keep, self.snaps, self._partial = keep, {}, {}
 
     def node_id(self) -> str:
         """The Ray node this holder runs on."""
         return ray.get_runtime_context().get_node_id()
 
-    def put_part(self, key: tuple, step: int, index: int, count: int, meta: tuple | None, part: list) -> None:
+    def put_part(self, key: tuple, step: int, index: int, count: int, meta, part: list) -> None:
         """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0). The
         snapshot becomes visible when all `count` parts are here; a newer complete one drops
         the older partial ones of `key` (their senders died or gave up)."""
@@ -148,6 +161,15 @@ class SnapshotSender:
     def busy(self) -> bool:
         """Whether a copy or send is still in flight (its host buffers are in use)."""
         return self._thread is not None and self._thread.is_alive()
+
+    def connect(self, holder) -> None:
+        """Make the first call to `holder` in the background (`busy()` meanwhile): a caller's
+        first call to an actor sets up its connection (about a second on a busy machine),
+        which would otherwise delay the first snapshot and make the next ones skipped."""
+        if not self.busy():
+            self._thread = threading.Thread(target=lambda: ray.get(holder.node_id.remote()), daemon=True,
+                                            name="snapshot-connect")
+            self._thread.start()
 
     def skip(self, step: int) -> None:
         """Count (and log) the snapshot of `step` as skipped because `busy()`."""

@@ -484,7 +484,12 @@ class TorchEngine:
 
     def prepare_host_copy(self) -> None:
         """Allocate the host buffers of `start_host_copy` now (when a rank joins with memory
-        snapshots on), not in its first snapshot step."""
+        snapshots on), not in its first snapshot step. Not before the optimizer's first step:
+        AdamW makes its state then, and reading the state earlier (`get_state_dict`) would make
+        it with an extra zero-gradient step; plain host memory is cheap to allocate in the
+        first copy instead."""
+        if not self.optimizer.state:
+            return
         self._wait_host_copy()
         self._allocate_host_buffers([x for x in torch.utils._pytree.tree_leaves(self._train_state())
                                      if isinstance(x, torch.Tensor)])
