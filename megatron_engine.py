@@ -51,7 +51,7 @@ from config import Config
 from engine import StepInterrupt, state_digest
 from host_memory import (HostCopy, carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
-from megatron_checkpoint import load_sharded, save_sharded
+from megatron_checkpoint import SavePlanCache, load_sharded, save_sharded
 from megatron_compat import patch_distributed_optimizer
 from megatron_model import build_gpt_model, have_transformer_engine, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
@@ -137,6 +137,7 @@ class MegatronEngine:
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
         self._send_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_host_copy`
         self._send_buffers: dict | None = None  # its buffers (views of the arena) for this layout
+        self._save_plans: SavePlanCache | None = None  # of this optimizer's layout, see `save_checkpoint`
         self._connected = False
         self._interrupt = StepInterrupt()  # hooks on each model `_build` makes
 
@@ -757,9 +758,13 @@ class MegatronEngine:
         `dist_checkpointing` (torch_dist) as shard `megatron` of `step` (`save_sharded`). Returns
         the FileEntry list of the files this rank wrote; with `async_save`, a one-element list
         of `PendingSave` whose `result()` (collective) returns it. Raises CheckpointError on
-        storage failure past the retry limits."""
+        storage failure past the retry limits. Save plans are reused from save to save while
+        the optimizer (so the model, layout and groups) is the one they were made for and no
+        checkpoint was loaded since (`SavePlanCache`)."""
+        if self._save_plans is None or not self._save_plans.matches(self.optimizer):
+            self._save_plans = SavePlanCache(self.optimizer)
         return save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
-                            after_write=lambda: self.fault_point("mid_save"))
+                            after_write=lambda: self.fault_point("mid_save"), plans=self._save_plans)
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Collective over all ranks: load the committed checkpoint `manifest` (already verified
@@ -770,6 +775,7 @@ class MegatronEngine:
         same = {k: manifest.layout.get(k) for k in ("tp", "pp", "cp", "dp")} == \
             {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp}
         self._wait_snapshot_copy()  # the load overwrites what it may still be reading
+        self._save_plans = None  # a recovery: plan the next save afresh
         loaded = load_sharded(ckpt, manifest, self._sharded_state(True, same))
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
