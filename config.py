@@ -254,7 +254,9 @@ class ChaosConfig:
     point}. kind: kill (SIGKILL), exception, hang (compute thread), slow (+1 s per micro-batch:
     alive, must not be replaced), node (every actor on the rank's node is killed; no point).
     point: step_start, before_allreduce, inside_allreduce, after_optimizer_step, during_save,
-    mid_save, during_recovery."""
+    mid_save, during_recovery, mid_snapshot (a memory snapshot in flight, in its background
+    thread: the torch engine half-way through its host copy, else before its last part reaches
+    the holder)."""
 
 
 @dataclass
@@ -503,7 +505,7 @@ def _validate_megatron(cfg: Config) -> None:
 
 CHAOS_KINDS = ("kill", "exception", "hang", "slow", "node")
 CHAOS_POINTS = ("step_start", "before_allreduce", "inside_allreduce", "after_optimizer_step",
-                "during_save", "mid_save", "during_recovery")
+                "during_save", "mid_save", "during_recovery", "mid_snapshot")
 
 
 def _validate_chaos_event(ev, name: str, world_size: int) -> None:

@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from checkpoint import CheckpointManager, Manifest
+    from host_memory import HostCopy
     from parallel_dims import ParallelDims
     from training_batch import TrainingBatch
 
@@ -119,11 +120,19 @@ class Engine(Protocol):
         """Return to committed step `step` from local state, no transfer. False when this rank
         holds no copy of that step."""
 
-    def host_state(self) -> dict:
-        """A host-memory copy of the live training state (later steps do not change it)."""
+    def start_host_copy(self) -> HostCopy | None:
+        """Start copying the live training state (committed step `step`) into host buffers
+        kept for it, overlapped with the next step, and return at once (None: the buffers are
+        not ready yet, e.g. still being pinned; the caller skips this snapshot). Every later
+        change of the live state is ordered after the copy, so its bytes are that step's. The
+        buffers are reused by the next call: the caller is done with them first."""
+
+    def prepare_host_copy(self) -> None:
+        """Allocate (on GPU: pin, in the background) the buffers of `start_host_copy` now, so
+        that no training step pays for it; called when a rank joins with memory snapshots on."""
 
     def load_state(self, state: dict) -> None:
-        """Make `state` (a `host_state` of the same rank position) the live state."""
+        """Make `state` (a `start_host_copy` state of the same rank position) the live state."""
 
     def broadcast_from(self, src_rank: int, ranks: list[int] | None = None) -> None:
         """Collective over this rank's DP group: receive the training state of `src_rank`.

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import mmap
 import os
+from typing import Callable
 
 import torch
 
@@ -34,6 +36,18 @@ def configure_host_allocator() -> None:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "pinned_use_cuda_host_register" not in conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, HOST_ALLOC_CONF]))
+
+
+@dataclasses.dataclass
+class HostCopy:
+    """A copy of a training state into host buffers that may still be in flight (an engine's
+    `start_host_copy`). `state`: the host buffers, with the python leaves (step, schedule) as
+    of the copy's start; `wait()` blocks until every byte is in them (it releases the GIL:
+    call it from any thread) and raises when the copy failed. The engine orders every later
+    change of the live state after the copy, so the bytes are those of one committed step."""
+
+    state: dict
+    wait: Callable[[], None]
 
 
 def state_tensors(state) -> list[torch.Tensor]:

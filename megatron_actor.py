@@ -51,7 +51,7 @@ class MegatronActor:
         self._store = None                # ((host, port), TCPStore client of the driver's store)
         self._pending_save = None         # futures of an async checkpoint write
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
-        self._sender = SnapshotSender(cfg.fault_tolerance.health_timeout_s)
+        self._sender = SnapshotSender()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     def fault_point(self, point: str) -> None:
@@ -176,6 +176,10 @@ class MegatronActor:
             time.sleep(0.01)
         t1 = time.perf_counter()
         phases = self.engine.connect(store, dims, rank)
+        if holder is not None and self.cfg.fault_tolerance.memory_snapshot_interval:
+            # Before the first snapshot step, in the background.
+            self.engine.prepare_host_copy()
+            self._sender.connect(holder)
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
         return {"rendezvous_s": t1 - t0, **phases}
 
@@ -186,13 +190,24 @@ class MegatronActor:
 
     def train_step(self, generation: int, step: int, batch) -> dict:
         """Run train step `step` on this rank's part of the batch (see the engine). Snapshots
-        the committed state (step - 1) to host memory first, for peer restore."""
+        the committed state (step - 1) to host memory first, for peer restore. Every
+        `memory_snapshot_interval` steps, starts the in-memory snapshot of step `step`: the
+        engine's host copy overlaps the next step, the send to the holder runs in the
+        background (`SnapshotSender`); skipped (counted, logged) while the previous one is in
+        flight or the host buffers are not pinned yet. The result carries the sender's counts
+        as `memory_snapshots` when snapshots are on."""
         self._check(generation)
         self.engine.snapshot()
         self.fault_point("step_start")
         result = self.engine.train_step(batch, step)
         if self._holder is not None and step % self.cfg.fault_tolerance.memory_snapshot_interval == 0:
-            self._sender.send(self._holder, (str(self.dims), self.rank), step, self.engine.host_state)
+            copy = None if self._sender.busy() else self.engine.start_host_copy()
+            if copy is None:
+                self._sender.skip(step)
+            else:
+                self._sender.send(self._holder, (str(self.dims), self.rank), step, copy,
+                                  before_last_part=lambda: self.fault_point("mid_snapshot"))
+            result["memory_snapshots"] = self._sender.counts()
         return result
 
     def restore_snapshot(self, generation: int, step: int, holders: list) -> bool:

@@ -33,8 +33,28 @@ def _put_rank_files(ckpt, step: int, stage: str, rank: int) -> list:
     return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
 
 
+class SavePlanCache:
+    """The torch_dist save strategy of one model layout, kept from save to save (Megatron-LM's
+    `--ckpt-assume-constant-structure`): with `cached_metadata` the strategy reuses its local
+    and central save plans and the global metadata once two saves planned the same, so later
+    saves skip DCP's planning collectives; and the check that every shard has exactly one
+    writer (`validate_access_integrity`, an all-gather of every rank's shard metadata) runs in
+    the first save only. Valid while the model, optimizer and process groups are those it was
+    made for (`matches`); the engine makes a new one after a rebuild or a checkpoint load."""
+
+    def __init__(self, owner):
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        self.owner = owner  # identity of what the plans describe (e.g. the optimizer object)
+        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+        self.validated = False
+
+    def matches(self, owner) -> bool:
+        return owner is self.owner
+
+
 def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_save: bool = False,
-                 after_write=lambda: None) -> list:
+                 after_write=lambda: None, plans: SavePlanCache | None = None) -> list:
     """Collective over the default process group: `dist_checkpointing.save(sharded_state_dict)`
     (torch_dist format) as shard `megatron` of checkpoint `step` of `ckpt` (a CheckpointManager).
 
@@ -48,7 +68,8 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
     `async_save`: only the synchronous part runs here (planning collectives, the common state,
     a host copy of every tensor: later changes to the state are not in the checkpoint); the
     files are written in a background thread, and `[PendingSave]` is returned. Synchronous:
-    `after_write()` runs between the write and the hash / upload (fault injection 'mid_save')."""
+    `after_write()` runs between the write and the hash / upload (fault injection 'mid_save').
+    `plans`: the layout's `SavePlanCache` (None: plan from scratch and validate, every save)."""
     import shutil
     import tempfile
 
@@ -63,12 +84,18 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
             shutil.rmtree(path, ignore_errors=True)
             os.makedirs(path)
         dist.barrier()  # the in-place directory exists (and is empty) before anyone writes
+        kwargs = {} if plans is None else {"sharded_strategy": plans.strategy,
+                                           "validate_access_integrity": not plans.validated}
         if async_save:
             request = as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage,
-                                          async_sharded_save=True)
+                                          async_sharded_save=True, **kwargs)
+            if plans is not None:
+                plans.validated = True
             done = True  # the stage now belongs to the PendingSave
             return [PendingSave(ckpt, step, rank, request, stage, path is None)]
-        as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage)
+        as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage, **kwargs)
+        if plans is not None:
+            plans.validated = True
         after_write()
         return _put_rank_files(ckpt, step, stage, rank)
     finally:

@@ -50,9 +50,9 @@ import torch.nn.functional as F
 import comms
 from config import Config
 from engine import StepInterrupt, state_digest
-from host_memory import (carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
+from host_memory import (HostCopy, carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
-from megatron_checkpoint import load_sharded, save_sharded
+from megatron_checkpoint import SavePlanCache, load_sharded, save_sharded
 from megatron_compat import foreach_grad_norm, patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
 from megatron_model import build_gpt_model, hf_bridge, hf_model_args
@@ -134,7 +134,9 @@ class MegatronEngine:
         self._arena: concurrent.futures.Future | None = None    # pinned bytes of the snapshot buffers
         self._copy_stream: torch.cuda.Stream | None = None       # side stream of the snapshot copy
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
-        self._send_buffers: dict | None = None  # pinned buffers of `host_state`
+        self._send_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_host_copy`
+        self._send_buffers: dict | None = None  # its buffers (views of the arena) for this layout
+        self._save_plans: SavePlanCache | None = None  # of this optimizer's layout, see `save_checkpoint`
         self._connected = False
         self._interrupt = StepInterrupt()  # hooks on each model `_build` makes
         self._groups: dict = {}        # this generation's groups by role (`megatron_groups`)
@@ -641,21 +643,57 @@ class MegatronEngine:
         """Bytes of this rank's rollback snapshot (0 with the distributed optimizer: none kept)."""
         return 0 if self.cfg.model.distributed_optimizer else state_nbytes(self._train_state())
 
-    def host_state(self) -> dict:
-        """A host-memory copy of this rank's live training state (model params and its
-        optimizer shard), to send to a SnapshotHolder. The copy is made into pinned buffers
-        allocated at the first call and reused by the next one (no per-call allocation of
-        ~14 bytes per parameter): the caller must be done with the previous copy first
-        (MegatronActor waits for the previous send before taking the next copy)."""
-        state = self._train_state()
-        if self._send_buffers is not None and same_layout(self._send_buffers, state):
-            return self._host_copy(state, self._send_buffers)
+    def prepare_host_copy(self) -> None:
+        """Start pinning the host buffers of `start_host_copy` (~14 bytes per parameter of this
+        rank's shard) in a background thread, if not pinned yet for a state of this size. Called
+        when the rank joins with memory snapshots on, so that no training step pays the pinning
+        (seconds for tens of GB)."""
+        need = state_nbytes(self._train_state())
+        arena = self._send_arena
+        if arena is not None and not (arena.done() and (arena.exception() or arena.result().numel() < need)):
+            return
         self._send_buffers = None
-        self._send_buffers = self._host_copy(state)
+        self._send_arena = pin_in_background(need)
+
+    def _send_buffers_for(self, state: dict) -> dict | None:
+        """Pinned buffers laid out as `state`, or None while they are still being pinned (a
+        pinning started here when none fits, e.g. after a layout change)."""
+        if self._send_buffers is not None and same_layout(self._send_buffers, state):
+            return self._send_buffers
+        self._send_buffers = None
+        self.prepare_host_copy()
+        if not self._send_arena.done():
+            return None
+        self._send_buffers = carve(state, self._send_arena.result())  # raises if pinning failed
         return self._send_buffers
 
+    def start_host_copy(self) -> HostCopy | None:
+        """Queue a copy of this rank's live training state (model params and its optimizer
+        shard: with the distributed optimizer the fp32 main-param and Adam shards) into pinned
+        buffers on the snapshot side stream (`_host_copy_async`), and return at once. The copy
+        runs on a copy engine beside the next step's forward and backward; that step's
+        optimizer update waits for it on the device (`_wait_snapshot_copy`), as does every other
+        change of the live state, so its bytes are exactly those of step `self.step`. Returns
+        None while the buffers are still being pinned (`prepare_host_copy`). The buffers are
+        reused by the next call: the caller must be done with the previous copy."""
+        state = self._train_state()
+        into = self._send_buffers_for(state)
+        if into is None:
+            return None
+        into = self._host_copy_async(state, into)
+        return HostCopy(into, self._copy_done.synchronize)
+
+    def host_state(self) -> dict:
+        """`start_host_copy`, waiting for its buffers to be pinned and for the copy: the live
+        training state in the reused pinned buffers (changed by the next call)."""
+        self.prepare_host_copy()
+        self._send_arena.result()
+        copy = self.start_host_copy()
+        copy.wait()
+        return copy.state
+
     def load_state(self, state: dict) -> None:
-        """Make `state` (from `host_state` of the same rank position) the live state."""
+        """Make `state` (from `start_host_copy` of the same rank position) the live state."""
         self._set_train_state(state)
 
     def reset(self) -> bool:
@@ -800,9 +838,13 @@ class MegatronEngine:
         `dist_checkpointing` (torch_dist) as shard `megatron` of `step` (`save_sharded`). Returns
         the FileEntry list of the files this rank wrote; with `async_save`, a one-element list
         of `PendingSave` whose `result()` (collective) returns it. Raises CheckpointError on
-        storage failure past the retry limits."""
+        storage failure past the retry limits. Save plans are reused from save to save while
+        the optimizer (so the model, layout and groups) is the one they were made for and no
+        checkpoint was loaded since (`SavePlanCache`)."""
+        if self._save_plans is None or not self._save_plans.matches(self.optimizer):
+            self._save_plans = SavePlanCache(self.optimizer)
         return save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
-                            after_write=lambda: self.fault_point("mid_save"))
+                            after_write=lambda: self.fault_point("mid_save"), plans=self._save_plans)
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Collective over all ranks: load the committed checkpoint `manifest` (already verified
@@ -813,6 +855,7 @@ class MegatronEngine:
         same = {k: manifest.layout.get(k) for k in ("tp", "pp", "cp", "dp")} == \
             {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp}
         self._wait_snapshot_copy()  # the load overwrites what it may still be reading
+        self._save_plans = None  # a recovery: plan the next save afresh
         loaded = load_sharded(ckpt, manifest, self._sharded_state(True, same))
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])

@@ -1,14 +1,24 @@
 """In-memory snapshots kept off the rank's node: the wire format of a host training state (numpy
-arrays that Ray moves zero-copy) and `SnapshotHolder`, the actor that keeps the newest copies
-of the ranks it serves, plus `SnapshotSender`, a rank's background sender (at most one send in
-flight, so host memory stays bounded).
+arrays that Ray moves zero-copy, in parts of about `PART_BYTES`), `SnapshotHolder`, the actor
+that keeps the newest complete copies of the ranks it serves, and `SnapshotSender`, a rank's
+background sender (at most one send in flight; a snapshot due while one is in flight is skipped
+and counted, so a slow holder never stalls training and host memory stays bounded).
+
+Consistency: the holder makes a snapshot visible only when every part of it has arrived, so a
+send cut short (the rank died, the holder's node went away) leaves nothing `get` returns; the
+sender sends a copy only after its device-to-host copy completed (`HostCopy.wait`), and the
+engines order every later change of the live state after that copy.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
 
 import ray
+
+log = logging.getLogger(__name__)
+PART_BYTES = 256 << 20  # bytes per holder call: bounds one call's serialisation, not the total
 
 
 class _WireTensor:
@@ -47,55 +57,151 @@ def from_wire(state):
     return torch.utils._pytree.tree_map(lambda x: x.tensor() if isinstance(x, _WireTensor) else x, state)
 
 
+class _Slot:
+    """Where leaf `index` of a state goes (the holder joins the parts without a pytree spec:
+    pickling torch's TreeSpec is slow and deprecated in Ray's serializer)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def wire_parts(state, part_bytes: int = PART_BYTES) -> tuple[object, list[list]]:
+    """`state` cut for sending: (meta, parts). meta: `state` with each tensor replaced by its
+    slot; parts: lists of (slot index, `_WireTensor`), consecutive tensors of about
+    `part_bytes` each (a larger tensor is a part of its own), at least one part. No bytes are
+    copied: the wire tensors view the host tensors of `state`."""
+    import torch
+
+    tensors = []
+
+    def slot(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        tensors.append(x)
+        return _Slot(len(tensors) - 1)
+
+    meta = torch.utils._pytree.tree_map(slot, state)
+    parts, size = [[]], 0
+    for i, x in enumerate(tensors):
+        n = x.numel() * x.element_size()
+        if parts[-1] and size + n > part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append((i, _WireTensor(x)))
+        size += n
+    return meta, parts
+
+
+def join_parts(meta, parts: list[list]):
+    """Inverse of `wire_parts`: the state with `_WireTensor` leaves (`from_wire` makes tensors)."""
+    import torch
+
+    wires = {i: x for part in parts for i, x in part}
+    return torch.utils._pytree.tree_map(lambda x: wires[x.index] if isinstance(x, _Slot) else x, meta)
+
+
 @ray.remote(num_cpus=0)
 class SnapshotHolder:
     """Keeps in-memory snapshots of ranks on other nodes: per (layout, rank), the host copies
-    of that rank's training state (model + optimizer shard, engine `host_state()`) of the
-    newest `keep` steps. Ranks send them asynchronously after a step (MegatronActor.train_step);
-    a replacement fetches its rank's copy (`get`) when no DP peer holds the state. Host memory:
-    `keep` x the sum of the state sizes of the ranks it serves."""
+    of that rank's training state (model + optimizer shard, engine `start_host_copy`) of the
+    newest `keep` steps whose parts all arrived. Ranks send them in the background after a step
+    (`SnapshotSender`); a replacement fetches its rank's copy (`get`) when no DP peer holds the
+    state. Host memory: up to `keep` + 1 x the sum of the state sizes of the ranks it serves
+    (the newest complete copies plus one arriving)."""
 
     def __init__(self, keep: int = 2):
-        self.keep, self.snaps = keep, {}
+        import torch  # noqa: F401 (the parts hold torch dtypes: imported now, not in the first put)
+
+        self.keep, self.snaps, self._partial = keep, {}, {}
 
     def node_id(self) -> str:
         """The Ray node this holder runs on."""
         return ray.get_runtime_context().get_node_id()
 
-    def put(self, key: tuple, step: int, state: dict) -> None:
+    def put_part(self, key: tuple, step: int, index: int, count: int, meta, part: list) -> None:
+        """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0). The
+        snapshot becomes visible when all `count` parts are here; a newer complete one drops
+        the older partial ones of `key` (their senders died or gave up)."""
+        got = self._partial.setdefault((key, step), {})
+        got[index] = (meta, part)
+        if len(got) < count:
+            return
+        del self._partial[(key, step)]
         steps = self.snaps.setdefault(key, {})
-        steps[step] = state
+        steps[step] = join_parts(got[0][0], [got[i][1] for i in range(count)])
         for old in sorted(steps)[:-self.keep]:
             del steps[old]
+        for k, s in list(self._partial):
+            if k == key and s <= step:
+                del self._partial[(k, s)]
 
     def get(self, key: tuple, step: int) -> dict | None:
+        """The complete snapshot of (`key`, `step`) in wire form (`from_wire`), or None."""
         return self.snaps.get(key, {}).get(step)
 
     def steps(self) -> dict:
-        """(layout, rank) -> steps held, oldest first."""
+        """(layout, rank) -> complete steps held, oldest first."""
         return {k: sorted(v) for k, v in self.snaps.items()}
 
 
 class SnapshotSender:
-    """A rank's background sends of its snapshots to a `SnapshotHolder`, at most one in flight:
-    a send slower than the snapshot interval makes the next `send` wait for it (bounded host
-    memory: one copy being sent, one being taken) instead of piling copies up, and a send
-    stuck past `timeout_s` (holder unreachable) makes that snapshot skipped."""
+    """A rank's background sends of its snapshots to a `SnapshotHolder`, at most one in flight.
+    A snapshot due while the previous one is still being copied or sent is skipped, not waited
+    for: training never waits for a holder (`skipped` counts them, each logged). A send that
+    fails (holder gone, copy interrupted) is logged and counted in `failed`; the holder then
+    keeps no part of that step (see `SnapshotHolder.put_part`)."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, part_bytes: int = PART_BYTES):
+        self.part_bytes = part_bytes
+        self.sent = self.skipped = self.failed = 0
         self._thread: threading.Thread | None = None
 
-    def send(self, holder, key: tuple, step: int, take_state: Callable[[], dict]) -> bool:
-        """Take the state now (`take_state()`: a host copy; the caller's next step changes the
-        live tensors) and put it in `holder` under (`key`, `step`) in a background thread.
-        Returns False when the previous send is still running after `timeout_s` (skipped)."""
-        if self._thread is not None:
-            self._thread.join(timeout=self.timeout_s)
-            if self._thread.is_alive():
-                return False
-        state = to_wire(take_state())
-        self._thread = threading.Thread(target=lambda: ray.get(holder.put.remote(key, step, state)),
-                                        daemon=True, name="snapshot-send")
+    def busy(self) -> bool:
+        """Whether a copy or send is still in flight (its host buffers are in use)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def connect(self, holder) -> None:
+        """Make the first call to `holder` in the background (`busy()` meanwhile): a caller's
+        first call to an actor sets up its connection (about a second on a busy machine),
+        which would otherwise delay the first snapshot and make the next ones skipped."""
+        if not self.busy():
+            self._thread = threading.Thread(target=lambda: ray.get(holder.node_id.remote()), daemon=True,
+                                            name="snapshot-connect")
+            self._thread.start()
+
+    def skip(self, step: int) -> None:
+        """Count (and log) the snapshot of `step` as skipped because `busy()`."""
+        self.skipped += 1
+        log.warning("memory snapshot of step %d skipped: the previous one is still being sent "
+                    "(%d skipped, %d sent so far)", step, self.skipped, self.sent)
+
+    def send(self, holder, key: tuple, step: int, copy, before_last_part: Callable[[], None] = lambda: None) -> None:
+        """Send `copy` (a `host_memory.HostCopy` of the state after `step`, possibly still being
+        copied) to `holder` under (`key`, `step`) from a background thread: wait for the copy,
+        then put its parts one at a time; `before_last_part()` runs once the copy is done and
+        all parts but the last have been put (fault injection: a send cut short). Call only
+        when not `busy()`."""
+        if self.busy():
+            raise RuntimeError("SnapshotSender.send while a send is in flight: check busy() first")
+
+        def run():
+            try:
+                copy.wait()
+                meta, parts = wire_parts(copy.state, self.part_bytes)
+                for i, part in enumerate(parts):
+                    if i == len(parts) - 1:
+                        before_last_part()
+                    ray.get(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part))
+                self.sent += 1
+            except Exception as exc:  # noqa: BLE001 (a lost snapshot is not a failure of the rank)
+                self.failed += 1
+                log.warning("memory snapshot of step %d not sent: %r", step, exc)
+
+        self._thread = threading.Thread(target=run, daemon=True, name="snapshot-send")
         self._thread.start()
-        return True
+
+    def counts(self) -> dict:
+        """{"sent", "skipped", "failed"} so far."""
+        return {"sent": self.sent, "skipped": self.skipped, "failed": self.failed}

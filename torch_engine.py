@@ -27,6 +27,7 @@ from checkpoint import check_compatible
 from config import Config
 from comms import abort_process_groups, left_collective, recording_new_sockets, shutdown_sockets
 from engine import StepInterrupt, state_digest
+from host_memory import HostCopy
 from parallel_dims import ParallelDims
 from ppo import ppo_objective, token_entropy, token_log_probs
 from training_batch import TrainingBatch
@@ -92,6 +93,8 @@ class TorchEngine:
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
+        self._host_buffers: list[torch.Tensor] | None = None  # reused by `start_host_copy`
+        self._host_copy_done: threading.Event | None = None   # set when the copy in flight ends
         self.in_collective = False     # the compute thread is inside a gloo collective
         self._sockets: dict[int, str] = {}  # what this generation's gloo groups opened (`abort`)
         self._work = None              # the last collective's Work (see `disconnect`)
@@ -128,6 +131,7 @@ class TorchEngine:
         """Return to the state of step 0: the seeded initial weights, a fresh optimizer and LR
         schedule. A pre-warmed spare is in this state, so step 0 never needs a copy."""
         t = self.cfg.train
+        self._wait_host_copy()  # it may still be reading the state replaced here
         self.module.load_state_dict(self._initial_model)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr,
                                            weight_decay=t.weight_decay)
@@ -348,6 +352,7 @@ class TorchEngine:
                 time.sleep(self.delay_s)
             if t.grad_clip > 0:
                 norms.append(torch.nn.utils.clip_grad_norm_(self.module.parameters(), t.grad_clip).item())
+            self._wait_host_copy()  # the update overwrites what the copy reads
             self.optimizer.step()
             self.scheduler.step()
             self.fault_point("after_optimizer_step")
@@ -374,6 +379,7 @@ class TorchEngine:
     def _set_train_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        self._wait_host_copy()
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -407,6 +413,7 @@ class TorchEngine:
         again, downloads are). The RNG of a rank that did not exist at save time is kept.
         Raises ConfigError when the checkpoint belongs to another model or layout."""
         check_compatible(self.cfg, manifest)
+        self._wait_host_copy()  # the load writes into the live tensors
         self._set_train_state(ckpt.load_shard(manifest.step, "model", self._train_state(), manifest, verified=True))
         name = f"rng_rank{rank}"
         if any(f.path.startswith(name + "/") for f in manifest.files):
@@ -436,13 +443,69 @@ class TorchEngine:
         self._dirty = False
         return True
 
-    def host_state(self) -> dict:
-        """A host-memory copy of the live training state (what `snapshot` keeps), to send to a
-        SnapshotHolder; later steps do not change it."""
-        return copy.deepcopy(self._train_state())
+    def start_host_copy(self) -> HostCopy:
+        """Start copying the live training state (that of committed step `self.step`) into host
+        buffers reused from the previous copy, in a background thread, tensor by tensor, and
+        return at once; the python leaves are copied now. The next optimizer step, and every
+        other change of the live state, waits for the copy first (`_wait_host_copy`), so the
+        copy is exactly that step's state while the next step's forward and backward run
+        beside it. The fault point `mid_snapshot` fires in the copy thread half-way through
+        (its exception fails the copy: `wait()` raises). The caller is done with the previous
+        copy's buffers (SnapshotSender sends one at a time)."""
+        self._wait_host_copy()
+        leaves, spec = torch.utils._pytree.tree_flatten(self._train_state())
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        self._allocate_host_buffers(tensors)
+        buffers = iter(self._host_buffers)
+        state = torch.utils._pytree.tree_unflatten(
+            [next(buffers) if isinstance(x, torch.Tensor) else copy.deepcopy(x) for x in leaves], spec)
+        done, errors = threading.Event(), []
+
+        def run(pairs):
+            try:
+                for i, (dst, src) in enumerate(pairs):
+                    if i == len(pairs) // 2:
+                        self.fault_point("mid_snapshot")
+                    dst.copy_(src)
+            except BaseException as exc:  # noqa: BLE001 (reported by wait())
+                errors.append(exc)
+            finally:
+                done.set()
+
+        def wait():
+            done.wait()
+            if errors:
+                raise RuntimeError(f"host copy of step {state['step']} failed: {errors[0]!r}") from errors[0]
+
+        self._host_copy_done = done
+        threading.Thread(target=run, args=(list(zip(self._host_buffers, tensors)),), daemon=True,
+                         name="snapshot-copy").start()
+        return HostCopy(state, wait)
+
+    def prepare_host_copy(self) -> None:
+        """Allocate the host buffers of `start_host_copy` now (when a rank joins with memory
+        snapshots on), not in its first snapshot step. Not before the optimizer's first step:
+        AdamW makes its state then, and reading the state earlier (`get_state_dict`) would make
+        it with an extra zero-gradient step; plain host memory is cheap to allocate in the
+        first copy instead."""
+        if not self.optimizer.state:
+            return
+        self._wait_host_copy()
+        self._allocate_host_buffers([x for x in torch.utils._pytree.tree_leaves(self._train_state())
+                                     if isinstance(x, torch.Tensor)])
+
+    def _allocate_host_buffers(self, tensors: list[torch.Tensor]) -> None:
+        if self._host_buffers is None or [(b.shape, b.dtype) for b in self._host_buffers] != \
+                [(x.shape, x.dtype) for x in tensors]:
+            self._host_buffers = [torch.empty_like(x) for x in tensors]
+
+    def _wait_host_copy(self) -> None:
+        """Block until the copy of `start_host_copy` in flight (if any) has read the state."""
+        if self._host_copy_done is not None:
+            self._host_copy_done.wait()
 
     def load_state(self, state: dict) -> None:
-        """Make `state` (from `host_state`, possibly of another process) the live state."""
+        """Make `state` (a `start_host_copy` state, possibly of another process) the live state."""
         self._set_train_state(copy.deepcopy(state))
 
     def broadcast_from(self, src_rank: int, ranks: list[int] | None = None) -> None:
@@ -464,6 +527,7 @@ class TorchEngine:
             self.dp_group = full
 
     def _broadcast_state(self, src_rank: int) -> None:
+        self._wait_host_copy()  # the broadcast writes into the live tensors
         leaves, spec = torch.utils._pytree.tree_flatten(self._train_state())
         others = [[x for x in leaves if not isinstance(x, torch.Tensor)]]
         with self._collective():

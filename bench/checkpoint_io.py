@@ -38,6 +38,8 @@ config's sizes (config defaults + `--set`; see bench/results/gpu/run_checkpoint_
           `raw_write_incl_d2h_gbps` counts the device-to-host copy too.
   async   `save_checkpoint(..., async_save=True)` (Megatron's async save: planning + host copy
           in the call = async_stall_s), then `PendingSave.result()` + commit (async_total_s);
+          the save plans are cached from save to save (`SavePlanCache`: from the third save
+          on, repeat 2's async save, DCP's planning collectives are skipped);
           `sharded_state_s`: building the model's and optimizer's sharded state dicts alone
           (part of every save's stall; with the distributed optimizer, its fully_reshardable
           state in model-parameter space). Repeat 2+ reuse the async save's pinned memory.
@@ -45,6 +47,10 @@ config's sizes (config defaults + `--set`; see bench/results/gpu/run_checkpoint_
           `ckpt.latest_verified()`, then `engine.load_checkpoint(ckpt, manifest, 0)` and
           `torch.cuda.synchronize()`; `load_matches`: every state tensor's sum (float64, on the
           GPU) and the engine step equal those at save time.
+Headline keys of the JSON (both engines, from the local disk row): `async_save_stall_s`,
+`save_vs_raw` (checkpoint bytes / (async_total_s - async_stall_s), the background write + hash
++ commit, over the raw write speed), `state_gb` (the raw payload), `device`;
+`memory_snapshot_every_step_ratio` is null here (bench/train_speed.py measures it).
 Only one copy of the state is on disk at a time (the raw files are deleted before the save, the
 previous checkpoint before the next save). The JSON (--out) is rewritten after every repeat
 (`complete` false until the last), so a run cut short still leaves its finished repeats.
@@ -409,6 +415,13 @@ def write_out(args, rows: list[dict], info: dict, complete: bool) -> dict:
     head = next((r for r in rows if r["backend"] == "local"), rows[0])
     out = {k: head[k] for k in ("save_gbps", "raw_write_gbps", "save_ratio", "load_gbps", "raw_read_gbps",
                                 "load_ratio", "async_stall_s", "sync_stall_s", "async_total_s", "bytes")}
+    # The issue-24 headline keys: the async save's stall, its background part (write, hash,
+    # commit) against the raw write of the same bytes, the state size; memory snapshots are
+    # measured by bench/train_speed.py (null here).
+    background_s = head["async_total_s"] - head["async_stall_s"]
+    out.update(async_save_stall_s=head["async_stall_s"],
+               save_vs_raw=head["bytes"] / 1e9 / background_s / head["raw_write_gbps"] if background_s > 0 else None,
+               state_gb=head["payload_bytes"] / 1e9, memory_snapshot_every_step_ratio=None)
     out["headline_backend"] = head["backend"]
     out["device"], out["engine"], out["params"] = info["device"], info["engine"], info["params"]
     out["complete"] = complete
@@ -501,6 +514,8 @@ def main() -> None:
         print(" ".join(f"{c:>11}" for c in cells))
 
     out = write_out(args, rows, info, complete=True)
+    print(f"async save: stall {out['async_save_stall_s']:.2f} s, background write "
+          f"{out['save_vs_raw'] or float('nan'):.2f}x the raw write speed, state {out['state_gb']:.2f} GB")
     print(f"wrote {args.out} (peak RSS {out['peak_rss_gb']:.1f} GB)")
 
 

@@ -10,11 +10,12 @@ What the machinery costs per step (read from the code):
             the last committed step's state (model + optimizer), for peer restore. The torch
             engine deep-copies it; the Megatron engine copies into reused pinned buffers, and
             skips the copy with `model.distributed_optimizer` (no peer could use it);
-  memory    with `fault_tolerance.memory_snapshot_interval: k`, every k steps each rank copies
-            its state to host memory (`engine.host_state()`, synchronous; Megatron: reused
-            pinned buffers) and sends it, as numpy arrays, to a `SnapshotHolder` actor from a
-            background thread while the next step runs; at most one send is in flight (a
-            slower send makes the next snapshot step wait for it);
+  memory    with `fault_tolerance.memory_snapshot_interval: k`, every k steps each rank starts
+            a host copy of its state (`engine.start_host_copy()`: Megatron, a side-stream copy
+            into pinned buffers pinned at join, overlapped with the next step, whose update
+            waits for it; torch, a copy thread) and a background thread sends it, in parts, as
+            numpy arrays, to a `SnapshotHolder` actor; at most one in flight: a snapshot due
+            while one is in flight is skipped and counted (`memory_snapshots` in the JSON);
   saves     checkpoints every `checkpoint.interval` steps (off here unless --set: saves are a
             cost of any training job, measured by bench/checkpoint_io.py);
   driver    Trainer bookkeeping: metrics (`RunMetrics.on_step`), refill polling.
@@ -60,7 +61,11 @@ Prints a table and writes bench/results/train_speed_<device>.json:
  "reference": {"eager": {...}, "compiled": {...}} (bench/reference_llama.py's JSON, or {"error"}),
  "tokens_per_s_per_gpu_vs_reference": {"eager", "compiled"} (off tokens/s per GPU / the reference's),
  "off": {"step_s", "tokens_per_s", "mfu", ...}, "on": {...}, "on_no_memory": {...} | null,
- "overhead_ratio", "overhead_ratio_no_memory", "components", "config", ...}
+ "overhead_ratio", "overhead_ratio_no_memory", "components", "config", ...,
+ "memory_snapshot_every_step_ratio" (on.step_s / on_no_memory.step_s with snapshots every step),
+ "memory_snapshots" ({sent, skipped, failed} in ON phases), "state_gb" (largest rank's state),
+ "async_save_stall_s" (slowest save stall with checkpoint.async_save and checkpoints on; else
+ null), "save_vs_raw" (null: bench/checkpoint_io.py)}
 (step_s: median seconds per timed step; overhead_ratio = on.step_s / off.step_s; MFU null on
 CPU without --peak-tflops).
 """
@@ -189,6 +194,30 @@ def snapshot_lag(group, step: int, timeout_s: float) -> float | None:
     return None
 
 
+def sender_counts(group) -> dict:
+    """Every rank's `SnapshotSender` counts (sent, skipped, failed) summed, then reset to 0."""
+    import ray
+
+    def take(actor):
+        counts = actor._sender.counts()
+        actor._sender.sent = actor._sender.skipped = actor._sender.failed = 0
+        return counts
+
+    per_rank = ray.get([h.__ray_call__.remote(take) for h in group.handles])
+    return {k: sum(c[k] for c in per_rank) for k in ("sent", "skipped", "failed")}
+
+
+def state_bytes(group) -> int:
+    """Bytes of the largest rank's training state (tensors: model + optimizer shard)."""
+    import ray
+
+    def nbytes(actor):
+        from host_memory import state_nbytes
+        return state_nbytes(actor.engine._train_state())
+
+    return max(ray.get([h.__ray_call__.remote(nbytes) for h in group.handles]))
+
+
 def set_holders(group, enabled: bool) -> None:
     """Point every rank at its SnapshotHolder (as `join` does) or at none (no sends), and drop
     every snapshot the holders hold (frees their memory; the next lag is of that phase's sends)."""
@@ -202,27 +231,33 @@ def set_holders(group, enabled: bool) -> None:
 
 
 def components(group, reps: int) -> dict:
-    """Seconds of each synchronous piece of the machinery, measured alone after the phases
-    (median over `reps`, slowest rank): `engine.snapshot()` (the rollback copy; ~0 with the
-    Megatron distributed optimizer), `engine.host_state()` (the copy sent to a holder), and one
+    """Seconds of each piece of the machinery, measured alone after the phases (median over
+    `reps`, slowest rank): `engine.snapshot()` (the rollback copy, queued; ~0 with the Megatron
+    distributed optimizer), `engine.start_host_copy()` (what the training thread spends on a
+    memory snapshot's copy), `host_copy_s` (that copy from start to done; on GPU after the
+    rollback copy queued before it on the same side stream), and one
     health poll of every rank's control group from the driver (`HealthMonitor._progress`)."""
     import ray
 
     def timed(actor, reps):  # runs on each actor's compute thread
         import time as _time
-        out = {"snapshot_s": [], "host_state_s": []}
+        keys = ("snapshot_s", "start_host_copy_s", "host_copy_s")
+        out = {k: [] for k in keys}
+        actor.engine.prepare_host_copy()
         for _ in range(reps):
             t0 = _time.perf_counter()
             actor.engine.snapshot()
             out["snapshot_s"].append(_time.perf_counter() - t0)
             t0 = _time.perf_counter()
-            state = actor.engine.host_state()
-            out["host_state_s"].append(_time.perf_counter() - t0)
-            del state
+            copy = actor.engine.start_host_copy()
+            out["start_host_copy_s"].append(_time.perf_counter() - t0)
+            if copy is not None:
+                copy.wait()
+            out["host_copy_s"].append(_time.perf_counter() - t0 if copy is not None else float("nan"))
         return out
 
     per_rank = ray.get([h.__ray_call__.remote(timed, reps) for h in group.handles])
-    res = {k: max(statistics.median(r[k]) for r in per_rank) for k in ("snapshot_s", "host_state_s")}
+    res = {k: max(statistics.median(r[k]) for r in per_rank) for k in per_rank[0]}
     polls = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -259,6 +294,8 @@ def merge(runs: list[dict]) -> dict:
     peak, the first early stop; ON phases also the largest holder lag (None if one timed out or
     snapshots were off), recoveries and checkpoint save stalls (s)."""
     out = {"step_s_all": [x for r in runs for x in r["step_s_all"]],
+           "memory_snapshots": None if runs[0].get("memory_snapshots") is None else
+           {k: sum(r["memory_snapshots"][k] for r in runs) for k in ("sent", "skipped", "failed")},
            "losses": [r["losses"] for r in runs],
            "host_mem_peak_frac": max(r["host_mem_peak_frac"] for r in runs),
            "stopped_early": next((r["stopped_early"] for r in runs if r["stopped_early"]), None)}
@@ -366,12 +403,14 @@ def main(argv=None) -> dict:
                     # Waiting for the holders also drains the sends before the next phase runs.
                     res.update(snapshot_lag_s=snapshot_lag(group, max(res["losses"]), args.lag_timeout)
                                if name == "on" else None,
-                               recoveries=len(trainer.recoveries), save_stalls_s=trainer.save_stalls)
+                               recoveries=len(trainer.recoveries), save_stalls_s=trainer.save_stalls,
+                               memory_snapshots=sender_counts(group) if name == "on" and group.holders else None)
                 runs.setdefault(name, []).append(res)
         # Alone means alone: not while a backlog of holder sends is still being serialised.
         backlog = any(r["stopped_early"] or (name == "on" and group.holders and r["snapshot_lag_s"] is None)
                       for name in names for r in runs[name])
         comp = None if args.no_components or backlog else components(group, 3)
+        state_gb = state_bytes(group) / 1e9
     finally:
         group.shutdown()
         if started:
@@ -388,8 +427,16 @@ def main(argv=None) -> dict:
     ft, d, m, t = cfg.fault_tolerance, ParallelDims.from_config(cfg), cfg.model, cfg.train
     snap = ("no-op: distributed optimizer" if m.engine == "megatron" and m.distributed_optimizer
             else "model + optimizer to host memory")
+    stalls = ph["on"].get("save_stalls_s") or []
     result = {
         "device": device, "engine": m.engine,
+        # issue-24 headline keys; the save ones only with checkpoints on (--set checkpoint.interval=k):
+        # bench/checkpoint_io.py measures saves against the raw disk.
+        "memory_snapshot_every_step_ratio": ratio(ph["on"]["step_s"], ph["on_no_memory"]["step_s"])
+        if "on_no_memory" in ph and ft.memory_snapshot_interval == 1 else None,
+        "async_save_stall_s": max(stalls) if stalls and cfg.checkpoint.async_save else None,
+        "save_vs_raw": None, "state_gb": state_gb,
+        "memory_snapshots": ph["on"]["memory_snapshots"],
         "layout": {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp, "workers": cfg.cluster.num_workers,
                    "spares": cfg.cluster.num_spares, "gpus": gpus if cuda else 0, "dtype": m.dtype,
                    "distributed_optimizer": m.distributed_optimizer if m.engine == "megatron" else None},
@@ -480,8 +527,14 @@ def print_table(r: dict) -> None:
               f"tokens/s, {fmt(ratio(r['mfu'], ref['mfu']), '.3f')}x MFU")
     if r["components"]:
         c = r["components"]
-        print(f"alone: engine.snapshot() {c['snapshot_s']:.4f} s, engine.host_state() "
-              f"{c['host_state_s']:.4f} s, one health poll {c['health_poll_s']:.4f} s")
+        print(f"alone: engine.snapshot() {c['snapshot_s']:.4f} s, engine.start_host_copy() "
+              f"{c['start_host_copy_s']:.4f} s (the copy itself {c['host_copy_s']:.4f} s), "
+              f"one health poll {c['health_poll_s']:.4f} s")
+    if r["memory_snapshots"] is not None:
+        m = r["memory_snapshots"]
+        print(f"memory snapshots in ON phases (all ranks): {m['sent']} sent, {m['skipped']} skipped "
+              f"(one in flight), {m['failed']} failed; per-step snapshot ratio "
+              f"{fmt(r['memory_snapshot_every_step_ratio'], '.3f')}x, state {fmt(r['state_gb'], '.2f')} GB per rank")
 
 
 if __name__ == "__main__":

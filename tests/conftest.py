@@ -74,3 +74,16 @@ def wait_for_snapshots(group, step: int, timeout_s: float = 30.0) -> None:
                   for r in range(group.dims.world_size)):
         assert time.monotonic() < deadline, f"snapshots of step {step} not held: {group.held_snapshots()}"
         time.sleep(0.05)
+
+
+def wait_for_senders(group, timeout_s: float = 30.0) -> None:
+    """Block until no rank has a memory snapshot send in flight (after a join: its first call to
+    the holder, see `SnapshotSender.connect`), so the next step's snapshot is not skipped."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while any(ray.get([s.handle.__ray_call__.remote(lambda actor: actor._sender.busy()) for s in group.workers])):
+        assert time.monotonic() < deadline, "a rank's snapshot sender stayed busy"
+        time.sleep(0.05)

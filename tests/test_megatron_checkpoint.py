@@ -85,6 +85,21 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
     dist.barrier()
     out["async"] = load_sharded(ckpt, ckpt.read_manifest(5), _state(rank, 0, -1.0))["w"]
 
+    if not corrupt:  # local disk: saves that reuse one SavePlanCache (the 3rd skips planning)
+        from megatron_checkpoint import SavePlanCache
+
+        plans, state, out["cached"] = SavePlanCache(owner=None), _state(rank, 0, None), []
+        cached = CheckpointManager(uri + "-cached")
+        for step in (6, 7, 8):
+            state["w"].data.add_(1.0)
+            (pending,) = save_sharded(cached, step, rank, state, async_save=True, plans=plans)
+            dist.all_gather_object(gathered, pending.result())
+            if rank == 0:
+                cached.commit(step, {"dp": WORLD}, [f for fs in gathered for f in fs])
+            dist.barrier()
+            out["cached"].append(load_sharded(cached, cached.read_manifest(step), _state(rank, 0, -1.0))["w"])
+        out["cache_reused"] = plans.strategy.validated_cache_reuse
+
     if corrupt:
         if rank == 0:
             victim = next(f for f in manifest.files if f.path.startswith("megatron/__1_"))
@@ -148,6 +163,10 @@ def test_save_commit_load_reshard(request, tmp_path):
             assert rng == {"rank": r, "seed": 1000 + r} and step == 7
             torch.testing.assert_close(out["resharded"], full.chunk(WORLD, 1)[r], rtol=0, atol=0)
             torch.testing.assert_close(out["async"], full.chunk(WORLD, 0)[r], rtol=0, atol=0)
+            if backend == "local":  # each save with cached plans holds that save's values
+                for i, w in enumerate(out["cached"]):
+                    torch.testing.assert_close(w, full.chunk(WORLD, 0)[r] + i + 1, rtol=0, atol=0)
+                assert out["cache_reused"]
         if backend != "local":
             # same layout: a rank downloads the global files and its own .distcp files only
             assert [p for p in results[1]["fetched"] if p.endswith(".distcp")] == \

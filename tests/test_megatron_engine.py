@@ -51,10 +51,14 @@ def _join(engine, store, gen, rank, dims):
 
 def _digest(engine) -> str:
     """SHA-256 over every tensor of the engine's training state, plus its step."""
+    return _state_digest(engine._train_state(), engine.step)
+
+
+def _state_digest(state, step) -> str:
     from host_memory import state_tensors
 
-    h = hashlib.sha256(str(engine.step).encode())
-    for x in state_tensors(engine._train_state()):
+    h = hashlib.sha256(str(step).encode())
+    for x in state_tensors(state):
         h.update(x.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
 
@@ -297,6 +301,47 @@ def test_interrupt_stops_a_step_without_changing_state():
     (res,) = spawn_ranks(_interrupted_ranks, 1)
     assert res["raised"] == ["forward", "backward"], res
     assert res["unchanged"] and res["same_step"], res
+
+
+def _host_copy_ranks(rank, world, store) -> dict:
+    """`start_host_copy` as a memory snapshot uses it, with and without the distributed
+    optimizer: the copy of step 1 is queued on the side stream and step 2 is queued right
+    behind it (its forward and backward beside the copy, its update ordered after it). The
+    copy must hold step 1's state bitwise, and step 2 must train as without the copy."""
+    from megatron_engine import MegatronEngine
+
+    out = {}
+    for gen, dist_opt in ((1, True), (2, False)):
+        cfg = _cfg(dist_opt=dist_opt)
+        dims = ParallelDims.from_config(cfg)
+        e = MegatronEngine(cfg)
+        _join(e, store, gen, rank, dims)
+        e.prepare_host_copy()
+        e.train_step(_batch(cfg, 1, dims, rank), 1)
+        step1 = _digest(e)
+        e._send_arena.result()  # pinned in the background since the join
+        copy = e.start_host_copy()
+        e.snapshot()
+        second = e.train_step(_batch(cfg, 2, dims, rank), 2)
+        copy.wait()
+        res = {"copy_is_step_1": _state_digest(copy.state, copy.state["step"]) == step1,
+               "pinned": copy.state["model"][0].is_pinned()}
+        e.load_state(copy.state)
+        res["loaded"] = _digest(e) == step1
+        again = e.train_step(_batch(cfg, 2, dims, rank), 2)
+        res["same_step_2"] = (second["loss"], second["grad_norm"]) == (again["loss"], again["grad_norm"])
+        out[f"dist_opt={dist_opt}"] = res
+        del e
+        torch.distributed.destroy_process_group()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_a_host_copy_overlapped_with_the_next_step_is_the_committed_step():
+    (res,) = spawn_ranks(_host_copy_ranks, 1)
+    for case, r in res.items():
+        assert r == {"copy_is_step_1": True, "pinned": True, "loaded": True, "same_step_2": True}, (case, r)
 
 
 def test_carve_host_buffers_from_a_reserved_arena():

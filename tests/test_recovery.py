@@ -8,7 +8,7 @@ committed checkpoint with replay), and the per-step losses equal a no-failure ru
 import pytest
 import ray
 
-from conftest import wait_for_snapshots
+from conftest import wait_for_senders, wait_for_snapshots
 from config import load_config, resolve
 from actor_group import ActorGroup
 from trainer import Trainer
@@ -24,6 +24,7 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
+        wait_for_senders(group)
         trainer.train(1)
         trainer.save(1)
         trainer.train(2)
@@ -145,3 +146,15 @@ def test_storage_outage_skips_save_and_training_goes_on(reference, tmp_path, s3_
     assert trainer.failed_saves == [3] and trainer.checkpoints == [1, 2, 4]
     assert trainer.ckpt.latest_verified().step == 4
     assert trainer.losses == reference[0]
+
+
+def test_a_snapshot_cut_short_by_a_kill_is_never_restored(reference, tmp_path):
+    """Rank 0 is killed half-way through its host copy of step 3 (`mid_snapshot`), so its
+    holder never gets step 3: the in-memory restore takes step 2, which every rank's holder
+    has, and replays step 3, bitwise as the run without failure."""
+    trainer, digests, _ = run(make_cfg(tmp_path, "fault_tolerance.memory_snapshot_interval=1",
+                                       "fault_tolerance.restore=memory",
+                                       "chaos.events=[{step: 3, rank: 0, kind: kill, point: mid_snapshot}]"))
+    (tl,) = trainer.recoveries
+    assert (tl.failed_ranks, tl.restored_step) == ([0], 2) and tl.restore_source.startswith("memory")
+    assert trainer.losses == reference[0] and digests == reference[1]

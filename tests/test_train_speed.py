@@ -61,6 +61,11 @@ def test_bench_runs_on_cpu(tmp_path):
     assert r["losses_equal"]  # the same steps in every phase, bitwise on CPU
     assert r["on"]["recoveries"] == 0 and r["on"]["snapshot_lag_s"] >= 0
     assert all(v >= 0 for v in r["components"].values())
+    # memory snapshots every step: each of the 3 ON steps x 2 ranks sent or skipped, none failed
+    m = r["memory_snapshots"]
+    assert m["sent"] >= 1 and m["sent"] + m["skipped"] == 3 * 2 and m["failed"] == 0, m
+    assert positive(r["memory_snapshot_every_step_ratio"]) and positive(r["state_gb"])
+    assert r["async_save_stall_s"] is None and r["save_vs_raw"] is None  # no checkpoints here
     # the plain-PyTorch reference of the same shape, one device's share of the batch (CPU: all of it)
     assert r["mfu"] is None and r["reference_eager_mfu"] is None and r["reference_compiled_mfu"] is None
     ref = r["reference"]["eager"]

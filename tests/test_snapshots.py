@@ -1,0 +1,120 @@
+"""In-memory snapshots: a host copy is exactly one committed step's state even while the next
+step runs beside it, a snapshot reaches a holder whole or not at all, and a slow send makes the
+next snapshot skipped (counted), not waited for."""
+import threading
+import time
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from config import load_config, resolve
+from engine import state_digest
+from parallel_dims import ParallelDims
+from snapshots import SnapshotHolder, SnapshotSender, from_wire, wire_parts
+from host_memory import HostCopy
+from torch_engine import TorchEngine
+from training_batch import synthetic_batch
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """A TorchEngine of config.yaml's model in a gloo world of one rank (this process)."""
+    cfg = resolve(load_config("config.yaml", ["cluster.num_workers=1", "cluster.num_spares=0",
+                                              f"run_dir={tmp_path}"]), num_gpus=0)
+    e = TorchEngine(cfg)
+    e.connect(dist.HashStore(), ParallelDims.from_world(1), 0)
+    yield e
+    dist.destroy_process_group()
+
+
+def batch(e, step):
+    t = e.cfg.train
+    return synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, e.cfg.model.vocab_size)
+
+
+def test_a_host_copy_is_the_committed_step_while_the_next_step_races_it(engine):
+    """The copy of step 1 is held up half-way (fault point `mid_snapshot`) for 2 s while step 2
+    runs: step 2's forward and backward run beside it, its update waits for the copy (an
+    update that did not would come during the hold and tear the copy), so the copy holds step
+    1's state bitwise, and step 2 trains as it would without the copy."""
+    engine.train_step(batch(engine, 1), 1)
+    step1 = state_digest(engine._train_state())
+    updated, during_hold = threading.Event(), []
+
+    def hold_up_the_copy(point):
+        if point == "after_optimizer_step":
+            updated.set()
+        elif point == "mid_snapshot":
+            start = engine.progress
+            during_hold.append((updated.wait(timeout=2.0), engine.progress > start))
+
+    engine.fault_point = hold_up_the_copy
+    copy = engine.start_host_copy()
+    engine.train_step(batch(engine, 2), 2)
+    copy.wait()
+    assert during_hold == [(False, True)] and copy.state["step"] == 1  # (no update, micro-batches ran)
+    assert state_digest(copy.state) == step1
+    step2 = state_digest(engine._train_state())
+    engine.load_state(copy.state)  # back to step 1, then step 2 again: the same state
+    assert state_digest(engine._train_state()) == step1
+    engine.fault_point = lambda point: None
+    engine.train_step(batch(engine, 2), 2)
+    assert state_digest(engine._train_state()) == step2
+
+
+def test_a_copy_interrupted_midway_fails_and_training_goes_on(engine):
+    engine.train_step(batch(engine, 1), 1)
+
+    def fail(point):
+        raise RuntimeError(f"injected at {point}")
+
+    engine.fault_point = fail
+    copy = engine.start_host_copy()
+    with pytest.raises(RuntimeError, match="host copy of step 1 failed"):
+        copy.wait()
+    engine.fault_point = lambda point: None
+    engine.train_step(batch(engine, 2), 2)  # the failed copy blocks nothing
+    assert engine.step == 2
+
+
+def test_a_holder_keeps_only_snapshots_whose_parts_all_arrived(ray_session):
+    """A send cut short after some parts (its rank died) is never returned by `get` nor listed
+    by `steps`; the next complete snapshot of the rank drops it."""
+    g = torch.Generator().manual_seed(0)
+    state = {"model": [torch.randn(64, generator=g) for _ in range(4)], "step": 5}
+    meta, parts = wire_parts(state, part_bytes=2 * 64 * 4)
+    assert len(parts) == 2
+    holder = SnapshotHolder.remote(keep=2)
+    key = ("dims", 0)
+    ray.get(holder.put_part.remote(key, 5, 0, 2, meta, parts[0]))
+    assert ray.get(holder.get.remote(key, 5)) is None and ray.get(holder.steps.remote()) == {}
+    state6 = {"model": [x + 1 for x in state["model"]], "step": 6}
+    meta6, parts6 = wire_parts(state6, part_bytes=2 * 64 * 4)
+    for i, part in enumerate(parts6):
+        ray.get(holder.put_part.remote(key, 6, i, 2, meta6 if i == 0 else None, part))
+    assert ray.get(holder.steps.remote()) == {key: [6]}
+    back = from_wire(ray.get(holder.get.remote(key, 6)))
+    assert back["step"] == 6 and all(torch.equal(a, b) for a, b in zip(back["model"], state6["model"]))
+    assert ray.get(holder.__ray_call__.remote(lambda h: h._partial)) == {}  # step 5's part dropped
+    ray.kill(holder)
+
+
+def test_a_snapshot_due_while_one_is_in_flight_is_skipped_not_waited_for(ray_session):
+    """The sender's copy does not finish until released: `busy()` stays true, so the caller
+    skips (and counts) the next snapshots; once released, the send completes."""
+    holder = SnapshotHolder.remote(keep=2)
+    release = threading.Event()
+    sender = SnapshotSender()
+    sender.send(holder, ("dims", 0), 1, HostCopy({"model": [torch.ones(8)], "step": 1}, release.wait))
+    for step in (2, 3):
+        assert sender.busy()
+        sender.skip(step)
+    release.set()
+    deadline = time.monotonic() + 30
+    while sender.busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.counts() == {"sent": 1, "skipped": 2, "failed": 0}
+    assert ray.get(holder.steps.remote()) == {("dims", 0): [1]}
+    ray.kill(holder)
