@@ -12,6 +12,16 @@ It compares three recovery strategies on the *same* failure trace:
 A strategy that needs spares and finds the pool empty waits for the refill (`--refill-h`), or
 restarts the whole job when that is faster.
 
+Useful work, not only uptime: each strategy's goodput (the fraction of GPU time spent on steps
+that are kept) is multiplied by its training speed relative to the plain PyTorch loop's peak
+(`strategy_speeds`): `restart` is the plain loop (a job without in-job fault tolerance, the
+torch.compile'd HF reference of bench/train_speed.py: 1.0), `spare_ckpt` and `spare_peer` run
+this engine with its machinery on (train_speed's `on` phase, tokens/s per GPU over the
+reference's). `useful_work` = goodput x speed is the work per GPU-hour relative to that peak,
+and the GPU-hours lost count the slower steps too. The speeds come from the data file
+(`throughput`, written by bench.fit_planner from a train_speed JSON); without one every strategy
+is credited 1.0 and the plan says so.
+
 Failure model: independent Poisson processes per GPU (a rank is lost) and per node (all
 `--gpus-per-node` ranks of the node are lost). Defaults from Meta's Llama 3 report
 (Dubey et al., "The Llama 3 Herd of Models", 2024, section 3.3.4 and Table 5): 419 unexpected
@@ -47,7 +57,9 @@ optimum checkpoint interval for restart dumps", FGCS 22(3): tau = sqrt(2 delta M
 
 Usage: python main.py plan [--gpus 1000 4096 16384 65536 100000] [--days 30] [--seed 0] [--data FILE] ...
 Prints a table and writes --out (plan.json: the arguments, the model, per G the costs, the spare
-scan and each strategy's goodput, and the validations) and --png (plan.png: goodput against G).
+scan and each strategy's goodput (`up %`: time), speed and useful work (`useful %`: goodput x
+speed; GPU-hours lost per day from it), and the validations) and --png (plan.png: useful work
+against G).
 Errors: SystemExit when the data file is missing or malformed.
 """
 from __future__ import annotations
@@ -268,7 +280,9 @@ def load_data(path: Path) -> dict:
     "full_restart_s", "source": [files it was fitted to], and, where measured, "gpu_base": {phase:
     a on GPUs (s)}, "node_extra_s", "host_cores" (of the host of the fitted runs), "held_out":
     {phase: [a, b]} fitted without the largest N, "scale_rows": {N: measured total (s)}},
-    "other_host": {"cores", "rows": [scale-run rows of another host]} (optional)}.
+    "throughput" (where measured): {"engine_tokens_per_s_per_gpu", "reference_tokens_per_s_per_gpu",
+    "source", ...} (`strategy_speeds`)}, "other_host": {"cores", "rows": [scale-run rows of another
+    host]} (optional)}.
     Raises SystemExit when the file cannot be read or lacks the model."""
     try:
         data = json.loads(Path(path).read_text())
@@ -295,6 +309,15 @@ def predicted_recovery_s(model: dict, n: int, gpu: bool = False, host_cores: int
                          fit: dict | None = None) -> float:
     """Predicted total of an in-place recovery with peer restore at n ranks."""
     return sum(phase_at(model, p, n, gpu, host_cores, fit) for p in PHASES)
+
+
+def strategy_speeds(model: dict) -> dict[str, float]:
+    """Training speed of each strategy relative to the plain loop's peak (tokens/s per GPU):
+    `restart` 1.0 (it is the plain loop), `spare_ckpt` / `spare_peer` the engine's measured
+    tokens/s per GPU over the reference's (`model["throughput"]`); all 1.0 when not measured."""
+    t = model.get("throughput")
+    engine = t["engine_tokens_per_s_per_gpu"] / t["reference_tokens_per_s_per_gpu"] if t else 1.0
+    return {"restart": 1.0, "spare_ckpt": engine, "spare_peer": engine}
 
 
 def costs_for(model: dict, gpus: int, args) -> Costs:
@@ -350,11 +373,13 @@ def plan_one(gpus: int, args, model: dict) -> dict:
            "recommended_interval_h_restart": daly / 3600,
            "recommended_interval_h_ours": max(peer_by_tau, key=peer_by_tau.get) / 3600,
            "costs": asdict(costs), "spare_scan": by_spares, "strategies": {}}
+    speeds = strategy_speeds(model)
     for strategy in STRATEGIES:
         tau = ours_tau if strategy == "spare_peer" else interval
         r = run(strategy, spares, tau)
-        lost_h_day = (1 - r["goodput"]) * gpus * 24
-        out["strategies"][strategy] = {**r, "interval_h": tau / 3600, "lost_gpu_h_per_day": lost_h_day,
+        useful = r["goodput"] * speeds[strategy]
+        out["strategies"][strategy] = {**r, "speed": speeds[strategy], "useful_work": useful,
+                                       "interval_h": tau / 3600, "lost_gpu_h_per_day": (1 - useful) * gpus * 24,
                                        "lost_h_per_day": (1 - r["goodput"]) * 24}
     return out
 
@@ -404,11 +429,11 @@ def plot(results: list[dict], path: Path) -> None:
     gs = [r["gpus"] for r in results]
     for s, label in zip(STRATEGIES, ("full restart from checkpoint", "hot spares + checkpoint reload",
                                       "hot spares + peer restore (ours)")):
-        ax.plot(gs, [100 * r["strategies"][s]["goodput"] for r in results], marker="o", label=label)
+        ax.plot(gs, [100 * r["strategies"][s]["useful_work"] for r in results], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("GPUs")
-    ax.set_ylabel("goodput (%)")
-    ax.set_title("Simulated goodput (Llama 3 failure rates)")
+    ax.set_ylabel("useful work (% of the plain loop's peak)")
+    ax.set_title("Simulated goodput x speed (Llama 3 failure rates)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -452,7 +477,14 @@ def main(argv=None) -> dict:
     print(f"failure rates: {args.gpu_rate:.3g}/GPU-h, {args.node_rate:.3g}/node-h; {args.days:g} days; "
           f"assumed: ckpt stall {args.ckpt_stall_s:g}s, ckpt load {args.ckpt_load_s:g}s, "
           f"relaunch {args.relaunch_s:g}s, refill {args.refill_h:g}h, step {args.step_s:g}s")
-    head = ("GPUs", "fail/day", "MTBF h", "ckpt h", "ours ckpt h", "spares", "ours restarts", *[f"{s} %" for s in STRATEGIES],
+    speeds = strategy_speeds(model)
+    t = model.get("throughput")
+    print("speed relative to the plain loop's peak (tokens/s per GPU): "
+          + ", ".join(f"{s} {v:.3f}" for s, v in speeds.items())
+          + (f" (measured: {t['source']})" if t else " (not measured: every strategy credited 1.0; "
+             "run bench/train_speed.py on a GPU, then python -m bench.fit_planner)"))
+    head = ("GPUs", "fail/day", "MTBF h", "ckpt h", "ours ckpt h", "spares", "ours restarts",
+            *[f"{s} up %" for s in STRATEGIES], *[f"{s} useful %" for s in STRATEGIES],
             *[f"{s} GPUh/day" for s in STRATEGIES])
     lines = [head]
     for r in results:
@@ -460,6 +492,7 @@ def main(argv=None) -> dict:
         lines.append((str(r["gpus"]), f"{r['failures_per_day']:.1f}", f"{r['mtbf_h']:.2f}", f"{r['interval_h']:.2f}",
                       f"{st['spare_peer']['interval_h']:.2f}", str(r["spares"]),
                       f"{st['spare_peer']['fallbacks_to_restart']:.1f}", *[f"{100 * st[s]['goodput']:.2f}" for s in STRATEGIES],
+                      *[f"{100 * st[s]['useful_work']:.2f}" for s in STRATEGIES],
                       *[f"{st[s]['lost_gpu_h_per_day']:.0f}" for s in STRATEGIES]))
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
     for line in lines:

@@ -11,11 +11,16 @@ largest N (`held_out`, a true prediction for that N), and a node loss's extra ti
 loss (`node_extra_s`, medians). Without scale runs: the in-place recovery of
 RESULTS/recovery_cpu.json, flat (b = 0); its full restart is the restart's measured part. The GPU
 recovery run RESULTS/gpu/<--gpu-run> (bench/recovery.py on 2 x H200), when present, gives the
-fixed parts on GPUs (`gpu_base`). `--other-host`: scale runs of another host (their _fit.json
+fixed parts on GPUs (`gpu_base`). The strategies' training speeds (`throughput`,
+`planner.strategy_speeds`): a bench/train_speed.py run on GPUs with its plain-PyTorch reference,
+RESULTS/gpu/<--train-speed> (default: the newest such run, by its date, then name): the
+engine's tokens/s per GPU with the machinery on (its `on` phase) and the compiled reference's
+(one GPU); absent: no speeds (the planner credits every strategy 1.0). `--other-host`: scale runs of another host (their _fit.json
 holds the host's cores), stored for the planner's `validate_other_host`.
 
 Usage (repository root): python -m bench.fit_planner [--results bench/results] [--gpu-run NAME]
-                                                      [--other-host RUN.json ...] [--out planner_data.json]
+                                                      [--train-speed NAME] [--other-host RUN.json ...]
+                                                      [--out planner_data.json]
 Writes --out in the format of `planner.load_data` and prints what it was fitted to.
 Errors: SystemExit when the --other-host runs lack a _fit.json or disagree on 'cores'.
 """
@@ -79,6 +84,34 @@ def measured_model(results: Path = RESULTS, gpu_run: str = GPU_RUN) -> dict:
     return model
 
 
+def _has_reference(run: dict | None) -> bool:
+    return bool(run) and "tokens_per_s" in (run.get("reference") or {}).get("compiled", {}) \
+        and bool(run["on"]["tokens_per_s"]) and run["layout"]["gpus"] > 0
+
+
+def newest_train_speed(results: Path = RESULTS) -> str | None:
+    """Name (under results/gpu) of the newest train_speed JSON with a compiled reference, by its
+    config date, then its name; None if there is none."""
+    runs = [(r["config"]["date"], f.name) for f in (results / "gpu").glob("train_speed_*.json")
+            if _has_reference(r := _load(f))]
+    return max(runs)[1] if runs else None
+
+
+def measured_throughput(results: Path, name: str | None) -> dict | None:
+    """The planner's "throughput" from the train_speed JSON results/gpu/`name` (None without
+    one, or when it has no compiled reference): tokens/s per GPU of the engine with the
+    machinery on and off, and of the plain loop's reference (compiled, eager)."""
+    run = _load(results / "gpu" / name) if name else None
+    if not _has_reference(run):
+        return None
+    gpus, ref = run["layout"]["gpus"], run["reference"]
+    return {"engine_tokens_per_s_per_gpu": run["on"]["tokens_per_s"] / gpus,
+            "engine_off_tokens_per_s_per_gpu": run["off"]["tokens_per_s"] / gpus,
+            "reference_tokens_per_s_per_gpu": ref["compiled"]["tokens_per_s"],
+            "reference_eager_tokens_per_s_per_gpu": ref.get("eager", {}).get("tokens_per_s"),
+            "device": run["device"], "params": run["params"], "source": f"gpu/{name}"}
+
+
 def other_host(files: list[str]) -> dict:
     """{"cores", "source", "rows"} of the scale runs `files` of one other host: the actor-kill
     rows, with their phases only (what `planner.validate_other_host` reads)."""
@@ -94,11 +127,17 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(RESULTS), help="where the benchmark JSON is read")
     p.add_argument("--gpu-run", default=GPU_RUN, help="GPU recovery JSON under RESULTS/gpu for the fixed phase costs")
+    p.add_argument("--train-speed", default=None,
+                   help="train_speed JSON under RESULTS/gpu with a reference (default: the newest such)")
     p.add_argument("--other-host", nargs="*", default=[str(f) for f in sorted(RESULTS.glob(OTHER_HOST_RUNS))],
                    help="scale runs (bench/scale.py JSON, cores in its _fit.json) of another host")
     p.add_argument("--out", default=str(DATA))
     args = p.parse_args(argv)
     model = measured_model(Path(args.results), args.gpu_run)
+    throughput = measured_throughput(Path(args.results), args.train_speed or newest_train_speed(Path(args.results)))
+    if throughput:
+        model["throughput"] = throughput
+        model["source"].append(throughput["source"])
     data = {"model": model}
     if args.other_host and "host_cores" in model:
         data["other_host"] = other_host(args.other_host)

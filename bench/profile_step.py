@@ -16,10 +16,10 @@ Reported, per profiled step:
               (`CATEGORIES`, first match wins; kernels whose names say nothing, e.g. the
               elementwise kernels of an unfused RMSNorm, count as elementwise / other);
   host syncs  calls that make the host wait for the device (cudaStreamSynchronize,
-              cudaDeviceSynchronize, cudaEventSynchronize, a device-to-host copy: `.item()`),
+              cudaDeviceSynchronize, cudaEventSynchronize, cudaMemcpy, `.item()`),
               count and host seconds; on CPU the `.item()` calls that would be syncs on a GPU.
 
-Usage (repository root): python -m bench.profile_step [--steps 2] [--warmup 2] [--micro-batch N]
+Usage (repository root): python -m bench.profile_step [--steps 1] [--warmup 2] [--micro-batch N]
     [--global-batch N] [--top 25] [--small] [--set a.b=v ...] [--out-dir DIR]
 Prints the tables and writes DIR/profile_step_<device>.json (the tables) and
 DIR/profile_step_<device>.trace.json.gz (the Chrome / Perfetto trace); DIR defaults to
@@ -75,10 +75,9 @@ def summarize(prof, cuda: bool, steps: int, top: int) -> dict:
     shares: dict[str, float] = {}
     for name, _, us in rows:
         shares[category(name)] = shares.get(category(name), 0.0) + us / total_us
-    sync_names = SYNC_NAMES + ("cudaMemcpy", "cudaMemcpyAsync") if cuda else ITEM_NAMES
+    # on CUDA every .item() (aten::_local_scalar_dense) is a device-to-host copy the host waits for
+    sync_names = (*SYNC_NAMES, "cudaMemcpy", "aten::_local_scalar_dense") if cuda else ITEM_NAMES
     syncs = {e.key: (e.count, e.cpu_time_total) for e in events if e.key in sync_names}
-    if cuda:  # every .item() is a device-to-host copy the host waits for
-        syncs.update({e.key: (e.count, e.cpu_time_total) for e in events if e.key == "aten::_local_scalar_dense"})
     return {"time_basis": "device" if cuda else "cpu", "total_s_per_step": total_us / 1e6 / steps,
             "top": [{"name": n, "category": category(n), "calls_per_step": c / steps,
                      "s_per_step": us / 1e6 / steps, "share": us / total_us} for n, c, us in rows[:top]],
@@ -119,7 +118,7 @@ def step_batch(cfg, step: int):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=2, help="profiled steps (default 2)")
+    p.add_argument("--steps", type=int, default=1, help="profiled steps (default 1: the trace grows with each)")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default 2)")
     p.add_argument("--micro-batch", type=int, default=None, help="train.micro_batch_size (default: the config's, 2)")
     p.add_argument("--global-batch", type=int, default=None,

@@ -37,13 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def build_model(m, device):
     """`LlamaForCausalLM` of the sizes of `m` (a ModelConfig): kv heads = heads, untied
     embeddings, no dropout, SDPA attention; fp32 parameters on `device`."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
                      num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
                      num_key_value_heads=m.num_heads, max_position_embeddings=m.max_seq_len,
                      attention_dropout=0.0, tie_word_embeddings=False, attn_implementation="sdpa")
-    return LlamaForCausalLM(hf).to(device)
+    with torch.device(device):  # initialised where it trains (a 1B model's init on the CPU takes minutes)
+        return LlamaForCausalLM(hf)
 
 
 def train_speed(cfg, rows: int, compiled: bool, steps: int, warmup: int, peak: float | None) -> dict:

@@ -523,8 +523,8 @@ def print_table(r: dict) -> None:
             continue
         print(f"reference {mode} (HF Llama, plain loop, {ref['rows']} rows/step on one device): "
               f"{ref['step_s']:.4f} s/step, {ref['tokens_per_s']:,.0f} tokens/s, MFU {fmt(ref['mfu'], '.1%')}; "
-              f"engine (off) per GPU / reference: {fmt(r['tokens_per_s_per_gpu_vs_reference'][mode], '.3f')}x "
-              f"tokens/s, {fmt(ratio(r['mfu'], ref['mfu']), '.3f')}x MFU")
+              f"engine (off) per GPU / reference: tokens/s {fmt(r['tokens_per_s_per_gpu_vs_reference'][mode], '.3f')}, "
+              f"MFU {fmt(ratio(r['mfu'], ref['mfu']), '.3f')}")
     if r["components"]:
         c = r["components"]
         print(f"alone: engine.snapshot() {c['snapshot_s']:.4f} s, engine.start_host_copy() "

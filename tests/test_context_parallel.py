@@ -3,8 +3,11 @@
 attention over the whole sequence on one rank, fp32: cp = 2 (2 processes) and tp = 2 x cp = 2
 (4 processes, heads split over TP, ranks laid out tp fastest as Megatron lays them), grouped
 query attention (4 heads, 2 key/value groups); outputs and the gradients of query, key and value
-of each rank's load-balanced chunks (r and 2cp-1-r). The whole model with cp = 2 on two GPUs:
-tests/test_megatron_engine.py (-m gpu)."""
+of each rank's load-balanced chunks (r and 2cp-1-r); and the whole GPTModel (SDPAttention,
+Megatron's rotary embedding of each rank's chunks) at cp = 2 against cp = 1 on CPU, logits and
+parameter gradients. The whole engine at cp = 2 on two GPUs: the `gpu` test at the end."""
+import contextlib
+
 import pytest
 import torch
 
@@ -77,6 +80,66 @@ def test_context_parallel_attention_equals_full_sequence(world, tp):
         assert max(v for k, v in errors.items() if k != "scale") < 1e-5, (rank, errors)
 
 
+def _model_worker(rank: int, world: int, store) -> dict:
+    """GPTModel of config.yaml's shape (fp32, CPU) at cp = 1 and cp = `world`: max abs errors of
+    this rank's logits, and the largest error of a parameter's gradient (summed over the CP
+    group, as Megatron's DDP reduces them over dp x cp) relative to its largest entry, of the
+    loss sum(logits * w)."""
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
+    import megatron.core.tensor_parallel as tensor_parallel
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from config import load_config
+    from megatron_model import build_gpt_model
+    from megatron_ops import cp_split
+
+    class NoRngTracker:
+        def fork(self, name=None):
+            return contextlib.nullcontext()
+
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        # Megatron's own, less its pinned-memory CUDA copy of the two chunk indices.
+        cp, r = cp_group.size(), cp_group.rank()
+        x = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+        x = x.index_select(seq_dim, torch.tensor([r, 2 * cp - 1 - r]))
+        return x.view(*x.shape[:seq_dim], -1, *x.shape[seq_dim + 2:])
+
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoRngTracker()
+    rotary.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    w = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(2))
+    out = {}
+    for cp in (1, world):
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(1, 1, context_parallel_size=cp, create_gloo_process_groups=False)
+        r = ps.get_context_parallel_rank()
+        torch.manual_seed(0)  # the same weights at both sizes
+        model, _ = build_gpt_model(load_config(None, ["model.dtype=float32", f"parallel.cp={cp}"]), 1, 1, cp,
+                                   use_cpu_initialization=True)
+        logits = model(cp_split(ids, cp, r), cp_split(torch.arange(32).expand_as(ids), cp, r), None)
+        (logits * cp_split(w, cp, r)).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        for g in grads:
+            dist.all_reduce(g, group=ps.get_context_parallel_group())
+        out[cp] = (logits.detach(), grads)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    ref_logits, ref_grads = out[1]
+    logits, grads = out[world]
+    return {"logits": (logits - cp_split(ref_logits, world, rank)).abs().max().item(),
+            "grads": max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref_grads, strict=True)),
+            "scale": min(g.abs().max().item() for g in ref_grads)}
+
+
+def test_context_parallel_gpt_model_equals_cp1_on_cpu():
+    for rank, errors in enumerate(spawn_ranks(_model_worker, 2, timeout_s=300)):
+        assert errors["scale"] > 0, errors  # every parameter has a gradient
+        assert errors["logits"] < 1e-5 and errors["grads"] < 1e-5, (rank, errors)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_context_parallel_does_not_change_the_training():
@@ -88,3 +151,4 @@ def test_context_parallel_does_not_change_the_training():
     (one,) = spawn_ranks(_weighted_steps, 1, timeout_s=600)
     for rank, two in enumerate(spawn_ranks(_weighted_steps, 2, ("parallel.cp=2",), timeout_s=600)):
         assert two == pytest.approx(one, rel=LOSS_RTOL), (rank, one, two)
+

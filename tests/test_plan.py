@@ -164,3 +164,44 @@ def test_other_host_is_predicted_from_the_costs_per_unit_of_load():
     # costs twice too high are seen as over-prediction at the larger N
     doubled = validate_other_host({"per_rank": {p: 2 * v for p, v in b.items()}}, rows, 16)
     assert doubled[0]["error"] == pytest.approx(0) and doubled[-1]["error"] > 0.5
+
+
+def _train_speed_run(date: str, on_tps: float, ref_tps: float | None, gpus: int = 2) -> dict:
+    """The parts of a bench/train_speed.py JSON that bench.fit_planner reads."""
+    ref = {} if ref_tps is None else {"compiled": {"tokens_per_s": ref_tps}, "eager": {"tokens_per_s": ref_tps / 2}}
+    return {"device": f"{gpus} x GPU", "params": 1, "layout": {"gpus": gpus}, "config": {"date": date},
+            "on": {"tokens_per_s": on_tps}, "off": {"tokens_per_s": 1.1 * on_tps}, "reference": ref}
+
+
+def test_useful_work_credits_each_strategy_with_its_measured_speed(tmp_path):
+    """bench.fit_planner takes the newest train_speed run that has a compiled reference; the
+    plan multiplies each strategy's goodput by its speed relative to that reference (restart:
+    the plain loop, 1.0; ours: the engine's tokens/s per GPU with the machinery on), and counts
+    the GPU-hours lost from that product."""
+    from main import main
+    from planner import load_data, strategy_speeds
+
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    for name, run in {"train_speed_a.json": _train_speed_run("2026-12-01", 30_000.0, 40_000.0),
+                      "train_speed_b.json": _train_speed_run("2026-12-02", 36_000.0, 45_000.0),
+                      "train_speed_c.json": _train_speed_run("2026-12-03", 50_000.0, None)}.items():
+        (gpu / name).write_text(json.dumps(run))
+    data = tmp_path / "planner_data.json"
+    run_bench("fit_planner", "--results", str(tmp_path), "--other-host", "--out", str(data))
+    model = load_data(data)["model"]
+    assert model["throughput"]["source"] == "gpu/train_speed_b.json"  # c has no reference
+    assert strategy_speeds(model) == {"restart": 1.0, "spare_ckpt": pytest.approx(0.4),
+                                      "spare_peer": pytest.approx(0.4)}  # 36k / 2 GPUs / 45k
+    assert strategy_speeds({}) == {s: 1.0 for s in STRATEGIES}
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--gpus", "1000", "--days", "2", "--traces", "1", "--data", str(data),
+                 "--out", str(out), "--png", ""]) == 0
+    st = json.loads(out.read_text())["results"][0]["strategies"]
+    for s in STRATEGIES:
+        assert st[s]["useful_work"] == pytest.approx(st[s]["goodput"] * st[s]["speed"])
+        assert st[s]["lost_gpu_h_per_day"] == pytest.approx((1 - st[s]["useful_work"]) * 1000 * 24)
+    # peer restore keeps more time than a restart, but a 2.5x slower step loses more work
+    assert st["spare_peer"]["goodput"] > st["restart"]["goodput"]
+    assert st["spare_peer"]["useful_work"] < st["restart"]["useful_work"]
