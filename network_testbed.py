@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
+SIOCETHTOOL = 0x8946
+# ethtool's legacy set commands: tx checksum, scatter-gather, TCP segmentation, generic segmentation
+ETHTOOL_OFFLOADS = (0x17, 0x19, 0x1F, 0x24)
 RAY_PORT = 6379
 # Ray's clients join a token-auth cluster only when told to (the token: ~/.ray/auth_token).
 RAY_ENV = {"RAY_AUTH_MODE": "token"}
@@ -114,6 +117,8 @@ class TestBed:
             _ip("link", "set", "eth0", "up", ns=h.ns)
             _ip("link", "set", "lo", "up", ns=h.ns)
             _ip("route", "add", "default", "via", f"{self.subnet}.1", ns=h.ns)
+            with self.enter(self.hosts.index(h)):
+                _no_offloads("eth0")
 
     def close(self) -> None:
         """Stop every process in the test bed's namespaces (SIGKILL by pid; never this process),
@@ -250,6 +255,21 @@ class TestBed:
             _ip("link", "del", f"{self.prefix}-r{i}", ns=self.bridge_ns, check=False)
         _ip("link", "set", h.port, "master", "br0", ns=self.bridge_ns)
         self._signal(h.ns, signal.SIGCONT)
+
+
+def _no_offloads(interface: str) -> None:
+    """Turn off checksum and segmentation offloads of `interface` (in the calling thread's
+    namespace; the ioctl `ethtool -K` makes). Why: a veth hands frames on with their checksum
+    left to "hardware" and up to 64 KB long; the brown-out relay reads frames raw, so every
+    frame must be complete and at most one MTU."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for cmd in ETHTOOL_OFFLOADS:
+            value = ctypes.create_string_buffer(struct.pack("II", cmd, 0))
+            ifreq = struct.pack("16sP", interface.encode(), ctypes.addressof(value))
+            fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifreq)
 
 
 def relay(a: str, b: str, delay_s: float, loss: float, seed: int) -> None:
