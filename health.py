@@ -230,7 +230,10 @@ class HealthMonitor:
                     deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
                 continue
             silent = self._silent(range(len(workers)))
-            if silent:
+            if silent:  # a silent rank whose raylet refuses connections lost its node: a crash
+                lost = self.lost_ranks({workers[r].node_id for r in silent})
+                if lost:
+                    raise self._failure(silent | lost, "crash", "node(s) lost: raylet refuses connections")
                 raise self._failure(silent, "unreachable", self._silence_detail(silent))
             now = self._progress()
             if any(c > progress[r] for r, c in now.items() if r in progress):  # moved since the last look
