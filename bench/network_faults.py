@@ -53,11 +53,16 @@ def make_cfg(run_dir: str, *overrides: str):
 def run_case(bed, fault: str | None, run_dir: str) -> dict:
     """Train STEPS steps on the test bed (driver thread already inside host 0), with `fault`
     on the host of rank 1 (None: no fault). Returns the losses and the measurements."""
+    import ray
+
     from actor_group import ActorGroup
     from trainer import Trainer
 
     cfg = make_cfg(run_dir, *(["checkpoint.interval=2"] if fault == "cut_save" else []))
     group = ActorGroup(cfg)
+    # The spares warm up in the background (store connect, warm-up step); a fault this early in
+    # a run would otherwise meet them still warming: wait until their compute threads are free.
+    ray.get([s.handle.noop.remote() for s in group.pool.spares], timeout=120)
     fault_at: list[float] = []
     ends: list[float] = []
     row: dict = {}
