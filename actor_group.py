@@ -214,7 +214,9 @@ class ActorGroup:
                 f"gpus_per_actor or add nodes")
         self._refills: dict = {}  # build ObjectRef -> (handle, bundle index, attempt) of a spare being refilled
         self._warming: dict[int, object] = {}  # id(spare slot) -> its prepare_spare ObjectRef
-        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers)
+        self.workers: list[ActorSlot] = []
+        self.pool = BackupPool([])
+        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares)
         self.injected_at: float | None = None  # wall-clock time of the last injected fault (`kill`)
         handles = [self._new_actor(i) for i in range(n)]
         infos = ray.get([h.info.remote() for h in handles])
@@ -224,8 +226,9 @@ class ActorGroup:
         self.placement_report = placement_report(self.workers, spares)
         for line in self.placement_report:
             log.info("placement: %s", line)
-        self.build_s = max(ray.get([s.handle.build.remote() for s in slots]))
         self.pool = BackupPool(spares)
+        self.health.start()
+        self.build_s = max(ray.get([s.handle.build.remote() for s in slots]))
         self.store_host = ray.util.get_node_ip_address()
         # Port 0: the OS picks a free port at bind time (no probe-then-bind race with other
         # programs). One store serves every generation, so no port is ever re-bound.
@@ -255,11 +258,12 @@ class ActorGroup:
         return self.cfg.cluster.num_spares
 
     def _prepare(self, spares: list) -> None:
-        """Spares, in the background: reserve the rollback snapshot's host memory (the largest
-        rank's size) and warm up (`MegatronActor.prepare_spare`), so neither slows the first
-        steps after a recovery."""
+        """Spares, in the background: connect to the driver's store, reserve the rollback
+        snapshot's host memory (the largest rank's size) and warm up
+        (`MegatronActor.prepare_spare`), so none of these slows a recovery or its first steps."""
         for s in spares:
-            self._warming[id(s)] = s.handle.prepare_spare.remote(self.snapshot_nbytes)
+            self._warming[id(s)] = s.handle.prepare_spare.remote(self.snapshot_nbytes, self.store_host,
+                                                                 self.store_port)
 
     def wait_spares_warm(self, timeout: float) -> float:
         """Wait until every spare of the pool has finished warming (`_prepare`), at most
@@ -378,26 +382,24 @@ class ActorGroup:
         return added
 
     def prune_pool(self) -> None:
-        """Drop spares that are dead (e.g. lost with their node) from the pool, and start
-        replacements on their bundles in the background (`fault_tolerance.refill_spares`).
-        Spares on a node whose raylet refuses connections are dead without a ping
-        (`HealthMonitor.lost_nodes`): their pings could otherwise keep the recovery waiting
-        until the node's workers exit."""
+        """Drop spares that are dead or unreachable from the pool, and start replacements on
+        their bundles in the background (`fault_tolerance.refill_spares`). Spares on a node
+        whose raylet refuses connections are dead without a ping (`HealthMonitor.lost_nodes`);
+        the others are judged by their heartbeats, all at once (`Heartbeats.settle`): a spare
+        that answered within the last `health_interval_s` is kept at once, one silent for
+        `health_timeout_s` (e.g. on a cut-off host) is dropped; only a spare that went silent
+        just now costs a wait, up to `health_timeout_s`."""
+        ft = self.cfg.fault_tolerance
         lost = self.health.lost_nodes({s.node_id for s in self.pool.spares})
         candidates = [s for s in self.pool.spares if s.node_id not in lost]
-        refs = [s.handle.ping.remote() for s in candidates]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
-        alive = []
-        for s, ref in zip(candidates, refs):
-            try:
-                if ref in ready:
-                    ray.get(ref)
-                    alive.append(s)
-            except ray.exceptions.RayActorError:
-                pass
+        ok, _, _ = self.health.beats.settle([s.handle for s in candidates], time.monotonic() - ft.health_interval_s)
+        alive = [candidates[i] for i in sorted(ok)]
         dead = [s for s in self.pool.spares if not any(s is a for a in alive)]
+        if dead:
+            log.warning("spare pool: dropping %d dead or unreachable spare(s) on %s", len(dead),
+                        sorted({s.node_ip for s in dead}))
         self.pool.spares = alive
-        if dead and self.cfg.fault_tolerance.refill_spares:
+        if dead and ft.refill_spares:
             for s in dead:
                 ray.kill(s.handle, no_restart=True)  # an unanswering one may still hold its bundle
             self.refill([s.bundle_index for s in dead])
@@ -470,6 +472,7 @@ class ActorGroup:
 
     def shutdown(self) -> None:
         """Kill every actor (spares and refills too) and release the placement group."""
+        self.health.stop()
         for s in self.workers + self.pool.spares:
             ray.kill(s.handle, no_restart=True)
         for handle in [*(h for h, _, _ in self._refills.values()), *self.holders.values()]:

@@ -1,6 +1,7 @@
-"""Process-group lifecycle of one process: abort every communicator (each in its own thread),
-free gloo collectives by shutting down their sockets, close NCCL group calls left open by an
-aborted step, and tell a lost node (its raylet refuses connections) from an unreachable one.
+"""Process-group lifecycle of one process: the network interface its groups bind, abort every
+communicator (each in its own thread), free gloo collectives by shutting down their sockets,
+close NCCL group calls left open by an aborted step, and tell a lost node (its raylet refuses
+connections) from an unreachable one.
 
 Why these exist: torch aborts communicators one after another and gloo has no abort at all,
 so a rank blocked in a collective whose peer died would otherwise wait for the process-group
@@ -13,6 +14,33 @@ import os
 import socket
 import threading
 import time
+
+
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this machine's network interface that holds address `ip` (None: none)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def use_node_interface(ip: str) -> str | None:
+    """Make this process's gloo and NCCL groups bind and advertise `ip` (the node IP Ray
+    reports): GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME are set to the interface holding it,
+    each unless already set. Returns that interface (None: no interface holds `ip`; nothing
+    set). Why: without them gloo advertises the address its hostname resolves to, and where
+    that is 127.0.0.1 (common in containers) no peer on another host can connect
+    ("Gloo connectFullMesh failed ... remote=[127.0.0.1]")."""
+    name = interface_of(ip)
+    if name is not None:
+        for var in SOCKET_IFNAME_VARS:
+            os.environ.setdefault(var, name)
+    return name
 
 
 def abort_process_groups() -> None:

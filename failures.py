@@ -18,15 +18,22 @@ class InjectedFault(RuntimeError):
 
 
 class WorkerFailure(RuntimeError):
-    """Ranks of the current generation failed. `ranks`: failed global ranks; `kind`:
-    'crash' (actor died), 'hang' (deadline passed without progress) or 'exception'.
-    `aborted`: detection already aborted every rank's communicators (to find the hung ranks),
-    so recovery must not abort them a second time. `detected_at`: wall-clock seconds."""
+    """Ranks of the current generation failed. `ranks`: failed global ranks; `kind`: one of
+    KINDS: 'crash' (actor died or its node is lost), 'unreachable' (alive or not, it answered no
+    ping in time: cut off, frozen or too slow), 'hang' (deadline passed without progress) or
+    'exception'. `aborted`: detection already aborted every rank's communicators (to find the
+    hung ranks), so recovery must not abort them a second time. `detected_at`: wall-clock
+    seconds; `last_seen`: wall-clock seconds of the failed ranks' last sign of life (last
+    heartbeat answer, or last progress for a hang; None: unknown)."""
 
-    def __init__(self, ranks: set[int], kind: str, detail: str = "", aborted: bool = False):
+    KINDS = ("crash", "unreachable", "hang", "exception")
+
+    def __init__(self, ranks: set[int], kind: str, detail: str = "", aborted: bool = False,
+                 last_seen: float | None = None):
         super().__init__(f"{kind} of rank(s) {sorted(ranks)}: {detail}")
         self.ranks, self.kind, self.detail, self.aborted = set(ranks), kind, detail, aborted
         self.detected_at = time.time()
+        self.last_seen = last_seen
 
 
 class ClusterError(RuntimeError):
@@ -40,8 +47,9 @@ class RecoveryError(RuntimeError):
 
 @dataclass
 class RecoveryTimeline:
-    """One recovery, phases in seconds. `detect_s` runs from the failure (when its time is known,
-    e.g. an injected kill) to its detection; `steps_lost` counts committed steps redone.
+    """One recovery, phases in seconds. `detect_s` runs from the failure to its detection: from
+    the failed ranks' last sign of life (heartbeat or progress), or from the injection of an
+    injected fault when that is later; `steps_lost` counts committed steps redone.
     `total_s` is the time the failure cost the run, the MTTR that goodput counts: the control
     phases (detect .. restore) plus the first step's excess over a steady step. The rest of
     that first step is training the run would have done anyway."""

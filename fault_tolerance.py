@@ -224,16 +224,18 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, 
 
     `ft`: the `fault_tolerance` config (timeouts, restore mode, min_dp, refill); `check_manifest`
     raises ConfigError when a checkpoint belongs to another model or layout (the run stops).
-    `detect_s` counts from the fault the group injected, when it did (`ActorGroup.kill`).
+    `detect_s` counts from the failed ranks' last sign of life (`WorkerFailure.last_seen`), or
+    from the fault the group injected (`ActorGroup.kill`) when that came later.
     Raises RecoveryError when the pool is empty or recovery keeps failing `max_attempts` times.
     """
     failed, aborted = set(failure.ranks), failure.aborted
     survivors = [s for r, s in enumerate(group.workers) if r not in failed]
     tl = RecoveryTimeline(failure.kind, sorted(failed), sorted({group.workers[r].node_id for r in failed}),
                           committed_step=committed_step)
-    injected_at = group.take_injected_at()
-    if injected_at is not None:
-        tl.detect_s = max(0.0, failure.detected_at - injected_at)
+    # Both are lower bounds of when the failure happened: the later one is the closer.
+    since = max((t for t in (group.take_injected_at(), failure.last_seen) if t is not None), default=None)
+    if since is not None:
+        tl.detect_s = max(0.0, failure.detected_at - since)
     for attempt in range(1, max_attempts + 1):
         tl.attempts = attempt
         try:

@@ -1,16 +1,21 @@
-"""Failure detection on the driver, in one place: waiting for the ranks' calls with a deadline
-that progress extends, telling crashes from exceptions from hangs, naming the hung ranks,
-probing liveness, finding lost nodes by their raylet, and the abort round that frees survivors.
+"""Failure detection on the driver, in one place: heartbeats (control-group pings from a
+driver thread), waiting for the ranks' calls with a deadline that progress extends, telling
+crashes from unreachable ranks from exceptions from hangs, naming the hung ranks, finding lost
+nodes by their raylet, and the abort round that frees survivors.
 
 A slow rank is not a dead one: while any rank's progress counter moves, the deadline moves
-with it. A rank whose actor died is a 'crash'; one whose call raised is an 'exception'; ranks
-that made no progress past the deadline are a 'hang'.
+with it. A rank whose actor died (or whose node's raylet refuses connections) is a 'crash';
+one that answered no ping for `health_timeout_s` is 'unreachable' (cut off, frozen or too slow:
+a host whose packets vanish refuses nothing, so no error ever comes); one whose call raised is
+an 'exception'; ranks that made no progress past the deadline are a 'hang'.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import ray
@@ -25,32 +30,178 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def actor_key(handle) -> str:
+    """A stable key of an actor handle (its actor id)."""
+    return handle._actor_id.hex()
+
+
+@dataclass
+class Beat:
+    """What the heartbeats know of one actor. Times: `time.monotonic()`, `seen_wall` wall clock."""
+    seen: float                   # its last answer arrived (tracking start, before any answer)
+    seen_wall: float
+    seen_sent: float = -1.0       # when the ping it last answered was sent
+    info: dict = field(default_factory=dict)   # that answer (`MegatronActor.ping`)
+    dead: str = ""                # Ray said its actor died (the error), else ""
+    ref: object = None            # the ping in flight
+    sent: float = 0.0
+
+
+class Heartbeats:
+    """Liveness of actors: a driver thread pings every actor `actors()` returns through its
+    control group every `interval_s` seconds, one ping in flight per actor, and records the
+    answers. An actor is alive when it answered a recent ping, dead when Ray says its actor
+    died, and silent once no answer came for `timeout_s` seconds. Pings never block the caller:
+    a ping that gets no answer only makes the silence longer. `start` / `stop` the thread."""
+
+    def __init__(self, actors: Callable[[], list], interval_s: float, timeout_s: float):
+        self._actors, self.interval_s, self.timeout_s = actors, interval_s, timeout_s
+        self._beats: dict[str, Beat] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.interval_s + 1)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and ray.is_initialized():
+            t0 = time.monotonic()
+            try:
+                self._round()
+            except Exception as e:  # noqa: BLE001 - a bad round must not end liveness tracking
+                log.debug("heartbeat round failed: %s", e)
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+
+    def _round(self) -> None:
+        """Send a ping to each actor with none in flight, then record answers for up to one
+        interval."""
+        now = time.monotonic()
+        handles = {actor_key(h): h for h in self._actors()}
+        with self._lock:
+            for k in set(self._beats) - set(handles):
+                del self._beats[k]
+            for k, h in handles.items():
+                b = self._beats.setdefault(k, Beat(now, time.time()))
+                if b.ref is None and not b.dead:
+                    b.ref, b.sent = h.ping.remote(), now
+            in_flight = {b.ref: k for k, b in self._beats.items() if b.ref is not None}
+        end, waiting = now + self.interval_s, list(in_flight)
+        while waiting:  # each answer recorded as it comes: a silent actor delays no other
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, end - time.monotonic()))
+            if not ready:
+                return
+            self._record(in_flight[ready[0]], ready[0])
+
+    def _record(self, key: str, ref) -> None:
+        try:
+            info, dead = ray.get(ref), ""
+        except ray.exceptions.ActorUnavailableError:
+            info, dead = None, ""     # no answer this time (e.g. its node's agent restarting)
+        except ray.exceptions.RayActorError as e:
+            info, dead = None, str(e)[:300]
+        with self._lock:
+            b = self._beats.get(key)
+            if b is None:
+                return
+            if info is not None:
+                b.seen, b.seen_wall, b.seen_sent, b.info = time.monotonic(), time.time(), b.sent, info
+            b.dead, b.ref = dead, None
+
+    def beat(self, handle) -> Beat | None:
+        with self._lock:
+            return self._beats.get(actor_key(handle))
+
+    def silence_s(self, handle) -> float:
+        """Seconds since `handle` last answered (since tracking started, before any answer)."""
+        b = self.beat(handle)
+        return 0.0 if b is None else time.monotonic() - b.seen
+
+    def settle(self, handles: list, since: float) -> tuple[set[int], set[int], set[int]]:
+        """(alive, dead, silent): indices into `handles`, each actor put in one as soon as it
+        answered a ping sent at or after `since` (monotonic), Ray said it died, or it has been
+        silent `timeout_s`. Returns within about `timeout_s` (every actor, concurrently)."""
+        alive, dead, silent = set(), set(), set()
+        todo = set(range(len(handles)))
+        deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s  # an untracked actor
+        while todo:
+            now = time.monotonic()
+            for i in list(todo):
+                b = self.beat(handles[i])
+                if b is not None and b.seen_sent >= since:
+                    alive.add(i)
+                elif b is not None and b.dead:
+                    dead.add(i)
+                elif (b is not None and now - b.seen >= self.timeout_s) or now >= deadline:
+                    silent.add(i)
+                else:
+                    continue
+                todo.discard(i)
+            if todo:
+                time.sleep(0.01)
+        return alive, dead, silent
+
+
 class HealthMonitor:
     """Detection over the workers `workers()` returns (index = rank; the actor group owns the
-    list and may change it between calls), with the timeouts of `ft`."""
+    list and may change it between calls), with the timeouts of `ft`. Its heartbeats
+    (`Heartbeats`) track the workers and the spares `spares()` returns; `start` / `stop` them."""
 
-    def __init__(self, ft: FaultToleranceConfig, workers: Callable[[], list[ActorSlot]]):
+    def __init__(self, ft: FaultToleranceConfig, workers: Callable[[], list[ActorSlot]],
+                 spares: Callable[[], list[ActorSlot]] = list):
         self.ft, self._workers = ft, workers
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (host, port)
+        self.beats = Heartbeats(lambda: [s.handle for s in [*workers(), *spares()]],
+                                ft.health_interval_s, ft.health_timeout_s)
+
+    def start(self) -> None:
+        self.beats.start()
+
+    def stop(self) -> None:
+        self.beats.stop()
+
+    def last_seen(self, ranks: set[int]) -> float | None:
+        """Wall-clock time of the earliest last answer among `ranks` (None: none answered):
+        the last sign of life of a failure that took them."""
+        workers = self._workers()
+        beats = [self.beats.beat(workers[r].handle) for r in ranks if r < len(workers)]
+        times = [b.seen_wall for b in beats if b is not None]
+        return min(times) if times else None
+
+    def _failure(self, ranks: set[int], kind: str, detail: str, **kw) -> WorkerFailure:
+        return WorkerFailure(ranks, kind, detail, last_seen=kw.pop("last_seen", None) or self.last_seen(ranks), **kw)
+
+    def _silent(self, ranks) -> set[int]:
+        """Those of `ranks` whose heartbeats have been silent `health_timeout_s`."""
+        workers = self._workers()
+        return {r for r in ranks if self.beats.silence_s(workers[r].handle) >= self.ft.health_timeout_s}
 
     def wait(self, refs: list, timeout: float, ranks: list[int] | None = None) -> list:
         """Results of `refs` (one per rank, or one per rank of `ranks`), or WorkerFailure naming
         the failed ranks.
 
-        A rank whose actor died is a 'crash'; a rank whose call raised while no actor died is an
-        'exception'. While waiting, progress counters are polled every `health_interval_s`; the
-        deadline is at least `timeout` seconds after the last poll that saw any counter move
-        (slow is not dead). When it passes without progress: every rank's
-        communicators are aborted, which frees ranks blocked in a collective; ranks whose compute
-        thread still does not answer are the hung ones ('hang'; an empty set means the
-        collective itself stalled and every rank was freed).
+        A rank whose actor died is a 'crash'; a rank whose heartbeats have been silent for
+        `health_timeout_s` is 'unreachable' (checked every `health_interval_s`, whatever the
+        call); a rank whose call raised while no actor died is an 'exception'. The deadline is
+        at least `timeout` seconds after the heartbeats last showed a progress counter move
+        (slow is not dead; a ping without answer shows nothing). When it passes without
+        progress: every rank's communicators are aborted, which frees ranks blocked in a
+        collective; ranks whose compute thread still does not answer are the hung ones
+        ('hang'; an empty set means the collective itself stalled and every rank was freed).
         """
         ft, workers = self.ft, self._workers()
         rank_of = list(ranks) if ranks is not None else list(range(len(refs)))
         index = {r.hex(): i for i, r in enumerate(refs)}
         results: list = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + timeout
-        progress: dict[int, int] = {}
+        progress, moved_at = self._progress(), time.time()
         while pending:
             done, pending = ray.wait(pending, num_returns=1,
                                      timeout=max(0.0, min(ft.health_interval_s, deadline - time.monotonic())))
@@ -63,112 +214,105 @@ class HealthMonitor:
                     # its ranks): the abort round that follows calls every other rank anyway and
                     # names those that died too (`abort_survivors`).
                     lost = self.lost_ranks({workers[rank_of[i]].node_id})
-                    raise WorkerFailure({rank_of[i]} | lost, "crash", str(e)[:300]) from None
+                    raise self._failure({rank_of[i]} | lost, "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
-                    dead = self.probe()
-                    if dead:
-                        raise WorkerFailure(dead, "crash", "actor(s) died") from None
+                    crashed, silent = self._probe()
+                    if crashed | silent:
+                        raise self._failure(crashed | silent, "crash" if crashed else "unreachable",
+                                            "actor(s) died" if crashed else self._silence_detail(silent)) from None
                     if not isinstance(e.cause, (TimeoutError, StaleGenerationError)):
                         log.debug("rank %d raised: %s", rank_of[i], e)
-                        raise WorkerFailure({rank_of[i]}, "exception",
-                                            f"rank {rank_of[i]}: {type(e.cause).__name__}: {str(e.cause)[:500]}") from None
+                        raise self._failure({rank_of[i]}, "exception",
+                                            f"rank {rank_of[i]}: {type(e.cause).__name__}: {str(e.cause)[:500]}",
+                                            last_seen=time.time()) from None
                     # This rank gave up waiting for a peer: judge the ranks still pending soon.
                     results[i] = e
                     deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
                 continue
+            silent = self._silent(range(len(workers)))
+            if silent:  # a silent rank whose raylet refuses connections lost its node: a crash
+                lost = self.lost_ranks({workers[r].node_id for r in silent})
+                if lost:
+                    raise self._failure(silent | lost, "crash", "node(s) lost: raylet refuses connections")
+                raise self._failure(silent, "unreachable", self._silence_detail(silent))
             now = self._progress()
-            if any(now[r] > progress.get(r, -1) for r in now):  # moved since the last poll
-                progress, deadline = now, max(deadline, time.monotonic() + timeout)
+            if any(c > progress[r] for r, c in now.items() if r in progress):  # moved since the last look
+                deadline, moved_at = max(deadline, time.monotonic() + timeout), time.time()
+            progress.update(now)
             if time.monotonic() < deadline:
                 continue
-            raise self._hang_failure({rank_of[index[r.hex()]] for r in pending}, timeout)
+            raise self._hang_failure({rank_of[index[r.hex()]] for r in pending}, timeout, moved_at)
         gave_up = [rank_of[i] for i, r in enumerate(results) if isinstance(r, ray.exceptions.RayTaskError)]
         if gave_up:  # everyone arrived late but did arrive: a transient; re-form without blame
             raise WorkerFailure(set(), "exception", f"rank(s) {gave_up} timed out waiting for peers")
         return results
 
+    def _silence_detail(self, silent: set[int]) -> str:
+        workers = self._workers()
+        return "; ".join(f"rank {r} ({workers[r].node_ip}) answered no ping for "
+                         f"{self.beats.silence_s(workers[r].handle):.1f} s" for r in sorted(silent))
+
     def _progress(self, key: str = "progress") -> dict[int, int]:
         """rank -> progress counter (`progress`: monotonic; `step_progress`: within the current
-        step), for ranks that answer a control ping in time."""
-        refs = {r: s.handle.ping.remote() for r, s in enumerate(self._workers())}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
-                            timeout=self.ft.health_timeout_s)
+        step) from each rank's last heartbeat answer; ranks that never answered are left out."""
         out = {}
-        for r, ref in refs.items():
-            if ref in ready:
-                try:
-                    out[r] = ray.get(ref)[key]
-                except ray.exceptions.RayError:
-                    pass
+        for r, s in enumerate(self._workers()):
+            b = self.beats.beat(s.handle)
+            if b is not None and key in b.info:
+                out[r] = b.info[key]
         return out
 
-    def _hang_failure(self, pending: set[int], timeout: float) -> WorkerFailure:
-        """Name the hung ranks of a call that made no progress. Ranks whose progress counter lags
-        the others are stuck before a collective their peers wait in: those are hung. With no
-        laggard, every rank is aborted (freeing ranks blocked in a collective, as NCCL does) and
-        the ranks whose abort fails or whose compute thread still does not answer are hung; the
-        failure is then marked `aborted`, so recovery does not abort the survivors again."""
-        dead = self.probe()
-        if dead:
-            return WorkerFailure(dead, "crash", "actor(s) died")
+    def _hang_failure(self, pending: set[int], timeout: float, moved_at: float) -> WorkerFailure:
+        """Name the hung ranks of a call that made no progress since `moved_at` (wall clock).
+        Ranks whose progress counter lags the others are stuck before a collective their peers
+        wait in: those are hung. With no laggard, every rank is aborted (freeing ranks blocked
+        in a collective, as NCCL does) and the ranks whose abort fails or whose compute thread
+        still does not answer are hung; the failure is then marked `aborted`, so recovery does
+        not abort the survivors again."""
+        crashed, silent = self._probe()
+        if crashed | silent:
+            return self._failure(crashed | silent, "crash" if crashed else "unreachable",
+                                 "actor(s) died" if crashed else self._silence_detail(silent))
         why = f"no progress for {timeout:.1f} s on rank(s) {sorted(pending)}"
         progress = self._progress("step_progress")
         top = max(progress.values(), default=0)
         lagging = {r for r in pending if progress.get(r, -1) < top}
         if lagging:
-            return WorkerFailure(lagging, "hang", f"{why}; progress {progress}")
+            return WorkerFailure(lagging, "hang", f"{why}; progress {progress}", last_seen=moved_at)
         workers = self._workers()
         unanswered = self.abort_survivors(set())
         refs = {r: s.handle.noop.remote() for r, s in enumerate(workers) if r not in unanswered}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ft.health_timeout_s)
         stuck = unanswered | {r for r, ref in refs.items() if ref not in ready}
         return WorkerFailure(stuck, "hang", f"{why}; compute thread still stuck after abort on {sorted(stuck)}",
-                             aborted=True)
+                             aborted=True, last_seen=moved_at)
 
     def probe(self) -> set[int]:
-        """Ranks whose actor is dead or does not answer a control-group ping within
-        `fault_tolerance.health_timeout_s` seconds. An actor that is temporarily unreachable
-        (`ActorUnavailableError`, e.g. its node's agent restarting) is retried until then and
-        not reported if it answers; one still unreachable then is (its node is likely gone:
-        Ray marks a lost node dead only some seconds later; see docs/recovery.md, "Detect").
+        """Ranks whose actor is dead, whose node is lost, or that answered no ping for
+        `fault_tolerance.health_timeout_s` seconds (`_probe`)."""
+        crashed, silent = self._probe()
+        return crashed | silent
+
+    def _probe(self) -> tuple[set[int], set[int]]:
+        """(crashed, silent) ranks: an actor is judged alive once it answers a ping sent within
+        the last `health_interval_s`, crashed when Ray says it died, silent once its heartbeats
+        have been silent `health_timeout_s`; every rank at once, so this returns within about
+        `health_timeout_s`. An actor that is temporarily unreachable (`ActorUnavailableError`,
+        e.g. its node's agent restarting) is not judged until then.
 
         Lost nodes are found sooner: when a node's raylet refuses connections
         (`refuses_connections`), its process is gone, and with it every actor of that node
         (Ray's workers exit when their raylet dies; until then they may still answer pings).
-        Every rank on that node is then dead at once, without waiting for the timeout. Why:
-        otherwise the node's ranks are found one at a time, each at its own timeout or failed
-        abort call (see docs/recovery.md, "Detect"). Caveat (not tested here): a firewall that
-        rejects, rather than drops, connections from the driver's node to a raylet port would
-        make that node look lost."""
-        ft, workers = self.ft, self._workers()
-        deadline = time.monotonic() + ft.health_timeout_s
-        dead = self.lost_ranks()
-        todo = set(range(len(workers))) - dead
-        while todo:
-            refs = {r: workers[r].handle.ping.remote() for r in todo}
-            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
-                                timeout=max(0.0, deadline - time.monotonic()))
-            retry = set()
-            for r, ref in refs.items():
-                if ref not in ready:
-                    dead.add(r)
-                    continue
-                try:
-                    ray.get(ref)
-                except ray.exceptions.ActorUnavailableError:
-                    retry.add(r)
-                except ray.exceptions.RayActorError:
-                    dead.add(r)
-            lost = self.lost_nodes({workers[r].node_id for r in retry})
-            dead |= {r for r in retry if workers[r].node_id in lost}
-            retry -= dead
-            if retry and time.monotonic() >= deadline:
-                dead |= retry  # still unreachable after health_timeout_s: not a transient
-                break
-            if retry:
-                time.sleep(min(0.1, ft.health_interval_s))
-            todo = retry
-        return dead
+        Every rank on that node is then crashed at once, without waiting. Why: otherwise the
+        node's ranks are found one at a time (see docs/recovery.md, "Detect"). Caveat (not
+        tested here): a firewall that rejects, rather than drops, connections from the driver's
+        node to a raylet port would make that node look lost."""
+        workers = self._workers()
+        lost = self.lost_ranks()
+        todo = [r for r in range(len(workers)) if r not in lost]
+        _, dead, silent = self.beats.settle([workers[r].handle for r in todo],
+                                            time.monotonic() - self.ft.health_interval_s)
+        return lost | {todo[i] for i in dead}, {todo[i] for i in silent}
 
     def lost_ranks(self, node_ids: set[str] | None = None) -> set[int]:
         """Ranks on a node (of `node_ids`; default: every worker's) whose raylet refuses

@@ -26,6 +26,7 @@ import ray
 
 from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, Manifest
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
+from comms import use_node_interface
 from failures import InjectedFault, StaleGenerationError
 from parallel_dims import ParallelDims
 from snapshots import SnapshotSender, from_wire
@@ -53,6 +54,7 @@ class MegatronActor:
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
         self._sender = SnapshotSender()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        use_node_interface(ray.util.get_node_ip_address())  # before any process group is made
 
     def fault_point(self, point: str) -> None:
         """Fire the fault armed at `point`, once: SIGKILL of this process, an InjectedFault
@@ -131,10 +133,13 @@ class MegatronActor:
         """Bytes of this rank's rollback snapshot (0 when its engine keeps none)."""
         return self.engine.snapshot_nbytes()
 
-    def prepare_spare(self, snapshot_nbytes: int) -> None:
-        """Spare, before any failure: reserve host memory for the rollback snapshot it will
-        keep once it joins, and pay the process's one-time first-step costs, so neither slows
-        the first steps after a recovery (`Engine.reserve_host_memory`, `Engine.warm_up`)."""
+    def prepare_spare(self, snapshot_nbytes: int, host: str, port: int) -> None:
+        """Spare, before any failure: connect to the driver's store at host:port (the first
+        connect may wait on a reverse-DNS lookup), reserve host memory for the rollback
+        snapshot it will keep once it joins, and pay the process's one-time first-step costs,
+        so none of these slows a recovery or its first steps (`Engine.reserve_host_memory`,
+        `Engine.warm_up`)."""
+        self._store_client(host, port)
         self.engine.reserve_host_memory(snapshot_nbytes)
         self.engine.warm_up()
 
@@ -155,10 +160,7 @@ class MegatronActor:
         self.fault_point("during_recovery")
         self.engine.disconnect()
         ft = self.cfg.fault_tolerance
-        if self._store is None or self._store[0] != (host, port):
-            self._store = ((host, port), dist.TCPStore(
-                host, port, is_master=False, timeout=datetime.timedelta(seconds=ft.rendezvous_timeout_s)))
-        store = dist.PrefixStore(f"gen{generation}", self._store[1])
+        store = dist.PrefixStore(f"gen{generation}", self._store_client(host, port))
         # Abortable barrier before the (uninterruptible) rendezvous inside init_process_group:
         # a member that never arrives must not strand the others in a blocking store wait.
         # A polling barrier on purpose: a `store.wait` that times out leaves a stale reply on the
@@ -182,6 +184,15 @@ class MegatronActor:
             self._sender.connect(holder)
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
         return {"rendezvous_s": t1 - t0, **phases}
+
+    def _store_client(self, host: str, port: int):
+        """This actor's client of the driver's TCPStore at host:port, made on first use."""
+        import torch.distributed as dist
+
+        if self._store is None or self._store[0] != (host, port):
+            timeout = datetime.timedelta(seconds=self.cfg.fault_tolerance.rendezvous_timeout_s)
+            self._store = ((host, port), dist.TCPStore(host, port, is_master=False, timeout=timeout))
+        return self._store[1]
 
     def _check(self, generation: int) -> None:
         if generation != self.generation:

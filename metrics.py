@@ -14,7 +14,7 @@ a checkpoint save) and fans each out to
 | `ft_throughput_tokens_per_s` | gauge | tokens/s of the last step (global batch x seq_len / step time) |
 | `ft_loss` | gauge | loss of the last committed step |
 | `ft_reward` | gauge | RL: mean reward of the last committed step's samples |
-| `ft_recoveries` | counter | recoveries finished; tag `kind` (crash, hang, exception) |
+| `ft_recoveries` | counter | recoveries finished; tag `kind` (crash, unreachable, hang, exception: `failures.WorkerFailure.KINDS`) |
 | `ft_recovery_phase_seconds` | histogram | seconds per recovery phase; tag `phase` (detect ... first_step, first_step_excess, total) |
 | `ft_spares_available` | gauge | spares in the backup pool |
 | `ft_checkpoint_save_stall_seconds` | histogram | seconds training waited for a checkpoint save |
