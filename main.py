@@ -273,6 +273,8 @@ def cmd_train(cfg: Config, args, start) -> int:
             else:
                 log.info("event=start run=%s step=0", trainer.run.id)
             trainer.train(cfg.train.steps)
+        if trainer.resumed_from is not None:
+            print(f"run {trainer.run.id} resumed from its checkpoint of step {trainer.resumed_from}")
         for step in sorted(trainer.losses):
             reward = f"  reward {trainer.rewards[step]:.4f}" if step in trainer.rewards else ""
             print(f"step {step:>5}  loss {trainer.losses[step]:.6f}{reward}")

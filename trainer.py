@@ -8,6 +8,8 @@ pure function of the committed weights and (seed, step, row)).
 
 `committed_step` is the last step every rank finished; a step in flight when a failure hits is
 re-run after recovery with the same data (data are a pure function of (seed, step, dp rank)).
+A new driver of a run continues it with `resume` (its newest verified checkpoint, loaded as
+recovery loads one); its checkpoints and recoveries only ever use the run's own (`run`).
 """
 from __future__ import annotations
 
