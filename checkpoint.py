@@ -28,8 +28,10 @@ Failure cases
     the client's own timeouts (S3: ``config_kwargs`` connect/read timeouts in storage_options;
     gcsfs retries a refused connection internally for about 30 s).
 
-A run's manifests record its ``model_signature``; ``check_compatible`` refuses a checkpoint of
-another model (or a layout the torch engine cannot load) with a ConfigError naming both sides.
+A run's manifests record its ``model_signature`` and its identity (``extra["run"]``: name, id,
+config fingerprint; ``run_identity.py``); ``check_compatible`` refuses a checkpoint of another
+model (or a layout the torch engine cannot load) with a ConfigError naming both sides, and
+``committed_manifests(run_id)`` / ``latest_verified(run_id)`` skip the checkpoints of other runs.
 
 Remote shards are written by DCP into a private local staging directory (``tempfile``, honours
 ``TMPDIR``), hashed there, then uploaded with fsspec ``put`` (concurrent files; s3fs multipart).
@@ -99,6 +101,12 @@ class Manifest:
     files: list[FileEntry]
     extra: dict
     created_at: float
+
+    @property
+    def run_id(self) -> str | None:
+        """The id of the run that committed it (``extra["run"]["id"]``), None if it names none."""
+        run = self.extra.get("run")
+        return run.get("id") if isinstance(run, dict) else None
 
 
 class CheckpointError(RuntimeError):
@@ -389,9 +397,34 @@ class CheckpointManager:
         """Ascending steps whose manifest.json exists and parses (contents are not verified)."""
         return [m.step for m in self.committed_manifests()]
 
-    def committed_manifests(self) -> list[Manifest]:
-        """Manifests of the committed steps, ascending (one read each; files not verified)."""
-        return [m for s in self._step_dirs() if (m := self._manifest_or_none(s)) is not None]
+    def committed_manifests(self, run_id: str | None = None) -> list[Manifest]:
+        """Manifests of the committed steps, ascending (one read each; files not verified).
+        With ``run_id``, only that run's (``Manifest.run_id``); each other one is skipped with
+        a warning naming its run."""
+        found = [m for s in self._step_dirs() if (m := self._manifest_or_none(s)) is not None]
+        if run_id is None:
+            return found
+        for m in found:
+            if m.run_id != run_id:
+                logger.warning("skipping checkpoint %s: written by run %s, not by this run %s",
+                               self.step_uri(m.step), m.run_id, run_id)
+        return [m for m in found if m.run_id == run_id]
+
+    def uncommitted_steps(self) -> list[int]:
+        """Ascending steps that have a directory but no valid manifest (saves in flight,
+        abandoned or damaged)."""
+        return [s for s in self._step_dirs() if self._manifest_or_none(s) is None]
+
+    def clear(self) -> list[int]:
+        """Delete every step directory (committed or not; manifests first, so a half-deleted
+        step is never taken as committed) and ``latest``; returns the steps deleted. Raises
+        CheckpointError on storage failure past the retry limits."""
+        steps = self._step_dirs()
+        for s in steps:
+            self._retry(f"deleting {self.step_uri(s)}", self._rm, f"{self._step_path(s)}/{MANIFEST}", False)
+            self._retry(f"deleting {self.step_uri(s)}", self._rm, self._step_path(s), True)
+        self._retry(f"deleting {self.uri}/{LATEST}", self._rm, f"{self.root}/{LATEST}", False)
+        return steps
 
     def read_manifest(self, step: int) -> Manifest:
         """The manifest of ``step``. Raises CheckpointError if it is missing (step not
@@ -417,11 +450,13 @@ class CheckpointManager:
         CheckpointError only when storage fails past the retry limits."""
         return self._verify(step)[1]
 
-    def _verify(self, step: int) -> tuple[Manifest | None, list[str]]:
+    def _verify(self, step: int, run_id: str | None = None) -> tuple[Manifest | None, list[str]]:
         try:
             manifest = self.read_manifest(step)
         except _NotCommitted as exc:
             return None, [str(exc)]
+        if run_id is not None and manifest.run_id != run_id:  # not read further: not ours
+            return manifest, [f"written by run {manifest.run_id}, not by this run {run_id}"]
         return manifest, self.verify_files(step, manifest.files)
 
     def verify_files(self, step: int, files: list[FileEntry]) -> list[str]:
@@ -444,13 +479,14 @@ class CheckpointManager:
         with concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="ckpt-verify") as pool:
             return [p for p in pool.map(check, files) if p]
 
-    def latest_verified(self) -> Manifest | None:
-        """Newest committed checkpoint whose files all verify; logs a warning naming each newer
-        step skipped and why (uncommitted, corrupt, missing files). None if there is none.
-        Raises CheckpointError when storage fails past the retry limits (an outage is not
-        "no checkpoint")."""
+    def latest_verified(self, run_id: str | None = None) -> Manifest | None:
+        """Newest committed checkpoint whose files all verify (with ``run_id``: of that run,
+        others are skipped as ``committed_manifests`` does); logs a warning naming each newer
+        step skipped and why (uncommitted, corrupt, missing files, another run). None if there
+        is none. Raises CheckpointError when storage fails past the retry limits (an outage is
+        not "no checkpoint")."""
         for step in reversed(self._step_dirs()):
-            manifest, problems = self._verify(step)
+            manifest, problems = self._verify(step, run_id)
             if not problems:
                 return manifest
             logger.warning("skipping checkpoint %s: %s", self.step_uri(step), "; ".join(problems))

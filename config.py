@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -279,7 +280,11 @@ class Config:
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     run_dir: str = "runs/demo"
     """Directory of the run's outputs: the recovery timeline (recoveries.jsonl), loss.png,
-    recoveries.png, demo.json."""
+    recoveries.png, train.json (train) or demo.json (demo)."""
+    run_name: str | None = None
+    """Name of the run (letters, digits, '_', '.', '-'; null: the last part of run_dir). Every
+    checkpoint records it with the run's id and config fingerprint; `train` resumes only a
+    checkpoint.uri whose checkpoints are of this name and fingerprint (docs/checkpoints.md)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -418,6 +423,8 @@ def validate(cfg: Config) -> None:
     if cfg.rl.enabled:
         _validate_rl(cfg)
     k = cfg.checkpoint
+    require(cfg.run_name is None or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", cfg.run_name) is not None,
+            "run_name", f"{cfg.run_name!r}: use letters, digits, '_', '.', '-' (starting with a letter or digit)")
     require(bool(k.uri), "checkpoint.uri", "must be a path, file://, s3:// or gs:// URI")
     require(k.interval >= 0, "checkpoint.interval", "must be >= 0 (0 disables checkpoints)")
     require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
@@ -533,7 +540,8 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
     """Return a copy with `auto` values made concrete for a machine with `num_gpus` GPUs.
 
     device auto -> cuda when GPUs are visible, else cpu; engine auto -> megatron on cuda,
-    torch on cpu; dtype auto -> bfloat16 on cuda, float32 on cpu. Raises ConfigError for
+    torch on cpu; dtype auto -> bfloat16 on cuda, float32 on cpu; run_name null -> the last
+    part of run_dir. Raises ConfigError for
     combinations this machine cannot run (megatron on CPU, cuda without GPUs).
     """
     num_gpus = gpus_visible() if num_gpus is None else num_gpus
@@ -550,6 +558,8 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
             "Megatron-Core models need GPUs; set model.engine=torch (or auto) on a CPU machine")
     if cfg.model.dtype == "auto":
         cfg.model.dtype = "bfloat16" if cuda else "float32"
+    if cfg.run_name is None:
+        cfg.run_name = Path(cfg.run_dir).name or "run"
     c = cfg.cluster
     if c.gpus_per_actor == "auto":  # a whole GPU each, or 1/k of one when there are too few
         gpus = c.gpus_per_node * c.num_nodes if c.gpus_per_node else num_gpus if c.ray_address is None else 0

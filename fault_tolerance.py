@@ -14,7 +14,8 @@ Protocol (one failure or many; docs/recovery.md has the detail):
    host-memory snapshot of the committed step, then every DP group with a new member broadcasts
    from a survivor); (b) in-memory snapshots held by `SnapshotHolder` actors on other nodes
    (needed when a whole DP replica is gone or the optimizer state is sharded); (c) the newest
-   verified checkpoint (all ranks load it; the steps after it are replayed), else step 0.
+   verified checkpoint of this run (all ranks load it; the steps after it are replayed; a run
+   resuming after its driver was lost loads it the same way, `restore_checkpoint`), else step 0.
 6. Resume; the trainer records `first_step_s` when the next step completes.
 A failure during any phase restarts the protocol with the larger set of failed ranks.
 """
@@ -137,9 +138,10 @@ def _replace(group: ActorGroup, failed: set[int], ft: FaultToleranceConfig) -> N
 
 def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivor_slots: list,
              ft: FaultToleranceConfig, check_manifest: Callable[[Manifest], None],
-             timeline: RecoveryTimeline) -> int:
+             timeline: RecoveryTimeline, run_id: str | None) -> int:
     """Bring every rank to one committed step (`plan_restore`); returns that step.
-    `survivor_slots`: the ActorSlots that were in the last committed step and are still members."""
+    `survivor_slots`: the ActorSlots that were in the last committed step and are still members;
+    `run_id`: only checkpoints of this run count (None: any)."""
     dims, gen, timeout = group.dims, group.generation, ft.step_timeout_s
     survivors = {r for r, s in enumerate(group.workers) if any(s is v for v in survivor_slots)}
     clean = set()  # ranks holding the committed step's state after rolling back locally
@@ -151,7 +153,7 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
 
     def floor() -> int:
         nonlocal manifests
-        manifests = ckpt.committed_manifests()
+        manifests = ckpt.committed_manifests(run_id)
         return manifests[-1].step if manifests else 0
 
     def held() -> list[set[int]]:
@@ -182,21 +184,37 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
         if ft.restore == "memory":
             raise RecoveryError(NO_MEMORY_RESTORE)
         timeline.notes.append("in-memory restore impossible")
-    for manifest in _verified_by_ranks(group, ckpt, manifests if manifests is not None else
-                                       ckpt.committed_manifests(), timeout):
-        check_manifest(manifest)  # ConfigError: stop, don't retry
-        loaded = group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers], timeout)
-        if errors := [f"rank {r}: {e}" for r, e in enumerate(loaded) if isinstance(e, str)]:
-            # A bad checkpoint, not bad ranks: no spare is spent on it; every rank loads an older one.
-            log.warning("checkpoint %s does not load, trying an older one: %s",
-                        ckpt.step_uri(manifest.step), "; ".join(errors))
-            timeline.notes.append(f"checkpoint step {manifest.step} does not load")
-            continue
-        timeline.restore_source = f"checkpoint step {manifest.step}"
-        return manifest.step
+    step = restore_checkpoint(group, ckpt, manifests if manifests is not None else
+                              ckpt.committed_manifests(run_id), timeout, check_manifest, timeline.notes)
+    if step is not None:
+        timeline.restore_source = f"checkpoint step {step}"
+        return step
     timeline.restore_source = "initial"
     group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
     return 0
+
+
+def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: list[Manifest],
+                       timeout: float, check_manifest: Callable[[Manifest], None],
+                       notes: list[str]) -> int | None:
+    """Every rank loads the newest of the committed `manifests` (ascending) whose files verify
+    (`_verified_by_ranks`) and which loads on every rank; returns its step, None when none does
+    (the ranks' state is then undefined). One that does not load (`CheckpointMismatch` on a
+    rank) is a bad checkpoint, not a bad rank: no spare is spent, a warning and a note in
+    `notes` name it, and the next older one is tried. Used by recovery and by a resuming run.
+    Raises ConfigError (`check_manifest`: another model or layout), WorkerFailure,
+    CheckpointError (storage down past the retry budget)."""
+    gen = group.generation
+    for manifest in _verified_by_ranks(group, ckpt, manifests, timeout):
+        check_manifest(manifest)  # ConfigError: stop, don't retry
+        loaded = group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers], timeout)
+        if errors := [f"rank {r}: {e}" for r, e in enumerate(loaded) if isinstance(e, str)]:
+            log.warning("checkpoint %s does not load, trying an older one: %s",
+                        ckpt.step_uri(manifest.step), "; ".join(errors))
+            notes.append(f"checkpoint step {manifest.step} does not load")
+            continue
+        return manifest.step
+    return None
 
 
 def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: list, timeout: float):
@@ -219,11 +237,13 @@ def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: li
 
 def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, committed_step: int,
             ft: FaultToleranceConfig, check_manifest: Callable[[Manifest], None],
-            max_attempts: int = 5) -> RecoveryTimeline:
+            max_attempts: int = 5, run_id: str | None = None) -> RecoveryTimeline:
     """Run the recovery protocol for `failure`; returns the timeline (restored step included).
 
     `ft`: the `fault_tolerance` config (timeouts, restore mode, min_dp, refill); `check_manifest`
-    raises ConfigError when a checkpoint belongs to another model or layout (the run stops).
+    raises ConfigError when a checkpoint belongs to another model or layout (the run stops);
+    `run_id`: a checkpoint restore loads only this run's checkpoints (`Manifest.run_id`; those
+    of other runs are skipped with a warning), None: any.
     `detect_s` counts from the failed ranks' last sign of life (`WorkerFailure.last_seen`), or
     from the fault the group injected (`ActorGroup.kill`) when that came later.
     Raises RecoveryError when the pool is empty or recovery keeps failing `max_attempts` times.
@@ -252,7 +272,7 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, 
             t2 = time.perf_counter()
             tl.rebuild_detail = group.form_generation()
             t3 = time.perf_counter()
-            tl.restored_step = _restore(group, ckpt, committed_step, survivors, ft, check_manifest, tl)
+            tl.restored_step = _restore(group, ckpt, committed_step, survivors, ft, check_manifest, tl, run_id)
             t4 = time.perf_counter()
         except WorkerFailure as again:
             log.warning("failure during recovery (attempt %d): %s", attempt, again)

@@ -6,8 +6,11 @@ demo  : reference run without failure, then the same steps with one whole DP rep
         the losses match (bitwise on CPU).
 train : `train.steps` steps with automatic failure detection and recovery (inject failures
         with `--set chaos.events=[...]`), a progress bar on a terminal, and a report at the end.
+        A checkpoint.uri holding this run's checkpoints resumes it from the newest one that
+        verifies (a driver lost, a job resubmitted); checkpoints of another run stop it with
+        one line naming both; `--fresh` deletes them and starts over (docs/checkpoints.md).
 
-Both write to `run_dir`: recoveries.jsonl, loss.png, recoveries.png (demo: demo.json too).
+Both write to `run_dir`: recoveries.jsonl, loss.png, recoveries.png, train.json or demo.json.
 Exit status: 0 ok, 1 demo losses differ, 2 config or cluster error (one line on stderr).
 """
 from __future__ import annotations
@@ -234,7 +237,25 @@ def demo_summary(ref: dict, run: dict, cfg: Config, ok: bool) -> dict:
                        "replayed": run["replayed"]}}
 
 
-def cmd_train(cfg: Config, args) -> int:
+def plan_train_start(cfg: Config, fresh: bool):
+    """How `train` starts (`run_identity.plan_start`), read from checkpoint.uri before Ray
+    starts; with `fresh`, the checkpoints there are deleted first. Raises ConfigError (another
+    run's checkpoints, storage past its retry budget)."""
+    from checkpoint import CheckpointError, CheckpointManager
+    from run_identity import plan_start
+
+    ckpt = CheckpointManager.from_config(cfg.checkpoint)
+    try:
+        if fresh and (deleted := ckpt.clear()):
+            log.warning("--fresh: deleted checkpoint steps %s under %s", deleted, ckpt.uri)
+        return plan_start(cfg, ckpt.committed_manifests(), ckpt.uncommitted_steps())
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.uri: {e}") from None
+
+
+def cmd_train(cfg: Config, args, start) -> int:
+    """`train`: a run from step 0, or `start.run` resumed from its checkpoints (`start`: the
+    `run_identity.StartPlan`); writes run_dir/train.json (run id, step resumed from, losses)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -247,8 +268,15 @@ def cmd_train(cfg: Config, args) -> int:
         log_placement(group)
         with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
                   disable=args.quiet or not sys.stderr.isatty()) as bar, logging_redirect_tqdm():
-            trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar))
+            trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar),
+                              run=start.run)
+            if start.resume_step is not None:
+                trainer.resume(start.resume_step)
+            else:
+                log.info("event=start run=%s step=0", trainer.run.id)
             trainer.train(cfg.train.steps)
+        if trainer.resumed_from is not None:
+            print(f"run {trainer.run.id} resumed from its checkpoint of step {trainer.resumed_from}")
         for step in sorted(trainer.losses):
             reward = f"  reward {trainer.rewards[step]:.4f}" if step in trainer.rewards else ""
             print(f"step {step:>5}  loss {trainer.losses[step]:.6f}{reward}")
@@ -261,6 +289,9 @@ def cmd_train(cfg: Config, args) -> int:
         if trainer.rewards:
             (Path(cfg.run_dir) / "rewards.json").write_text(json.dumps(
                 {"rewards": trainer.rewards, "rollout_stats": trainer.rollout_stats}, indent=1))
+        (Path(cfg.run_dir) / "train.json").write_text(json.dumps(
+            {"run": trainer.run.id, "resumed_from": trainer.resumed_from, "losses": trainer.losses,
+             "rewards": trainer.rewards, "replayed": trainer.replayed}, indent=1))
     finally:
         group.shutdown()
     return 0
@@ -303,10 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kill these global ranks instead of a whole replica (e.g. one TP rank)")
     d.add_argument("--summary", default=None, metavar="PATH",
                    help="also write a JSON summary (device, layout, passed, loss diff, timeline)")
-    modes.add_parser("train", parents=[common], help="train.steps steps with detection and recovery",
-                     description="Train `train.steps` steps, detecting failures and recovering from spares; "
-                                 "a progress bar (step, loss, tokens/s, recoveries, spares) on a terminal; "
-                                 "loss.png and recoveries.png in run_dir at the end.")
+    train = modes.add_parser("train", parents=[common], help="train.steps steps with detection and recovery",
+                             description="Train `train.steps` steps, detecting failures and recovering from "
+                                         "spares; a progress bar (step, loss, tokens/s, recoveries, spares) on a "
+                                         "terminal; loss.png, recoveries.png and train.json in run_dir at the end. "
+                                         "Resumes this run from checkpoint.uri when it holds its checkpoints.")
+    train.add_argument_group("train options").add_argument(
+        "--fresh", action="store_true",
+        help="start at step 0 as a new run: first DELETE every checkpoint under checkpoint.uri (of this "
+             "or another run). Without it, a checkpoint.uri holding this run's checkpoints (same run_name "
+             "and config fingerprint) resumes the run; one holding another run's stops with one line")
     # Listed here for --help; its arguments go to planner.py untouched (see main()).
     modes.add_parser("plan", add_help=False, help="capacity planner: spares and checkpoint interval "
                      "for 1,000-100,000 GPUs (planner.py; `main.py plan --help`)")
@@ -351,9 +388,15 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--kill-ranks {bad}: must be in [0, world size={dims.world_size})")
         elif args.mode == "demo" and not 0 <= args.kill_replica < dims.dp:
             raise ConfigError(f"--kill-replica {args.kill_replica}: must be in [0, dp={dims.dp})")
+        start = None
         if not args.dry_run:
             from checkpoint import check_uri
             check_uri(cfg.checkpoint)  # storage needs no cluster: checked before Ray starts
+            if cfg.cluster.ray_address is None:
+                import local_ray
+                local_ray.reap(cfg.run_dir)  # what a killed driver of this run left running
+            if args.mode == "train":
+                start = plan_train_start(cfg, args.fresh)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -363,8 +406,11 @@ def main(argv=None) -> int:
     from failures import ClusterError
 
     start_ray(cfg, log_to_driver=args.verbose)
+    if cfg.cluster.ray_address is None:
+        import local_ray
+        local_ray.record(cfg.run_dir)
     try:
-        return {"demo": cmd_demo, "train": cmd_train}[args.mode](cfg, args)
+        return cmd_demo(cfg, args) if args.mode == "demo" else cmd_train(cfg, args, start)
     except ConfigError as e:  # what needs the cluster (preflight) or a checkpoint (its model)
         print(f"config error: {e}", file=sys.stderr)
     except ClusterError as e:

@@ -8,6 +8,8 @@ pure function of the committed weights and (seed, step, row)).
 
 `committed_step` is the last step every rank finished; a step in flight when a failure hits is
 re-run after recovery with the same data (data are a pure function of (seed, step, dp rank)).
+A new driver of a run continues it with `resume` (its newest verified checkpoint, loaded as
+recovery loads one); its checkpoints and recoveries only ever use the run's own (`run`).
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from pathlib import Path
 
 from actor_group import ActorGroup
 from checkpoint import CheckpointError, CheckpointManager, check_compatible, model_signature
-from config import Config
+from config import Config, ConfigError
 from failures import RecoveryTimeline, WorkerFailure, slowest
-from fault_tolerance import recover
+from fault_tolerance import recover, restore_checkpoint
 from metrics import RunMetrics
 from ppo import global_loss_weights
+from run_identity import RunIdentity
 from training_batch import synthetic_batch
 
 log = logging.getLogger(__name__)
@@ -38,11 +41,16 @@ class Trainer:
     `rewards` (RL: step -> mean reward of the step's samples), `replayed_rewards`,
     `rollout_stats` (RL: step -> reward, exact, response_len),
     `replayed` (step -> loss of each re-run of a step that had been committed before),
-    `recoveries` (list of RecoveryTimeline), `committed_step`, `checkpoints` (committed steps).
+    `recoveries` (list of RecoveryTimeline), `committed_step`, `checkpoints` (committed steps),
+    `run` (the RunIdentity its checkpoints record; a new run unless given), `resumed_from`
+    (the step `resume` continued from, else None).
     """
 
-    def __init__(self, cfg: Config, group: ActorGroup, metrics: RunMetrics | None = None):
+    def __init__(self, cfg: Config, group: ActorGroup, metrics: RunMetrics | None = None,
+                 run: RunIdentity | None = None):
         self.cfg, self.group = cfg, group
+        self.run = run or RunIdentity.new(cfg)
+        self.resumed_from: int | None = None
         self.metrics = metrics or RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len)
         self.ckpt = CheckpointManager.from_config(cfg.checkpoint)
         self.run_dir = Path(cfg.run_dir)
@@ -213,7 +221,8 @@ class Trainer:
             self.ckpt.commit(step, {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp,
                                     "dp": d.dp, "engine": self.cfg.model.engine},
                              [f for rank_files in per_rank for f in rank_files],
-                             {"generation": self.group.generation, "model": model_signature(self.cfg)})
+                             {"generation": self.group.generation, "model": model_signature(self.cfg),
+                              "run": self.run.to_dict()})
         except CheckpointError as e:
             log.warning("checkpoint step %d NOT committed (training goes on): %s", step, e)
             self.failed_saves.append(step)
@@ -237,10 +246,38 @@ class Trainer:
         log.warning("failure detected: %s", failure)
         self._pending_save = None  # its shards stay uncommitted: never loaded, later deleted
         tl = recover(self.group, failure, self.ckpt, self.committed_step, self.cfg.fault_tolerance,
-                     lambda manifest: check_compatible(self.cfg, manifest))
+                     lambda manifest: check_compatible(self.cfg, manifest), run_id=self.run.id)
         self.recoveries.append(tl)
         self.committed_step = tl.restored_step
         self._resume_t = time.perf_counter()
         log.warning("recovered: ranks %s replaced, restored step %d from %s, %d spare(s) left",
                     tl.failed_ranks, tl.restored_step, tl.restore_source, len(self.group.pool))
         return tl
+
+    def resume(self, newest_step: int) -> int:
+        """Continue this run (`run`, an identity found in checkpoint.uri: `run_identity.plan_start`)
+        from its newest checkpoint that verifies and loads on every rank: `newest_step` (its
+        newest committed one) or an older one, each skipped with a warning, as recovery's
+        checkpoint restore does (`fault_tolerance.restore_checkpoint`). Model, optimizer, LR
+        schedule, RNG, RL state and the step counter come back; data and rollouts are a pure
+        function of (seed, step), so the steps after it compute what they would have. Returns
+        the step resumed from. Raises ConfigError when none of the run's checkpoints verifies
+        and loads, or one is of another model or layout."""
+        # A failure during the load recovers to this step; no rank holds it but by the load
+        # itself, so recovery restores it from the checkpoints too.
+        self.committed_step = newest_step
+        notes: list[str] = []
+        try:
+            step = restore_checkpoint(self.group, self.ckpt, self.ckpt.committed_manifests(self.run.id),
+                                      self.cfg.fault_tolerance.step_timeout_s,
+                                      lambda manifest: check_compatible(self.cfg, manifest), notes)
+        except WorkerFailure as failure:
+            step = self.handle_failure(failure).restored_step
+        if step is None:
+            raise ConfigError(f"checkpoint.uri: no checkpoint of run {self.run.id} under {self.ckpt.uri} "
+                              f"verifies and loads (the warnings above say why); pass --fresh to delete them "
+                              f"and start over, or point checkpoint.uri elsewhere")
+        self.committed_step = self.resumed_from = step
+        log.info("event=resume run=%s step=%d newest_committed=%d%s", self.run.id, step, newest_step,
+                 f" notes={'; '.join(notes)}" if notes else "")
+        return step
