@@ -242,7 +242,9 @@ def build_gpt_model(cfg: Config, tp: int, pp: int, cp: int, bridge=None,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, context_parallel_size=cp, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        # SwiGLU through Megatron's fused `bias_swiglu_impl` (its jit fuser; no TE / Apex needed):
+        # one kernel each way instead of silu, mul and their backward.
+        bias_activation_fusion=True, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, use_cpu_initialization=use_cpu_initialization,
         perform_initialization=initialize)
     te = have_transformer_engine()
