@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from conftest import wait_for_snapshots
+from conftest import wait_for_senders, wait_for_snapshots
 from config import load_config, resolve
 from actor_group import ActorGroup
 from trainer import Trainer
@@ -130,6 +130,7 @@ def test_memory_snapshots_outlive_the_node_of_their_rank(cluster, reference, tmp
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
+        wait_for_senders(group)
         trainer.train(2)
         wait_for_snapshots(group, 2)
         victim = group.workers[1].node_id
