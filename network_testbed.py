@@ -190,10 +190,13 @@ class TestBed:
         ray_bin = str(Path(sys.executable).with_name("ray"))
         deadline = time.monotonic() + timeout_s
         while True:
-            proc = subprocess.run(["ip", "netns", "exec", self.hosts[0].ns, sys.executable, "-c",
-                                   "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False);"
-                                   "print('alive_nodes', sum(n['Alive'] for n in ray.nodes()))", self.address],
-                                  capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV})
+            try:
+                proc = subprocess.run(["ip", "netns", "exec", self.hosts[0].ns, sys.executable, "-c",
+                                       "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False);"
+                                       "print('alive_nodes', sum(n['Alive'] for n in ray.nodes()))", self.address],
+                                      capture_output=True, text=True, timeout=30, env={**os.environ, **RAY_ENV})
+            except subprocess.TimeoutExpired as e:  # a head still starting may not answer yet
+                proc = subprocess.CompletedProcess(e.cmd, 1, "", f"no answer within 30 s: {e}")
             counts = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("alive_nodes ")]
             alive = int(counts[0]) if proc.returncode == 0 and counts else 0
             if alive >= n:

@@ -1,7 +1,8 @@
 """Real network faults on the namespace test bed (`network_testbed.py`): hosts are network
 namespaces on a bridge, so a cut link makes packets vanish instead of refusing them. Needs root
-and `ip netns` (CI has both); skipped with the reason elsewhere. The other faults (save, brown-
-out, freeze, kill) are measured by `python -m bench.network_faults`."""
+and `ip netns` (CI has both); skipped with the reason elsewhere. The run with a host cut during a
+step is `slow` (`-m slow`); the other faults (save, brown-out, freeze, kill) are measured by
+`python -m bench.network_faults`."""
 import json
 import socket
 import time
@@ -46,6 +47,7 @@ def test_a_cut_link_drops_packets_without_refusing_and_heals(testbed):
     listener.close()
 
 
+@pytest.mark.slow  # ~3 min on 2 cores: three Ray nodes, two runs, c10d's first connects wait on DNS
 def test_a_host_cut_during_a_step_is_unreachable_found_in_time_and_costed_right(tmp_path):
     """Three hosts (driver on one, a worker and a spare on each of the others); rank 1's host is
     cut during step 3. The cut is found within the step deadline + 1 s and labelled
