@@ -251,9 +251,10 @@ def plan_train_start(cfg: Config, fresh: bool):
         raise ConfigError(f"checkpoint.uri: {e}") from None
 
 
-def cmd_train(cfg: Config, args, start) -> int:
+def cmd_train(cfg: Config, args, start=None) -> int:
     """`train`: a run from step 0, or `start.run` resumed from its checkpoints (`start`: the
-    `run_identity.StartPlan`); writes run_dir/train.json (run id, step resumed from, losses)."""
+    `run_identity.StartPlan`, by default `plan_train_start` without --fresh); writes
+    run_dir/train.json (run id, step resumed from, losses)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -261,6 +262,7 @@ def cmd_train(cfg: Config, args, start) -> int:
     from metrics import RunMetrics
     from trainer import Trainer
 
+    start = start or plan_train_start(cfg, fresh=False)
     group = ActorGroup(cfg)
     try:
         log_placement(group)
