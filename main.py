@@ -187,16 +187,25 @@ def print_report(ref: dict, run: dict, cfg: Config) -> bool:
     return ok and (same or cfg.cluster.device != "cpu")
 
 
+def demo_scratch(cfg: Config, suffix: str) -> Config:
+    """`cfg` with the demo's checkpoints at `checkpoint.uri` + `suffix`, emptied first, saved on
+    the demo's script only (after step 1): the demo's runs never mix with each other, with an
+    earlier demo or with a `train` run of checkpoint.uri (which would resume them)."""
+    from checkpoint import CheckpointManager
+
+    k = dataclasses.replace(cfg.checkpoint, interval=0, uri=cfg.checkpoint.uri.rstrip("/") + suffix)
+    CheckpointManager.from_config(k).clear()
+    return dataclasses.replace(cfg, checkpoint=k)
+
+
 def cmd_demo(cfg: Config, args) -> int:
-    # The demo's checkpoint schedule is scripted (after step 1), not periodic.
-    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, interval=0))
     # On GPUs the reference run keeps the (idle) spares: fractional GPU bundles then fill every
     # GPU the same way, so no two ranks of one process group share a GPU.
-    ref_cfg = cfg if cfg.cluster.device == "cuda" else dataclasses.replace(
-        cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0))
+    ref_cfg = demo_scratch(cfg if cfg.cluster.device == "cuda" else dataclasses.replace(
+        cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0)), "-reference")
+    cfg = demo_scratch(cfg, "-demo")
     log.info("reference run (no failure, %d workers)", cfg.cluster.num_workers)
-    ref = run_steps(dataclasses.replace(ref_cfg, checkpoint=dataclasses.replace(
-        cfg.checkpoint, uri=cfg.checkpoint.uri.rstrip("/") + "-reference")), None)
+    ref = run_steps(ref_cfg, None)
     log.info("run with failure (%d workers + %d spares)", cfg.cluster.num_workers, cfg.cluster.num_spares)
     run = run_steps(cfg, args.kill_replica, args.kill_ranks)
     ok = print_report(ref, run, cfg)
