@@ -541,8 +541,8 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
 
     device auto -> cuda when GPUs are visible, else cpu; engine auto -> megatron on cuda,
     torch on cpu; dtype auto -> bfloat16 on cuda, float32 on cpu; run_name null -> the last
-    part of run_dir. Raises ConfigError for
-    combinations this machine cannot run (megatron on CPU, cuda without GPUs).
+    part of run_dir. Raises ConfigError for combinations this machine cannot run (megatron on
+    CPU, cuda without GPUs).
     """
     num_gpus = gpus_visible() if num_gpus is None else num_gpus
     cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster),

@@ -189,16 +189,25 @@ def print_report(ref: dict, run: dict, cfg: Config) -> bool:
     return ok and (same or cfg.cluster.device != "cpu")
 
 
+def demo_scratch(cfg: Config, suffix: str) -> Config:
+    """`cfg` with the demo's checkpoints at `checkpoint.uri` + `suffix`, emptied first, saved on
+    the demo's script only (after step 1): the demo's runs never mix with each other, with an
+    earlier demo or with a `train` run of checkpoint.uri (which would resume them)."""
+    from checkpoint import CheckpointManager
+
+    k = dataclasses.replace(cfg.checkpoint, interval=0, uri=cfg.checkpoint.uri.rstrip("/") + suffix)
+    CheckpointManager.from_config(k).clear()
+    return dataclasses.replace(cfg, checkpoint=k)
+
+
 def cmd_demo(cfg: Config, args) -> int:
-    # The demo's checkpoint schedule is scripted (after step 1), not periodic.
-    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, interval=0))
     # On GPUs the reference run keeps the (idle) spares: fractional GPU bundles then fill every
     # GPU the same way, so no two ranks of one process group share a GPU.
-    ref_cfg = cfg if cfg.cluster.device == "cuda" else dataclasses.replace(
-        cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0))
+    ref_cfg = demo_scratch(cfg if cfg.cluster.device == "cuda" else dataclasses.replace(
+        cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0)), "-reference")
+    cfg = demo_scratch(cfg, "-demo")
     log.info("reference run (no failure, %d workers)", cfg.cluster.num_workers)
-    ref = run_steps(dataclasses.replace(ref_cfg, checkpoint=dataclasses.replace(
-        cfg.checkpoint, uri=cfg.checkpoint.uri.rstrip("/") + "-reference")), None)
+    ref = run_steps(ref_cfg, None)
     log.info("run with failure (%d workers + %d spares)", cfg.cluster.num_workers, cfg.cluster.num_spares)
     run = run_steps(cfg, args.kill_replica, args.kill_ranks)
     ok = print_report(ref, run, cfg)
@@ -253,9 +262,10 @@ def plan_train_start(cfg: Config, fresh: bool):
         raise ConfigError(f"checkpoint.uri: {e}") from None
 
 
-def cmd_train(cfg: Config, args, start) -> int:
+def cmd_train(cfg: Config, args, start=None) -> int:
     """`train`: a run from step 0, or `start.run` resumed from its checkpoints (`start`: the
-    `run_identity.StartPlan`); writes run_dir/train.json (run id, step resumed from, losses)."""
+    `run_identity.StartPlan`, by default `plan_train_start` without --fresh); writes
+    run_dir/train.json (run id, step resumed from, losses)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -263,6 +273,7 @@ def cmd_train(cfg: Config, args, start) -> int:
     from metrics import RunMetrics
     from trainer import Trainer
 
+    start = start or plan_train_start(cfg, fresh=False)
     group = ActorGroup(cfg)
     try:
         log_placement(group)

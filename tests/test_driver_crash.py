@@ -139,3 +139,31 @@ def test_a_killed_driver_on_a_cluster_leaves_no_actor_or_placement_group(referen
     finally:
         if second.poll() is None:
             second.kill()
+
+
+def test_reap_kills_only_what_a_dead_driver_recorded_and_refuses_a_live_one(tmp_path):
+    """`local_ray.reap` against real processes: a recorded driver still running stops the new
+    one; once it is gone, its recorded processes still running are killed, a process whose pid
+    matches but whose start time does not is left alone."""
+    import local_ray
+    from config import ConfigError
+
+    driver, leftover, bystander = (subprocess.Popen(["sleep", "60"]) for _ in range(3))
+    try:
+        def entry(p, skew=0.0):
+            q = psutil.Process(p.pid)
+            return [q.pid, q.create_time() + skew, q.name()]
+
+        record = {"driver": entry(driver)[:2], "processes": [entry(leftover), entry(bystander, skew=5.0)]}
+        (tmp_path / local_ray.RECORD).write_text(json.dumps(record))
+        with pytest.raises(ConfigError, match=rf"^run_dir: .* still running \(pid {driver.pid}\)"):
+            local_ray.reap(str(tmp_path))
+        driver.kill()
+        driver.wait()
+        assert local_ray.reap(str(tmp_path)) == [f"sleep (pid {leftover.pid})"]
+        assert leftover.wait(timeout=10) == -signal.SIGKILL and bystander.poll() is None
+        assert not (tmp_path / local_ray.RECORD).exists() and local_ray.reap(str(tmp_path)) == []
+    finally:
+        for p in (driver, leftover, bystander):
+            p.kill()
+            p.wait()
