@@ -223,7 +223,8 @@ def cmd_demo(cfg: Config, args) -> int:
 
 def demo_summary(ref: dict, run: dict, cfg: Config, ok: bool) -> dict:
     """The demo's evidence record: device, layout, pass/fail, the largest |loss difference|
-    (reference vs run and every replay), the first recovery's total seconds and timeline."""
+    (reference vs run and every replay), the first recovery's total and rebuild seconds and its
+    timeline."""
     import torch
 
     gpus = torch.cuda.device_count() if cfg.cluster.device == "cuda" else 0
@@ -241,7 +242,7 @@ def demo_summary(ref: dict, run: dict, cfg: Config, ok: bool) -> dict:
                        "seq_len": cfg.train.seq_len},
             "passed": ok, "loss_max_abs_diff": max(diffs) if diffs else None,
             "state_identical": ref["state_digests"] == run["state_digests"],
-            "recovery_s": tl.get("total_s"), "timeline": tl,
+            "recovery_s": tl.get("total_s"), "rebuild_s": tl.get("rebuild_s"), "timeline": tl,
             "losses": {"reference": ref["losses"], "with_failure": run["losses"],
                        "replayed": run["replayed"]}}
 
