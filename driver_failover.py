@@ -184,6 +184,8 @@ def reattach(trainer, committed_step: int, dead: set[int]) -> None:
         dead |= group.health.abort_survivors(dead)
         survivors = [s for r, s in enumerate(group.workers) if r not in dead]
         if dead:
+            if trainer.cfg.fault_tolerance.refill_spares:
+                group.refill([group.workers[r].bundle_index for r in dead])
             group.replace(dead)
         group.health.start()
         group.form_generation()

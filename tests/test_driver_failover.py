@@ -96,11 +96,17 @@ def wait_clean(timeout_s: float) -> None:
     assert leftovers() == ([], []), "detached actors or placement group of the run left"
 
 
-def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp_path):
-    run_dir, name = tmp_path / "run", "failover"
+@pytest.mark.parametrize("lost_rank", [None, 1], ids=["all_alive", "rank_1_lost_too"])
+def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp_path, lost_rank):
+    """With `lost_rank`, that rank's actor is killed too while no driver runs: the new driver
+    replaces it from the spare and restores it from its DP peer, still at the committed step."""
+    run_dir, name = tmp_path / "run", f"failover-{lost_rank}"
     argv = command("train", run_dir, name)
     kill_mid_step_3(argv, name, tmp_path / "first.log")
     assert len(leftovers()[0]) == 4 and leftovers()[1], "the actors must outlive their driver"
+    if lost_rank is not None:
+        actor = record_of(name)["workers"][lost_rank]
+        ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
     second = start(argv, tmp_path / "second.log")
     try:
         assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
@@ -108,7 +114,8 @@ def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp
         if second.poll() is None:
             second.kill()
     log = (tmp_path / "second.log").read_text()
-    assert "event=reattach" in log and "step=2 committed=2 replaced=[]" in log, log[-3000:]
+    replaced = [] if lost_rank is None else [lost_rank]
+    assert "event=reattach" in log and f"step=2 committed=2 replaced={replaced} source=peer" in log, log[-3000:]
     assert "event=resume" not in log and "event=start" not in log  # no checkpoint loaded
     out = json.loads((run_dir / "train.json").read_text())
     assert out["resumed_from"] == 2 and out["replayed"] == {}
