@@ -19,7 +19,7 @@ from ray.util.placement_group import get_placement_group, placement_group, remov
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from config import Config, require
-from driver_failover import PLACEMENT_GROUP, new_name
+from driver_failover import PLACEMENT_GROUP, CannotReattach, new_name
 from dispatch import dispatch_remote, get_dispatch_type
 from failures import ClusterError, slowest
 from health import HealthMonitor
@@ -307,6 +307,9 @@ class ActorGroup:
         self.workers = [slot(n) for n in record["workers"]]
         self.dead = {r for r, s in enumerate(self.workers) if s.handle is None}
         self.pool = BackupPool([s for s in map(slot, record["spares"]) if s.handle is not None])
+        if len(self.dead) > len(self.pool):
+            raise CannotReattach(f"{len(self.dead)} rank(s) of the run did not survive its driver and "
+                                 f"{len(self.pool)} spare(s) did")
         self.placement_report = placement_report(self.workers, self.pool.spares)
         self.holders = {}
         for node, name in record["holders"].items():

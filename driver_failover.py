@@ -40,6 +40,11 @@ RECORD = "run-record"
 PLACEMENT_GROUP = "placement-group"
 
 
+class CannotReattach(RuntimeError):
+    """Too few of the run's detached actors survived to reattach (the message says how many);
+    the new driver removes what is left and starts as without them (from the checkpoints)."""
+
+
 def namespace(run_name: str) -> str:
     """The Ray namespace of a run's detached actors."""
     return f"ftrain-{run_name}"
@@ -110,7 +115,8 @@ def find(cfg: Config, run, resuming: bool) -> dict | None:
     except ValueError:
         return None
     state = ray.get(record.get.remote(), timeout=cfg.fault_tolerance.health_timeout_s)
-    if not state:
+    if not state:  # a driver died before it recorded its actors: its placement group takes them along
+        remove([], namespace(cfg.run_name))
         return None
     theirs = state["run"]
     c = cfg.cluster

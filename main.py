@@ -283,9 +283,17 @@ def cmd_train(cfg: Config, args, start=None) -> int:
     failover = record = None
     if cfg.fault_tolerance.driver_failover:
         import driver_failover
+        if not cfg.cluster.ray_address:
+            log.warning("fault_tolerance.driver_failover without cluster.ray_address: the driver's own "
+                        "local Ray dies with it, detached actors included; nothing to reattach to")
         record = driver_failover.find(cfg, start.run, start.resume_step is not None)  # ConfigError: another run's actors
         failover = driver_failover.DriverFailover(cfg)
-    group = ActorGroup(cfg, attach=record)
+    try:
+        group = ActorGroup(cfg, attach=record)
+    except driver_failover.CannotReattach as e:
+        log.warning("driver failover: cannot reattach (%s): removing what is left, starting as a new driver", e)
+        driver_failover.remove(list(record["actors"]), driver_failover.namespace(cfg.run_name))
+        record, group = None, ActorGroup(cfg)
     ended = False
     try:
         log_placement(group)
@@ -300,6 +308,8 @@ def cmd_train(cfg: Config, args, start=None) -> int:
                 trainer.resume(start.resume_step)
             else:
                 log.info("event=start run=%s step=0", trainer.run.id)
+            if failover is not None:
+                failover.save(trainer)  # who is who, before the first step
             trainer.train(cfg.train.steps, after_step=failover and (lambda t, _: failover.save(t)))
         ended = True
         if trainer.resumed_from is not None:

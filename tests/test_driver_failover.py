@@ -138,3 +138,25 @@ def test_detached_actors_without_a_driver_remove_themselves_and_stop_removes_the
     stop = subprocess.run(command("stop", run_dir, "stopped"), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and "removed 3 detached actor(s)" in stop.stdout, stop.stdout + stop.stderr
     wait_clean(10)
+
+
+def test_detached_actors_of_another_run_stop_the_driver_in_one_line_and_are_left_alone(ray_session, tmp_path):
+    """A record of another config under the same run_name: ConfigError naming both, nothing touched."""
+    from config import ConfigError
+    from run_identity import RunIdentity
+
+    cfg = resolve(load_config("config.yaml", [*SETS[:-1], f"run_dir={tmp_path}", "run_name=clash",
+                                              "fault_tolerance.driver_failover=true"]), num_gpus=0)
+    other = resolve(load_config("config.yaml", [*SETS[:-1], f"run_dir={tmp_path}", "run_name=clash",
+                                                "train.seed=7"]), num_gpus=0)
+    record = driver_failover.RunRecord.options(name=driver_failover.RECORD, namespace=driver_failover.namespace("clash"),
+                                               lifetime="detached").remote(60.0, driver_failover.namespace("clash"))
+    try:
+        ray.get(record.update.remote({"run": RunIdentity.new(other).to_dict(), "committed_step": 3,
+                                      "num_workers": 2, "num_spares": 1}))
+        with pytest.raises(ConfigError, match=r"^fault_tolerance.driver_failover: .* run clash-.* "
+                                              r"\(config fingerprint .*\); `main.py stop --run clash` removes them"):
+            driver_failover.find(cfg, RunIdentity.new(cfg), resuming=False)
+        assert ray.get(record.get.remote())["committed_step"] == 3  # left alone
+    finally:
+        ray.kill(record, no_restart=True)
