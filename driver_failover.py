@@ -17,7 +17,9 @@ run under the same name stops the driver with one line (`main.py stop --run NAME
 The record is also the run's janitor: the driver touches it every second; when no driver has
 touched it for `fault_tolerance.driver_failover_timeout_s` it kills every named actor of the
 run, removes the placement group and exits (no GPU held forever). A run that ends or fails for
-good removes them itself (`remove`), as does `main.py stop --run NAME`.
+good removes them itself (`remove`), as does `main.py stop --run NAME`. Each rank and spare
+also watches the driver's heartbeat pings (`MegatronActor._driver_watchdog`), should the record
+be lost.
 
 Detached actors outlive only a driver that attached to a cluster (`cluster.ray_address`): a
 driver's own local Ray dies with it.
