@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from config import Config, require
+from driver_failover import PLACEMENT_GROUP, CannotReattach, new_name
 from dispatch import dispatch_remote, get_dispatch_type
 from failures import ClusterError, slowest
 from health import HealthMonitor
@@ -192,7 +193,11 @@ class ActorGroup:
 
     REFILL_ATTEMPTS = 3  # starts of a spare on a freed bundle (one that dies, e.g. on a lost node, is retried)
 
-    def __init__(self, cfg: Config, placement_timeout_s: float = 60.0):
+    def __init__(self, cfg: Config, placement_timeout_s: float = 60.0, attach: dict | None = None):
+        """`attach`: the record of a run whose driver died (`driver_failover.find`): its named
+        actors and placement group are taken over (none is started or built); the caller then
+        forms a generation and restores (`driver_failover.reattach`). `self.dead`: the ranks
+        of that record whose actor is gone."""
         import torch.distributed as dist
 
         self.cfg, self.dims = cfg, ParallelDims.from_config(cfg)
@@ -202,8 +207,15 @@ class ActorGroup:
         bundle = {"CPU": c.cpus_per_actor}
         if c.device == "cuda":
             bundle["GPU"] = c.gpus_per_actor
-        self.placement_group = placement_group([dict(bundle) for _ in range(n)],
-                                               strategy="SPREAD" if c.num_nodes > 1 else "PACK")
+        self.detached = cfg.fault_tolerance.driver_failover
+        self.names: dict[str, str] = {}  # actor id -> name, of the named (detached) actors
+        self.dead: set[int] = set()
+        if attach is not None:
+            self._attach(attach)
+            return
+        self.placement_group = placement_group(
+            [dict(bundle) for _ in range(n)], strategy="SPREAD" if c.num_nodes > 1 else "PACK",
+            **({"name": PLACEMENT_GROUP, "lifetime": "detached"} if self.detached else {}))
         ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
         if not ready:
             remove_placement_group(self.placement_group)
@@ -245,11 +257,76 @@ class ActorGroup:
             # just added, and a rank's copies would then sit on its own node). Keyed by the node
             # it runs on.
             bundles = {s.node_id: s.bundle_index for s in sorted(slots, key=lambda s: -s.bundle_index)}
-            handles = [SnapshotHolder.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement_group, bundles[node])).remote() for node in sorted(bundles)]
+            handles = [self._remember(SnapshotHolder.options(**self._named("holder", i), scheduling_strategy=(
+                PlacementGroupSchedulingStrategy(self.placement_group, bundles[node]))).remote())
+                for i, node in enumerate(sorted(bundles))]
             self.holders = dict(zip(ray.get([h.node_id.remote() for h in handles]), handles))
         self.form_generation()
         self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers]))
+        self._prepare(self.pool.spares)
+
+    def _named(self, kind: str, index: int) -> dict:
+        """Ray options naming a detached actor of the run (`driver_failover`); {} when off.
+        The name is recorded at creation, see `name_of`."""
+        if not self.detached:
+            return {}
+        self._next_name = new_name(kind, index)
+        return {"name": self._next_name, "lifetime": "detached"}
+
+    def _remember(self, handle):
+        if self.detached:
+            self.names[handle._actor_id.hex()] = self._next_name
+        return handle
+
+    def name_of(self, slot_or_handle) -> str:
+        """The name of a detached actor (an ActorSlot or a handle)."""
+        h = getattr(slot_or_handle, "handle", slot_or_handle)
+        return self.names[h._actor_id.hex()]
+
+    def _attach(self, record: dict) -> None:
+        """Take over the named actors of `record` (see `__init__`)."""
+        import torch.distributed as dist
+
+        cfg = self.cfg
+        self.placement_group = get_placement_group(PLACEMENT_GROUP)
+        self._refills, self._warming = {}, {}
+        self.injected_at = None
+        timeout = cfg.fault_tolerance.health_timeout_s
+
+        def slot(name: str) -> ActorSlot:
+            ip, node, gpus, bundle = record["slots"][name]
+            try:
+                handle = ray.get_actor(name)
+                ray.get(handle.info.remote(), timeout=timeout)
+                self.names[handle._actor_id.hex()] = name
+            except (ValueError, ray.exceptions.RayError):
+                log.warning("driver failover: actor %s (bundle %d, %s) did not survive", name, bundle, ip)
+                handle = None
+            return ActorSlot(handle, ip, node, gpus, bundle)
+
+        self.workers = [slot(n) for n in record["workers"]]
+        self.dead = {r for r, s in enumerate(self.workers) if s.handle is None}
+        self.pool = BackupPool([s for s in map(slot, record["spares"]) if s.handle is not None])
+        if len(self.dead) > len(self.pool):
+            raise CannotReattach(f"{len(self.dead)} rank(s) of the run did not survive its driver and "
+                                 f"{len(self.pool)} spare(s) did")
+        self.placement_report = placement_report(self.workers, self.pool.spares)
+        self.holders = {}
+        for node, name in record["holders"].items():
+            try:
+                self.holders[node] = ray.get_actor(name)
+                self.names[self.holders[node]._actor_id.hex()] = name
+            except ValueError:
+                pass
+        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares)
+        self.build_s = 0.0  # health starts once no rank is None (driver_failover.reattach)
+        self.store_host = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=cfg.fault_tolerance.step_timeout_s))
+        self.store_port = self.store.port
+        self.generation = record["generation"]
+        self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers
+                                            if s.handle is not None]))
         self._prepare(self.pool.spares)
 
     @property
@@ -340,11 +417,11 @@ class ActorGroup:
 
     def _new_actor(self, bundle_index: int):
         c = self.cfg.cluster
-        return MegatronActor.options(
+        return self._remember(MegatronActor.options(
             num_cpus=c.cpus_per_actor, num_gpus=c.gpus_per_actor if c.device == "cuda" else 0,
-            max_restarts=0,
+            max_restarts=0, **self._named("actor", bundle_index),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
-        ).remote(self.cfg, bundle_index)
+        ).remote(self.cfg, bundle_index))
 
     def refill(self, bundle_indices: list[int], attempt: int = 1) -> None:
         """Start new spares on the bundles of killed actors, in the background: Ray places each
@@ -474,7 +551,8 @@ class ActorGroup:
         """Kill every actor (spares and refills too) and release the placement group."""
         self.health.stop()
         for s in self.workers + self.pool.spares:
-            ray.kill(s.handle, no_restart=True)
+            if s.handle is not None:  # None: a detached actor that did not survive its driver
+                ray.kill(s.handle, no_restart=True)
         for handle in [*(h for h, _, _ in self._refills.values()), *self.holders.values()]:
             ray.kill(handle, no_restart=True)
         remove_placement_group(self.placement_group)

@@ -232,6 +232,15 @@ class FaultToleranceConfig:
     """With no spare left, shrink DP down to this, in [1, dp] (null: stop with a report)."""
     refill_spares: bool = True
     """Start new spares on freed bundles in the background."""
+    driver_failover: bool = False
+    """The run's actors, spares, snapshot holders and placement group are named, detached Ray
+    actors (namespace `ftrain-<run_name>`) that outlive the driver: a new `main.py train` with
+    the same config on the same cluster reattaches to them and continues from the committed
+    step with no step lost and no checkpoint read (driver_failover.py). Needs a cluster
+    (`cluster.ray_address`): a driver's own local Ray dies with it."""
+    driver_failover_timeout_s: float = 300.0
+    """With driver_failover: detached actors whose driver has not come back within this many
+    seconds remove themselves and the placement group; > 0."""
     memory_snapshot_interval: int = 0
     """Every k committed steps each rank sends a host-memory copy of its model + optimizer
     shard to a holder actor on another node (async), which restores a whole lost DP replica or
@@ -438,6 +447,7 @@ def validate(cfg: Config) -> None:
     require(f.hang_factor >= 1, "fault_tolerance.hang_factor", "must be >= 1 (deadline = factor x median step time)")
     require(f.min_dp is None or 1 <= f.min_dp <= dp, "fault_tolerance.min_dp",
             f"must be null (never shrink) or in [1, dp={dp}]")
+    require(f.driver_failover_timeout_s > 0, "fault_tolerance.driver_failover_timeout_s", "must be > 0")
     require(isinstance(f.memory_snapshot_interval, int) and f.memory_snapshot_interval >= 0,
             "fault_tolerance.memory_snapshot_interval", "must be an integer >= 0 (0: off)")
     require(f.restore != "memory" or f.memory_snapshot_interval > 0, "fault_tolerance.restore",

@@ -194,6 +194,9 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
     return 0
 
 
+restore = _restore  # the restore step of a recovery, also used by a reattaching driver (driver_failover.py)
+
+
 def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: list[Manifest],
                        timeout: float, check_manifest: Callable[[Manifest], None],
                        notes: list[str]) -> int | None:

@@ -1,4 +1,4 @@
-"""Fault-tolerant training on Ray: `python main.py {demo,train,plan} [options]`.
+"""Fault-tolerant training on Ray: `python main.py {demo,train,plan,stop} [options]`.
 
 demo  : reference run without failure, then the same steps with one whole DP replica killed
         (train a step, checkpoint, train a step, kill, detect, recover from spares, replay,
@@ -9,6 +9,9 @@ train : `train.steps` steps with automatic failure detection and recovery (injec
         A checkpoint.uri holding this run's checkpoints resumes it from the newest one that
         verifies (a driver lost, a job resubmitted); checkpoints of another run stop it with
         one line naming both; `--fresh` deletes them and starts over (docs/checkpoints.md).
+        With fault_tolerance.driver_failover on a cluster, a new driver reattaches to the live
+        detached actors of its run instead (no step lost; driver_failover.py).
+stop  : `stop --run NAME`: remove the detached actors and placement group of run NAME.
 
 Both write to `run_dir`: recoveries.jsonl, loss.png, recoveries.png, train.json or demo.json.
 Exit status: 0 ok, 1 demo losses differ, 2 config or cluster error (one line on stderr).
@@ -41,7 +44,9 @@ def start_ray(cfg: Config, log_to_driver: bool = False) -> None:
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     c = cfg.cluster
     if c.ray_address:
-        ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=log_to_driver)
+        from driver_failover import namespace
+        ns = namespace(cfg.run_name) if cfg.fault_tolerance.driver_failover else None
+        ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=log_to_driver, namespace=ns)
         return
     needed = math.ceil((c.num_workers + c.num_spares) * c.cpus_per_actor)
     ray.init(address="local", num_cpus=c.ray_num_cpus or max(needed, 1), include_dashboard=False,
@@ -275,18 +280,38 @@ def cmd_train(cfg: Config, args, start=None) -> int:
     from trainer import Trainer
 
     start = start or plan_train_start(cfg, fresh=False)
-    group = ActorGroup(cfg)
+    failover = record = None
+    if cfg.fault_tolerance.driver_failover:
+        import driver_failover
+        if not cfg.cluster.ray_address:
+            log.warning("fault_tolerance.driver_failover without cluster.ray_address: the driver's own "
+                        "local Ray dies with it, detached actors included; nothing to reattach to")
+        record = driver_failover.find(cfg, start.run, start.resume_step is not None)  # ConfigError: another run's actors
+        failover = driver_failover.DriverFailover(cfg)
+    try:
+        group = ActorGroup(cfg, attach=record)
+    except driver_failover.CannotReattach as e:
+        log.warning("driver failover: cannot reattach (%s): removing what is left, starting as a new driver", e)
+        driver_failover.remove(list(record["actors"]), driver_failover.namespace(cfg.run_name))
+        record, group = None, ActorGroup(cfg)
+    ended = False
     try:
         log_placement(group)
         with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
                   disable=args.quiet or not sys.stderr.isatty()) as bar, logging_redirect_tqdm():
             trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar),
                               run=start.run)
-            if start.resume_step is not None:
+            if record is not None:
+                trainer.run = dataclasses.replace(trainer.run, id=record["run"]["id"])
+                driver_failover.reattach(trainer, record["committed_step"], set(group.dead))
+            elif start.resume_step is not None:
                 trainer.resume(start.resume_step)
             else:
                 log.info("event=start run=%s step=0", trainer.run.id)
-            trainer.train(cfg.train.steps)
+            if failover is not None:
+                failover.save(trainer)  # who is who, before the first step
+            trainer.train(cfg.train.steps, after_step=failover and (lambda t, _: failover.save(t)))
+        ended = True
         if trainer.resumed_from is not None:
             print(f"run {trainer.run.id} resumed from its checkpoint of step {trainer.resumed_from}")
         for step in sorted(trainer.losses):
@@ -305,7 +330,33 @@ def cmd_train(cfg: Config, args, start=None) -> int:
             {"run": trainer.run.id, "resumed_from": trainer.resumed_from, "losses": trainer.losses,
              "rewards": trainer.rewards, "replayed": trainer.replayed}, indent=1))
     finally:
-        group.shutdown()
+        # With driver_failover, only a run that ended or failed for good removes its actors;
+        # KeyboardInterrupt / SIGTERM of the driver leaves them for the next one.
+        if failover is None or ended or not isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)):
+            group.shutdown()
+            if failover is not None:
+                failover.shutdown()
+    return 0
+
+
+def cmd_stop(cfg: Config) -> int:
+    """`stop --run NAME`: remove the detached actors and placement group of run NAME
+    (fault_tolerance.driver_failover) from the cluster `cluster.ray_address`."""
+    import ray
+
+    import driver_failover
+
+    ns = driver_failover.namespace(cfg.run_name)
+    try:
+        record = ray.get_actor(driver_failover.RECORD, namespace=ns)
+    except ValueError:
+        print(f"no detached actors of run {cfg.run_name} (namespace {ns})")
+        return 0
+    state = ray.get(record.get.remote(), timeout=cfg.fault_tolerance.health_timeout_s)
+    killed = driver_failover.remove(list(state.get("actors", {})), ns)
+    ray.kill(record, no_restart=True)
+    log.info("event=stop run=%s actors=%d", state.get("run", {}).get("id", cfg.run_name), killed)
+    print(f"run {cfg.run_name}: removed {killed} detached actor(s), its placement group and its record")
     return 0
 
 
@@ -356,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="start at step 0 as a new run: first DELETE every checkpoint under checkpoint.uri (of this "
              "or another run). Without it, a checkpoint.uri holding this run's checkpoints (same run_name "
              "and config fingerprint) resumes the run; one holding another run's stops with one line")
+    stop = modes.add_parser("stop", parents=[common], help="remove a run's detached actors (driver_failover)",
+                            description="Remove the detached actors, placement group and record of a run "
+                                        "(fault_tolerance.driver_failover) from cluster.ray_address; its driver, "
+                                        "if still running, fails.")
+    stop.add_argument_group("stop options").add_argument("--run", required=True, metavar="NAME",
+                                                         help="the run_name of the run to remove")
     # Listed here for --help; its arguments go to planner.py untouched (see main()).
     modes.add_parser("plan", add_help=False, help="capacity planner: spares and checkpoint interval "
                      "for 1,000-100,000 GPUs (planner.py; `main.py plan --help`)")
@@ -386,6 +443,8 @@ def main(argv=None) -> int:
         return cmd_plan(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args)
+    if args.mode == "stop":
+        args.overrides = [*args.overrides, f"run_name={args.run}", "fault_tolerance.driver_failover=true"]
     try:
         raw = load_config(args.config, args.overrides)
         gpus = raw.cluster.gpus_per_node if args.dry_run and raw.cluster.gpus_per_node else None
@@ -401,7 +460,10 @@ def main(argv=None) -> int:
         elif args.mode == "demo" and not 0 <= args.kill_replica < dims.dp:
             raise ConfigError(f"--kill-replica {args.kill_replica}: must be in [0, dp={dims.dp})")
         start = None
-        if not args.dry_run:
+        if args.mode == "stop" and not cfg.cluster.ray_address:
+            raise ConfigError("cluster.ray_address: `stop` removes a run's detached actors from a cluster; "
+                              "pass --set cluster.ray_address=HOST:PORT")
+        if not args.dry_run and args.mode != "stop":
             from checkpoint import check_uri
             check_uri(cfg.checkpoint)  # storage needs no cluster: checked before Ray starts
             if cfg.cluster.ray_address is None:
@@ -418,6 +480,8 @@ def main(argv=None) -> int:
     from failures import ClusterError
 
     start_ray(cfg, log_to_driver=args.verbose)
+    if args.mode == "stop":
+        return cmd_stop(cfg)
     if cfg.cluster.ray_address is None:
         import local_ray
         local_ray.record(cfg.run_dir)

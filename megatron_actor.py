@@ -55,6 +55,20 @@ class MegatronActor:
         self._sender = SnapshotSender()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         use_node_interface(ray.util.get_node_ip_address())  # before any process group is made
+        self._last_ping = time.monotonic()
+        if cfg.fault_tolerance.driver_failover:  # detached: gone with no driver for too long
+            threading.Thread(target=self._driver_watchdog, name="driver-watchdog", daemon=True).start()
+
+    def _driver_watchdog(self) -> None:
+        """With driver_failover: once no driver has pinged this actor for
+        `driver_failover_timeout_s`, remove the run's placement group (every actor of the run in
+        it goes too, so no GPU stays reserved) and exit (`driver_failover.py`)."""
+        timeout = self.cfg.fault_tolerance.driver_failover_timeout_s
+        while time.monotonic() - self._last_ping < timeout:
+            time.sleep(min(1.0, timeout / 4))
+        from driver_failover import remove
+        remove([])
+        os._exit(0)
 
     def fault_point(self, point: str) -> None:
         """Fire the fault armed at `point`, once: SIGKILL of this process, an InjectedFault
@@ -80,7 +94,9 @@ class MegatronActor:
 
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> dict:
-        """Liveness + progress, answered even while the compute thread is in a collective."""
+        """Liveness + progress, answered even while the compute thread is in a collective.
+        Also feeds the driver watchdog (`_driver_watchdog`)."""
+        self._last_ping = time.monotonic()
         e = self.engine
         return {"generation": self.generation, "rank": self.rank,
                 "progress": e.progress if e else 0,

@@ -56,7 +56,9 @@ def test_leaf_modules_import_nothing_of_the_project():
 
 
 def test_benchmarks_and_tests_do_not_import_each_other():
-    bench = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    # A benchmark named as the root module it measures (bench/driver_failover.py) is imported as
+    # `bench.NAME` only; a plain `import NAME` is the root module.
+    bench = {p.stem for p in (ROOT / "bench").glob("*.py")} - MODULES
     test_helpers = {p.stem for p in (ROOT / "tests").glob("*.py")}
     for p in (ROOT / "tests").glob("*.py"):
         assert not imports(p) & (bench | {"bench"}), f"{p.name} imports a benchmark"

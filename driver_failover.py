@@ -1,0 +1,208 @@
+"""Driver failover: a new driver reattaches to the live actors of its run instead of reloading.
+
+With `fault_tolerance.driver_failover: true` every actor of the run (ranks, spares, snapshot
+holders), its placement group and a small `RunRecord` actor are named and detached in the Ray
+namespace `ftrain-<run_name>` (`namespace`), so they outlive the driver. The record holds what a
+new driver needs: the run identity, the committed step, the layout and which named actor is
+which rank or spare; the driver rewrites it after every committed step (`DriverFailover.save`).
+
+A new `main.py train` with the same config, attached to the same cluster, finds the record
+(`find`), checks it is the same run (name and config fingerprint, run id of the checkpoints,
+layout), takes the actors by name (`ActorGroup(cfg, attach=record)`), makes its own rendezvous
+store and a new generation, and every surviving rank rolls back to the committed step from its
+own live state (`reattach`: zero steps lost, no checkpoint read); ranks that did not survive
+are replaced from spares and restored from a DP peer as in any recovery. The record of another
+run under the same name stops the driver with one line (`main.py stop --run NAME` removes it).
+
+The record is also the run's janitor: the driver touches it every second; when no driver has
+touched it for `fault_tolerance.driver_failover_timeout_s` it kills every named actor of the
+run, removes the placement group and exits (no GPU held forever). A run that ends or fails for
+good removes them itself (`remove`), as does `main.py stop --run NAME`. Each rank and spare
+also watches the driver's heartbeat pings (`MegatronActor._driver_watchdog`), should the record
+be lost.
+
+Detached actors outlive only a driver that attached to a cluster (`cluster.ray_address`): a
+driver's own local Ray dies with it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+
+import ray
+
+from config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+RECORD = "run-record"
+PLACEMENT_GROUP = "placement-group"
+
+
+class CannotReattach(RuntimeError):
+    """Too few of the run's detached actors survived to reattach (the message says how many);
+    the new driver removes what is left and starts as without them (from the checkpoints)."""
+
+
+def namespace(run_name: str) -> str:
+    """The Ray namespace of a run's detached actors."""
+    return f"ftrain-{run_name}"
+
+
+def new_name(kind: str, index: int) -> str:
+    """A fresh actor name (a refill on the same bundle never collides with a dying actor)."""
+    return f"{kind}-{index}-{uuid.uuid4().hex[:6]}"
+
+
+def remove(names: list[str], ns: str | None = None) -> int:
+    """Kill the named actors (those that exist) and remove the run's placement group; returns
+    how many actors were killed. Works from the driver and from inside the record actor."""
+    killed = 0
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
+            killed += 1
+        except ValueError:
+            pass
+    try:
+        from ray.util import get_placement_group, remove_placement_group
+        remove_placement_group(get_placement_group(PLACEMENT_GROUP))
+    except ValueError:
+        pass
+    return killed
+
+
+@ray.remote(num_cpus=0)
+class RunRecord:
+    """The run's record for a next driver, and its janitor: a watchdog thread removes every
+    named actor of the run and its placement group, then this actor, once no driver has
+    touched it for `timeout_s` seconds."""
+
+    def __init__(self, timeout_s: float, ns: str):
+        self.state: dict = {}
+        self.timeout_s, self.ns = timeout_s, ns
+        self.last = time.monotonic()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    def update(self, state: dict) -> None:
+        self.state, self.last = state, time.monotonic()
+
+    def get(self) -> dict:
+        self.last = time.monotonic()
+        return self.state
+
+    def _watch(self) -> None:
+        while time.monotonic() - self.last < self.timeout_s:
+            time.sleep(min(1.0, self.timeout_s / 4))
+        names = list(self.state.get("actors", {}))
+        print(f"event=driver_failover_timeout no driver for {self.timeout_s:g} s: removing "
+              f"{len(names)} actor(s) and the placement group", flush=True)
+        remove(names, self.ns)
+        os._exit(0)
+
+
+def find(cfg: Config, run, resuming: bool) -> dict | None:
+    """The record of this run's detached actors in the cluster, None when there is none (or it
+    holds no state yet). `run`: this driver's RunIdentity (from `plan_start`); `resuming`: its
+    id is that of the run's checkpoints, which must be the record's. Raises ConfigError
+    when the record is of another run or layout: nothing is touched."""
+    try:
+        record = ray.get_actor(RECORD, namespace=namespace(cfg.run_name))
+    except ValueError:
+        return None
+    state = ray.get(record.get.remote(), timeout=cfg.fault_tolerance.health_timeout_s)
+    if not state:  # a driver died before it recorded its actors: its placement group takes them along
+        remove([], namespace(cfg.run_name))
+        return None
+    theirs = state["run"]
+    c = cfg.cluster
+    why = []
+    if (theirs["name"], theirs["fingerprint"]) != (run.name, run.fingerprint):
+        why.append(f"config fingerprint {theirs['fingerprint']} there, {run.fingerprint} here")
+    elif resuming and run.id != theirs["id"]:
+        why.append(f"the checkpoints in checkpoint.uri are of run {run.id}")
+    if [state["num_workers"], state["num_spares"]] != [c.num_workers, c.num_spares]:
+        why.append(f"{state['num_workers']} workers + {state['num_spares']} spares there, "
+                   f"{c.num_workers} + {c.num_spares} here")
+    if why:
+        raise ConfigError(f"fault_tolerance.driver_failover: the cluster holds detached actors of run "
+                          f"{theirs['id']} in namespace {namespace(cfg.run_name)} ({'; '.join(why)}); "
+                          f"`main.py stop --run {cfg.run_name}` removes them, or choose another run_name")
+    return state
+
+
+class DriverFailover:
+    """The driver's side: the record actor, kept up to date and touched every second."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.ns = namespace(cfg.run_name)
+        ft = cfg.fault_tolerance
+        self.record = RunRecord.options(name=RECORD, namespace=self.ns, lifetime="detached",
+                                        get_if_exists=True).remote(ft.driver_failover_timeout_s, self.ns)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._ping, name="driver-failover", daemon=True)
+        self._thread.start()
+
+    def _ping(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.record.touch.remote()
+            except Exception as e:  # noqa: BLE001 (a failed touch only makes the silence longer)
+                log.debug("record touch failed: %s", e)
+
+    def save(self, trainer) -> None:
+        """Record the committed step, the run and who is which rank or spare (after a commit)."""
+        g, c = trainer.group, self.cfg.cluster
+        self.record.update.remote({
+            "run": trainer.run.to_dict(), "committed_step": trainer.committed_step,
+            "generation": g.generation, "num_workers": c.num_workers, "num_spares": c.num_spares,
+            "workers": [g.name_of(s) for s in g.workers], "spares": [g.name_of(s) for s in g.pool.spares],
+            "slots": {g.name_of(s): [s.node_ip, s.node_id, s.gpu_ids, s.bundle_index]
+                      for s in g.workers + g.pool.spares},
+            "holders": {node: g.name_of(h) for node, h in g.holders.items()},
+            "actors": {name: True for name in g.names.values()}})
+
+    def shutdown(self) -> None:
+        """The run ended or failed for good: remove the record too (the group removes the rest)."""
+        self._stop.set()
+        ray.kill(self.record, no_restart=True)
+
+
+def reattach(trainer, committed_step: int, dead: set[int]) -> None:
+    """Bring a group taken over from a dead driver (`ActorGroup(cfg, attach=...)`) back to
+    training at `committed_step`: abort the old generation's communicators, replace the ranks
+    that did not survive (`dead`) from spares, form a new generation on this driver's store and
+    restore every rank from its own live state (rollback), a replaced one from a DP peer
+    (`fault_tolerance.recover`'s restore). Logs `event=reattach`."""
+    from failures import RecoveryTimeline, WorkerFailure
+    from checkpoint import check_compatible
+    from fault_tolerance import restore
+
+    t0 = time.perf_counter()
+    group = trainer.group
+    trainer.committed_step = committed_step
+    try:
+        dead |= group.health.abort_survivors(dead)
+        survivors = [s for r, s in enumerate(group.workers) if r not in dead]
+        if dead:
+            if trainer.cfg.fault_tolerance.refill_spares:
+                group.refill([group.workers[r].bundle_index for r in dead])
+            group.replace(dead)
+        group.health.start()
+        group.form_generation()
+        tl = RecoveryTimeline("crash", sorted(dead), [])
+        step = restore(group, trainer.ckpt, committed_step, survivors, trainer.cfg.fault_tolerance,
+                       lambda manifest: check_compatible(trainer.cfg, manifest), tl, trainer.run.id)
+    except WorkerFailure as failure:
+        step = trainer.handle_failure(failure).restored_step
+        tl = trainer.recoveries[-1]
+    trainer.committed_step = trainer.resumed_from = step
+    log.info("event=reattach run=%s step=%d committed=%d replaced=%s source=%s seconds=%.3f",
+             trainer.run.id, step, committed_step, sorted(dead), tl.restore_source, time.perf_counter() - t0)

@@ -1,0 +1,162 @@
+"""Driver failover (`fault_tolerance.driver_failover`): SIGKILL the driver of a `main.py train`
+run attached to a cluster (this test's Ray) mid-step; the same command again reattaches to the
+run's live detached actors: no checkpoint load, no committed step lost, the losses of the
+uninterrupted run bitwise; once the run ends no detached actor or placement group of it is
+left. Detached actors whose driver does not come back remove themselves
+(`driver_failover_timeout_s`), and `main.py stop --run NAME` removes them at once."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+import driver_failover
+from actor_group import ActorGroup
+from config import load_config, resolve
+from trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 4
+# Step 3 is slow (+1 s per micro-batch on rank 0: alive, never replaced), so the kill lands
+# while step 3 is in flight; the math is untouched.
+SETS = ["cluster.num_workers=2", "cluster.num_spares=1", f"train.steps={STEPS}", "checkpoint.interval=2",
+        "train.micro_batch_size=4", "chaos.events=[{step: 3, rank: 0, kind: slow, point: step_start}]"]
+
+
+@pytest.fixture(scope="module")
+def reference(ray_session, tmp_path_factory):
+    """Losses of the uninterrupted run."""
+    path = tmp_path_factory.mktemp("reference")
+    cfg = resolve(load_config("config.yaml", [*SETS[:-1], f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]),
+                  num_gpus=0)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(STEPS)
+        return trainer.losses
+    finally:
+        group.shutdown()
+
+
+def command(mode: str, run_dir: Path, name: str, *sets: str) -> list[str]:
+    argv = [sys.executable, "main.py", mode]
+    for s in [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", *sets]:
+        argv += ["--set", s]
+    if mode == "stop":
+        return argv + ["--run", name]
+    for s in [*SETS, f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt", f"run_name={name}",
+              "fault_tolerance.driver_failover=true"]:
+        argv += ["--set", s]
+    return argv
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def record_of(name: str) -> dict:
+    try:
+        record = ray.get_actor(driver_failover.RECORD, namespace=driver_failover.namespace(name))
+        return ray.get(record.get.remote(), timeout=5)
+    except (ValueError, ray.exceptions.RayError):
+        return {}
+
+
+def kill_mid_step_3(argv: list[str], name: str, log: Path) -> None:
+    """Start the driver; SIGKILL it once step 2 is committed and recorded, inside step 3."""
+    first = start(argv, log)
+    deadline = time.monotonic() + 120
+    while record_of(name).get("committed_step", 0) < 2:
+        assert first.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "step 2 not recorded within 120 s"
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the slow step 3
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+
+
+def leftovers() -> tuple[list, list]:
+    """Detached actors alive and named placement groups not removed (this module's only)."""
+    actors = [a["Name"] for a in ray._private.state.actors().values()
+              if a["IsDetached"] and a["State"] != "DEAD"]
+    groups = [g["name"] for g in ray.util.placement_group_table().values()
+              if g["name"] == driver_failover.PLACEMENT_GROUP and g["state"] != "REMOVED"]
+    return actors, groups
+
+
+def wait_clean(timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers() == ([], []), "detached actors or placement group of the run left"
+
+
+@pytest.mark.parametrize("lost_rank", [None, 1], ids=["all_alive", "rank_1_lost_too"])
+def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp_path, lost_rank):
+    """With `lost_rank`, that rank's actor is killed too while no driver runs: the new driver
+    replaces it from the spare and restores it from its DP peer, still at the committed step."""
+    run_dir, name = tmp_path / "run", f"failover-{lost_rank}"
+    argv = command("train", run_dir, name)
+    kill_mid_step_3(argv, name, tmp_path / "first.log")
+    assert len(leftovers()[0]) == 4 and leftovers()[1], "the actors must outlive their driver"
+    if lost_rank is not None:
+        actor = record_of(name)["workers"][lost_rank]
+        ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
+    second = start(argv, tmp_path / "second.log")
+    try:
+        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    log = (tmp_path / "second.log").read_text()
+    replaced = [] if lost_rank is None else [lost_rank]
+    assert "event=reattach" in log and f"step=2 committed=2 replaced={replaced} source=peer" in log, log[-3000:]
+    assert "event=resume" not in log and "event=start" not in log  # no checkpoint loaded
+    out = json.loads((run_dir / "train.json").read_text())
+    assert out["resumed_from"] == 2 and out["replayed"] == {}
+    assert {int(s): x for s, x in out["losses"].items()} == {s: reference[s] for s in (3, 4)}
+    wait_clean(10)
+
+
+def test_detached_actors_without_a_driver_remove_themselves_and_stop_removes_them(ray_session, tmp_path):
+    run_dir, name = tmp_path / "run", "orphan"
+    argv = command("train", run_dir, name, "fault_tolerance.driver_failover_timeout_s=4")
+    kill_mid_step_3(argv, name, tmp_path / "first.log")
+    t0 = time.monotonic()
+    assert len(leftovers()[0]) == 4
+    wait_clean(20)
+    assert time.monotonic() - t0 > 1.0  # not at once: they wait for a driver first
+    # `stop` removes them at once (the timeout would be 300 s).
+    argv = command("train", tmp_path / "run2", "stopped")
+    kill_mid_step_3(argv, "stopped", tmp_path / "again.log")
+    assert len(leftovers()[0]) == 4
+    stop = subprocess.run(command("stop", run_dir, "stopped"), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0 and "removed 3 detached actor(s)" in stop.stdout, stop.stdout + stop.stderr
+    wait_clean(10)
+
+
+def test_detached_actors_of_another_run_stop_the_driver_in_one_line_and_are_left_alone(ray_session, tmp_path):
+    """A record of another config under the same run_name: ConfigError naming both, nothing touched."""
+    from config import ConfigError
+    from run_identity import RunIdentity
+
+    cfg = resolve(load_config("config.yaml", [*SETS[:-1], f"run_dir={tmp_path}", "run_name=clash",
+                                              "fault_tolerance.driver_failover=true"]), num_gpus=0)
+    other = resolve(load_config("config.yaml", [*SETS[:-1], f"run_dir={tmp_path}", "run_name=clash",
+                                                "train.seed=7"]), num_gpus=0)
+    record = driver_failover.RunRecord.options(name=driver_failover.RECORD, namespace=driver_failover.namespace("clash"),
+                                               lifetime="detached").remote(60.0, driver_failover.namespace("clash"))
+    try:
+        ray.get(record.update.remote({"run": RunIdentity.new(other).to_dict(), "committed_step": 3,
+                                      "num_workers": 2, "num_spares": 1}))
+        with pytest.raises(ConfigError, match=r"^fault_tolerance.driver_failover: .* run clash-.* "
+                                              r"\(config fingerprint .*\); `main.py stop --run clash` removes them"):
+            driver_failover.find(cfg, RunIdentity.new(cfg), resuming=False)
+        assert ray.get(record.get.remote())["committed_step"] == 3  # left alone
+    finally:
+        ray.kill(record, no_restart=True)
