@@ -216,7 +216,9 @@ class HealthMonitor:
                     lost = self.lost_ranks({workers[rank_of[i]].node_id})
                     raise self._failure({rank_of[i]} | lost, "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
-                    crashed, silent = self._probe()
+                    # Often a peer's death seen first as this rank's connection error: judge
+                    # every rank by a ping sent after the error, not by one that preceded it.
+                    crashed, silent = self._probe(fresh=True)
                     if crashed | silent:
                         raise self._failure(crashed | silent, "crash" if crashed else "unreachable",
                                             "actor(s) died" if crashed else self._silence_detail(silent)) from None
@@ -293,10 +295,11 @@ class HealthMonitor:
         crashed, silent = self._probe()
         return crashed | silent
 
-    def _probe(self) -> tuple[set[int], set[int]]:
+    def _probe(self, fresh: bool = False) -> tuple[set[int], set[int]]:
         """(crashed, silent) ranks: an actor is judged alive once it answers a ping sent within
-        the last `health_interval_s`, crashed when Ray says it died, silent once its heartbeats
-        have been silent `health_timeout_s`; every rank at once, so this returns within about
+        the last `health_interval_s` (`fresh`: sent after this call, about one interval later),
+        crashed when Ray says it died, silent once its heartbeats have been silent
+        `health_timeout_s`; every rank at once, so this returns within about
         `health_timeout_s`. An actor that is temporarily unreachable (`ActorUnavailableError`,
         e.g. its node's agent restarting) is not judged until then.
 
@@ -310,8 +313,8 @@ class HealthMonitor:
         workers = self._workers()
         lost = self.lost_ranks()
         todo = [r for r in range(len(workers)) if r not in lost]
-        _, dead, silent = self.beats.settle([workers[r].handle for r in todo],
-                                            time.monotonic() - self.ft.health_interval_s)
+        since = time.monotonic() - (0.0 if fresh else self.ft.health_interval_s)
+        _, dead, silent = self.beats.settle([workers[r].handle for r in todo], since)
         return lost | {todo[i] for i in dead}, {todo[i] for i in silent}
 
     def lost_ranks(self, node_ids: set[str] | None = None) -> set[int]:

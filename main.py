@@ -275,6 +275,7 @@ def cmd_train(cfg: Config, args, start=None) -> int:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    import driver_failover
     from actor_group import ActorGroup
     from metrics import RunMetrics
     from trainer import Trainer
@@ -282,7 +283,6 @@ def cmd_train(cfg: Config, args, start=None) -> int:
     start = start or plan_train_start(cfg, fresh=False)
     failover = record = None
     if cfg.fault_tolerance.driver_failover:
-        import driver_failover
         if not cfg.cluster.ray_address:
             log.warning("fault_tolerance.driver_failover without cluster.ray_address: the driver's own "
                         "local Ray dies with it, detached actors included; nothing to reattach to")

@@ -96,7 +96,8 @@ def wait_clean(timeout_s: float) -> None:
     assert leftovers() == ([], []), "detached actors or placement group of the run left"
 
 
-@pytest.mark.parametrize("lost_rank", [None, 1], ids=["all_alive", "rank_1_lost_too"])
+@pytest.mark.parametrize("lost_rank", [None, pytest.param(1, marks=pytest.mark.slow)],
+                         ids=["all_alive", "rank_1_lost_too"])
 def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp_path, lost_rank):
     """With `lost_rank`, that rank's actor is killed too while no driver runs: the new driver
     replaces it from the spare and restores it from its DP peer, still at the committed step."""
