@@ -87,3 +87,20 @@ def wait_for_senders(group, timeout_s: float = 30.0) -> None:
     while any(ray.get([s.handle.__ray_call__.remote(lambda actor: actor._sender.busy()) for s in group.workers])):
         assert time.monotonic() < deadline, "a rank's snapshot sender stayed busy"
         time.sleep(0.05)
+
+
+def uninterrupted_losses(path, sets: list[str], steps: int) -> dict:
+    """Losses of `steps` steps of config.yaml with `sets`, run in-process (no failure), with
+    run_dir and checkpoint.uri under `path`: the reference a killed-driver run is compared to."""
+    from actor_group import ActorGroup
+    from config import load_config, resolve
+    from trainer import Trainer
+
+    cfg = resolve(load_config("config.yaml", [*sets, f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]), num_gpus=0)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(steps)
+        return trainer.losses
+    finally:
+        group.shutdown()

@@ -15,9 +15,7 @@ import psutil
 import pytest
 import ray
 
-from actor_group import ActorGroup
-from config import load_config, resolve
-from trainer import Trainer
+from conftest import uninterrupted_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -30,16 +28,7 @@ SETS = ["cluster.num_workers=2", "cluster.num_spares=0", f"train.steps={STEPS}",
 @pytest.fixture(scope="module")
 def reference(ray_session, tmp_path_factory):
     """Losses of the uninterrupted run."""
-    path = tmp_path_factory.mktemp("reference")
-    cfg = resolve(load_config("config.yaml", [*SETS[:-1], f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]),
-                  num_gpus=0)
-    group = ActorGroup(cfg)
-    try:
-        trainer = Trainer(cfg, group)
-        trainer.train(STEPS)
-        return trainer.losses
-    finally:
-        group.shutdown()
+    return uninterrupted_losses(tmp_path_factory.mktemp("reference"), SETS[:-1], STEPS)
 
 
 def train_command(run_dir: Path, *sets: str) -> list[str]:
