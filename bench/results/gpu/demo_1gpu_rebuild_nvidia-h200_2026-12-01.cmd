@@ -1,0 +1,1 @@
+python3 main.py demo --summary $OUT/demo_1gpu_rebuild_nvidia-h200_2026-12-01.json --set cluster.device=cuda --set cluster.num_workers=1 --set cluster.num_spares=1 --set cluster.gpus_per_actor=0.5 --set run_dir=/tmp/d --set checkpoint.uri=/tmp/d/ckpt --kill-ranks 0
