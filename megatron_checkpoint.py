@@ -6,6 +6,8 @@ file system or object storage (s3://, gs://), synchronously or with the write in
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import re
 
@@ -13,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import CheckpointError, CheckpointMismatch, as_checkpoint_error
-from host_memory import carve, pinned_empty, state_nbytes
+from host_memory import carve, pin_in_background, pinned_empty, state_nbytes
 from megatron_compat import fetch_before_read, write_buckets
 
 MEGATRON_SHARD = "megatron"  # shard name of the dist_checkpointing files in a checkpoint step
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-_SAVE_ARENA: list = []  # pinned host memory of the last finished async save, for the next one
+_SAVE_ARENA: list = []  # pinned host memory for the next async save (a tensor, or a Future of one)
 
 
 def _is_rank_file(name: str, rank: int) -> bool:
@@ -31,6 +33,29 @@ def _is_rank_file(name: str, rank: int) -> bool:
 def _put_rank_files(ckpt, step: int, stage: str, rank: int) -> list:
     """`ckpt.put_files` of the files of `rank` in `stage` (hash; upload for object storage)."""
     return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
+
+
+def reserve_save_arena(nbytes: int) -> None:
+    """Pin `nbytes` of host memory in the background for the next async save's device-to-host
+    copies (`pin_in_background`), unless the arena kept for it is at least that large: pinning
+    tens of GB takes seconds, which the first save would otherwise stall on."""
+    kept = _SAVE_ARENA[0] if _SAVE_ARENA else None
+    if isinstance(kept, concurrent.futures.Future):
+        if not kept.done() or (kept.exception() is None and kept.result().numel() >= nbytes):
+            return
+    elif kept is not None and kept.numel() >= nbytes:
+        return
+    _SAVE_ARENA[:] = [pin_in_background(nbytes)]
+
+
+def take_save_arena(nbytes: int) -> torch.Tensor:
+    """Pinned host memory of at least `nbytes` bytes for one async save: the kept arena (waiting
+    for it while it is still being pinned) when it is large enough and pinning did not fail,
+    else a new exact-size one (`pinned_empty`). The save returns it when its write is done."""
+    kept = _SAVE_ARENA.pop() if _SAVE_ARENA else None
+    if isinstance(kept, concurrent.futures.Future):
+        kept = None if kept.exception() is not None else kept.result()
+    return kept if kept is not None and kept.numel() >= nbytes else pinned_empty(nbytes)
 
 
 class SavePlanCache:
@@ -54,7 +79,8 @@ class SavePlanCache:
 
 
 def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_save: bool = False,
-                 after_write=lambda: None, plans: SavePlanCache | None = None) -> list:
+                 after_write=lambda: None, plans: SavePlanCache | None = None,
+                 copy_stream: torch.cuda.Stream | None = None) -> list:
     """Collective over the default process group: `dist_checkpointing.save(sharded_state_dict)`
     (torch_dist format) as shard `megatron` of checkpoint `step` of `ckpt` (a CheckpointManager).
 
@@ -69,7 +95,11 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
     a host copy of every tensor: later changes to the state are not in the checkpoint); the
     files are written in a background thread, and `[PendingSave]` is returned. Synchronous:
     `after_write()` runs between the write and the hash / upload (fault injection 'mid_save').
-    `plans`: the layout's `SavePlanCache` (None: plan from scratch and validate, every save)."""
+    `plans`: the layout's `SavePlanCache` (None: plan from scratch and validate, every save).
+    `copy_stream` (async, CUDA): the device-to-host copies run on that stream, ordered after
+    the current stream's work, and the call returns without waiting for them; the caller must
+    order every later change of the saved tensors after `PendingSave.copied` (None: the call
+    waits for the copies)."""
     import shutil
     import tempfile
 
@@ -92,7 +122,7 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
             if plans is not None:
                 plans.validated = True
             done = True  # the stage now belongs to the PendingSave
-            return [PendingSave(ckpt, step, rank, request, stage, path is None)]
+            return [PendingSave(ckpt, step, rank, request, stage, path is None, copy_stream)]
         as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage, **kwargs)
         if plans is not None:
             plans.validated = True
@@ -105,37 +135,47 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
 
 class PendingSave:
     """The background part of an async `save_sharded`: Megatron's AsyncRequest
-    (`dist_checkpointing.save(..., async_sharded_save=True)`) whose tensors were copied to host
-    memory at construction; its write (`async_fn`: no collective) runs in a thread. `result()`
-    must be called on every rank, from the thread that runs the collectives (the actor's
-    `finish_checkpoint`): it waits for the write, runs the request's finalize functions
-    (collective: the global metadata), then hashes / uploads this rank's files and returns
-    their FileEntry list. Raises CheckpointError when the write or an upload failed."""
+    (`dist_checkpointing.save(..., async_sharded_save=True)`) whose tensors are copied to host
+    memory at construction; its write (`async_fn`: no collective) runs in a thread once the
+    copies are done. `copied`: the CUDA event that marks them done (None when the construction
+    waited for them, or without CUDA). `result()` must be called on every rank, from the thread
+    that runs the collectives (the actor's `finish_checkpoint`): it waits for the write, runs
+    the request's finalize functions (collective: the global metadata), then hashes / uploads
+    this rank's files and returns their FileEntry list. Raises CheckpointError when the write
+    or an upload failed."""
 
-    def __init__(self, ckpt, step: int, rank: int, request, stage: str, owns_stage: bool):
+    def __init__(self, ckpt, step: int, rank: int, request, stage: str, owns_stage: bool,
+                 copy_stream: torch.cuda.Stream | None = None):
         import threading
 
         self.ckpt, self.step, self.rank, self.request = ckpt, step, rank, request
-        self.stage, self.owns_stage, self.error = stage, owns_stage, None
+        self.stage, self.owns_stage, self.error, self.copied = stage, owns_stage, None, None
         args = list(request.async_fn_args)
         # args[1]: Megatron's write buckets [(file, key, (bytes items, [(item, tensor)]))]; the
         # tensors are copied here (Megatron's preload_fn aliases tensors that are on the CPU).
-        # GPU tensors: non-blocking copies into one exact-size pinned arena (`pinned_empty`,
-        # reused by the next save) and one sync, not a pageable copy per tensor.
+        # GPU tensors: non-blocking copies into one exact-size pinned arena (`take_save_arena`,
+        # returned for the next save), not a pageable copy per tensor.
         gpu = [t for _, _, (_, tensors) in args[1] for _, t in tensors if t.is_cuda]
-        need, arena = state_nbytes(gpu), _SAVE_ARENA.pop() if _SAVE_ARENA else None
-        self._arena = arena if arena is not None and arena.numel() >= need else pinned_empty(need)
+        self._arena = take_save_arena(state_nbytes(gpu))
         host = iter(carve(gpu, self._arena))
-        args[1] = [(f, k, (b, [(item, next(host).copy_(t.detach(), non_blocking=True) if t.is_cuda
-                                else t.detach().clone()) for item, t in tensors]))
-                   for f, k, (b, tensors) in args[1]]
-        if torch.cuda.is_available():
+        if copy_stream is not None:
+            copy_stream.wait_stream(torch.cuda.current_stream())  # the state as of this call
+        with torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext():
+            args[1] = [(f, k, (b, [(item, next(host).copy_(t.detach(), non_blocking=True) if t.is_cuda
+                                    else t.detach().clone()) for item, t in tensors]))
+                       for f, k, (b, tensors) in args[1]]
+            if copy_stream is not None:
+                self.copied = torch.cuda.Event()
+                self.copied.record()
+        if copy_stream is None and torch.cuda.is_available():
             torch.cuda.synchronize()
         self._thread = threading.Thread(target=self._write, args=(args,), daemon=True, name="mcore-async-save")
         self._thread.start()
 
     def _write(self, args) -> None:
         try:
+            if self.copied is not None:
+                self.copied.synchronize()
             if self.request.async_fn is not None:
                 write_buckets(self.request.async_fn, *args)
         except BaseException as exc:  # noqa: BLE001 (reported by result())

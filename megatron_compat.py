@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
@@ -24,8 +25,12 @@ WRITTEN_FOR = "0.16.1"  # megatron-core version the patches below were written a
 # (patch, Megatron-Core module, attributes it replaces or relies on, what to re-check)
 PATCHES = (
     ("patch_distributed_optimizer", "megatron.core.optimizer.distrib_optimizer",
-     ("DistributedOptimizer._set_main_param_and_optimizer_states",),
-     "per-instance method swap: the original raises KeyError 'step' in a fully_reshardable load"),
+     ("DistributedOptimizer._set_main_param_and_optimizer_states",
+      "DistributedOptimizer.sharded_param_state_fully_reshardable",
+      "DistributedOptimizer._get_main_param_and_optimizer_states"),
+     "per-instance method swaps: the original load raises KeyError 'step' in a fully_reshardable "
+     "load; the save's model-space state with one DP rank is built from views (same keys, shapes, "
+     "replica ids as the original's, which iterates gbuf_ranges / buffers[i].param_index_map)"),
     ("fetch_before_read", "megatron.core.dist_checkpointing.strategies.torch",
      ("_get_filesystem_reader",),
      "the torch_dist loader's reader factory, swapped for one load to fetch files before reading"),
@@ -78,15 +83,61 @@ def _set_main_param_and_state(opt, model_param, tensors: dict) -> None:
             opt.optimizer.state[main][k].copy_(v)
 
 
+_MODEL_SPACE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # Megatron's world-tensor keys, in its order
+
+
+def _model_space_views(opt, original, model_sharded_state_dict, is_loading: bool = False,
+                       metadata: dict | None = None):
+    """`DistributedOptimizer.sharded_param_state_fully_reshardable` of a save whose DP group
+    has one rank: the same dict of ShardedTensors (index -> {"param", "exp_avg", "exp_avg_sq"};
+    keys `optimizer.state.<key>.<model key>`, the model parameter's shape and replica id, fp32),
+    whose data are views of the live main params and Adam moments on the device. Why: the
+    original gathers every shard into new pageable host tensors first, with a synchronous copy
+    per parameter (seconds per GB of state: most of an async save's stall), although with one DP
+    rank each parameter's optimizer state is already whole. The save copies the views itself
+    (`megatron_checkpoint.PendingSave`: to pinned memory, on a side stream). Loading, DP > 1,
+    the memory-efficient variant, or a state that is not whole per parameter: the original."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    metadata = metadata or {}
+    if is_loading or opt.data_parallel_group.size() > 1 or metadata.get("distrib_optim_fully_reshardable_mem_efficient"):
+        return original(model_sharded_state_dict, is_loading, metadata)
+    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    by_param = {sh.data: sh for sh in nested_values(sharded)}
+    state = {}
+    for gbuf_idx in range(len(opt.gbuf_ranges)):
+        for model_param in opt.buffers[gbuf_idx].param_index_map:
+            meta, tensors = by_param[model_param], opt._get_main_param_and_optimizer_states(model_param)
+            if any(tensors[k].numel() != model_param.numel() for k in _MODEL_SPACE_KEYS):
+                return original(model_sharded_state_dict, is_loading, metadata)
+            views = {}
+            for k in _MODEL_SPACE_KEYS:
+                t = tensors[k].detach()
+                kw = {"key": f"optimizer.state.{k}.{meta.key}", "data": t.view(meta.data.shape),
+                      "dtype": t.dtype, "replica_id": meta.replica_id}
+                if isinstance(meta, ShardedTensorFactory):
+                    kw.pop("dtype")
+                views[k] = dataclasses.replace(meta, **kw)
+                views[k].validate_metadata_integrity()
+            state[len(state)] = views
+    return state
+
+
 def patch_distributed_optimizer(optimizer) -> None:
     """Give every `DistributedOptimizer` of `optimizer` (what `get_megatron_optimizer` returns:
     a chained optimizer) `_set_main_param_and_state` as its
-    `_set_main_param_and_optimizer_states`, so a fully_reshardable checkpoint loads into it."""
+    `_set_main_param_and_optimizer_states`, so a fully_reshardable checkpoint loads into it, and
+    `_model_space_views` as its `sharded_param_state_fully_reshardable` (saves without the
+    host gather when one DP rank holds the whole state)."""
     from megatron.core.optimizer import DistributedOptimizer
 
     for o in optimizer.chained_optimizers:
         if isinstance(o, DistributedOptimizer):
             o._set_main_param_and_optimizer_states = functools.partial(_set_main_param_and_state, o)
+            o.sharded_param_state_fully_reshardable = functools.partial(
+                _model_space_views, o, o.sharded_param_state_fully_reshardable)
 
 
 def _foreach_l2_norm(_chunk_size, _noop_flag, tensor_lists, _per_tensor, *_args):

@@ -52,7 +52,7 @@ from config import Config
 from engine import StepInterrupt, state_digest
 from host_memory import (HostCopy, carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
-from megatron_checkpoint import SavePlanCache, load_sharded, save_sharded
+from megatron_checkpoint import SavePlanCache, load_sharded, reserve_save_arena, save_sharded
 from megatron_compat import foreach_grad_norm, patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
 from megatron_model import build_gpt_model, hf_bridge, hf_model_args
@@ -195,6 +195,8 @@ class MegatronEngine:
         self._trained_since_connect = False
         self._interrupt.clear()
         self._connected = True
+        if self.cfg.checkpoint.async_save:
+            reserve_save_arena(state_nbytes(self._train_state()))  # in the background
         return parts
 
     def _rebind(self, objects: list, old_groups: dict, parts: dict) -> bool:
@@ -840,11 +842,19 @@ class MegatronEngine:
         of `PendingSave` whose `result()` (collective) returns it. Raises CheckpointError on
         storage failure past the retry limits. Save plans are reused from save to save while
         the optimizer (so the model, layout and groups) is the one they were made for and no
-        checkpoint was loaded since (`SavePlanCache`)."""
+        checkpoint was loaded since (`SavePlanCache`). Async: the device-to-host copy of the
+        state runs on the snapshot side stream beside the next step's forward and backward
+        passes, whose update waits for it; the host buffers are pinned when the rank joins."""
         if self._save_plans is None or not self._save_plans.matches(self.optimizer):
             self._save_plans = SavePlanCache(self.optimizer)
-        return save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
-                            after_write=lambda: self.fault_point("mid_save"), plans=self._save_plans)
+        if async_save and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        files = save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
+                             after_write=lambda: self.fault_point("mid_save"), plans=self._save_plans,
+                             copy_stream=self._copy_stream if async_save else None)
+        if async_save:
+            self._copy_done = files[0].copied  # the next update waits for the copy (`_wait_snapshot_copy`)
+        return files
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Collective over all ranks: load the committed checkpoint `manifest` (already verified

@@ -36,8 +36,12 @@ config's sizes (config defaults + `--set`; see bench/results/gpu/run_checkpoint_
           device-to-host copy, fsync'd writes by 2 forked writer processes, then the sha256 of
           each file) + `ckpt.commit`: the stall. The raw write is one stream from host memory;
           `raw_write_incl_d2h_gbps` counts the device-to-host copy too.
-  async   `save_checkpoint(..., async_save=True)` (Megatron's async save: planning + host copy
-          in the call = async_stall_s), then `PendingSave.result()` + commit (async_total_s);
+  async   a steady train step (`steady_step_s`), then `save_checkpoint(..., async_save=True)`
+          (`async_call_s`: the sharded state dicts, planning, queuing the device-to-host copy)
+          and at once the next train step (`step_after_save_s`: its update waits for that
+          copy); async_stall_s = async_call_s + (step_after_save_s - steady_step_s, if > 0).
+          Then `PendingSave.result()` + commit (async_total_s, from the call), and the async
+          checkpoint is loaded: `async_load_matches`, it holds the state of the call;
           the save plans are cached from save to save (`SavePlanCache`: from the third save
           on, repeat 2's async save, DCP's planning collectives are skipped);
           `sharded_state_s`: building the model's and optimizer's sharded state dicts alone
@@ -302,8 +306,8 @@ def bench_megatron(args, tmp: str, report) -> dict:
     from megatron_engine import MegatronEngine
     from training_batch import synthetic_batch
 
-    cfg = resolve(load_config(args.config, ["model.engine=megatron", "cluster.num_workers=1",
-                                            "cluster.num_spares=0", *args.overrides]))
+    cfg = resolve(load_config(args.config, ["model.engine=megatron", "cluster.num_workers=1", "cluster.num_spares=0",
+                                            "checkpoint.async_save=true", *args.overrides]))
     dims, t, m = ParallelDims.from_config(cfg), cfg.train, cfg.model
     if dims.world_size != 1:
         raise SystemExit(f"--engine megatron runs one rank; got world size {dims.world_size}")
@@ -329,6 +333,13 @@ def bench_megatron(args, tmp: str, report) -> dict:
                                                  "micro_batch_size", "lr", "seed")}}
     print(f"  megatron: {info['params'] / 1e9:.3f}B params on {info['device']}, build {build_s:.1f} s, "
           f"train step {info['train_step_s']:.1f} s (loss {metrics['loss']:.4f})", flush=True)
+
+    def train_step() -> float:  # seconds of one synchronized train step on the bench's batch
+        t0 = time.perf_counter()
+        engine.train_step(synthetic_batch(t.seed, engine.step + 1, t.global_batch_size, t.seq_len, m.vocab_size),
+                          engine.step + 1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def fingerprint() -> torch.Tensor:  # per state tensor: its sum in float64, on the GPU
         return torch.stack([x.detach().to(engine.device).double().sum() for x in state_tensors(engine._train_state())])
@@ -358,15 +369,23 @@ def bench_megatron(args, tmp: str, report) -> dict:
         shutil.rmtree(raw_root)
         if step:  # one copy of the state on disk at a time
             shutil.rmtree(ckpt._step_path(step), ignore_errors=True)
-        step += 1  # async: the stall is the call (planning + host copy); the rest runs behind it
+        step += 1
         r["sharded_state_s"], _ = timed(lambda: engine._sharded_state(False, True))
+        r["steady_step_s"] = train_step()
         gc.collect()
         torch.cuda.synchronize()
+        async_saved, async_step = fingerprint(), engine.step
         t0 = time.perf_counter()
         pending = engine.save_checkpoint(ckpt, step, dims, 0, async_save=True)
-        r["async_stall_s"] = time.perf_counter() - t0
-        ckpt.commit(step, layout, [f for p in pending for f in p.result()])
+        r["async_call_s"] = time.perf_counter() - t0
+        # The training stall: the call, plus what the next step takes over a steady one (its
+        # update waits for the save's device-to-host copy).
+        r["step_after_save_s"] = train_step()
+        r["async_stall_s"] = r["async_call_s"] + max(0.0, r["step_after_save_s"] - r["steady_step_s"])
+        async_manifest = ckpt.commit(step, layout, [f for p in pending for f in p.result()])
         r["async_total_s"] = time.perf_counter() - t0
+        engine.load_checkpoint(ckpt, async_manifest, 0)  # the async checkpoint holds the state of the call
+        r["async_load_matches"] = bool(torch.equal(async_saved, fingerprint())) and engine.step == async_step
 
         step += 1
         gc.collect()
@@ -380,7 +399,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
         r["bytes"] = sum(f.size for f in files)
         r["files"] = len(files)
 
-        saved = fingerprint()
+        saved, saved_step = fingerprint(), engine.step
         for x in state_tensors(engine._train_state()):  # so that the load has to restore every tensor
             x.zero_()
         engine.step = 0
@@ -394,7 +413,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
         engine.load_checkpoint(ckpt, manifest, 0)
         torch.cuda.synchronize()
         r["load_s"] = time.perf_counter() - t0
-        r["load_matches"] = bool(torch.equal(saved, fingerprint())) and engine.step == 1
+        r["load_matches"] = bool(torch.equal(saved, fingerprint())) and engine.step == saved_step
         r["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
         runs.append(r)
         print("  megatron local run: " + " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.endswith("_s"))
@@ -402,7 +421,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
         if not r["load_matches"]:
             print("  WARNING: the loaded state differs from the saved one", flush=True)
         row = summarize("local", f"megatron {info['params'] / 1e9:.2f}B params", runs)
-        row.update(load_matches=all(x["load_matches"] for x in runs),
+        row.update(load_matches=all(x["load_matches"] and x["async_load_matches"] for x in runs),
                    raw_write_incl_d2h_gbps=max(x["payload_bytes"] / (x["d2h_s"] + x["raw_write_s"]) for x in runs) / 1e9)
         report(row, info)
     shutil.rmtree(ckpt.root, ignore_errors=True)

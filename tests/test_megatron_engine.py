@@ -6,6 +6,7 @@ engine the way `MegatronActor` does: process-group generations through one TCPSt
 prefix each, `connect`, `train_step`, checkpoints committed by rank 0 through
 `CheckpointManager`, rollback and peer broadcast; the test asserts on the ranks' results.
 """
+import functools
 import hashlib
 import os
 
@@ -90,6 +91,31 @@ def _save(engine, ckpt, step, dims, rank, train_while_writing=None):
     return files
 
 
+def _views_match_megatron(engine) -> bool:
+    """Whether the save's model-space optimizer state (the patched
+    `sharded_param_state_fully_reshardable`, views of the live state when DP is 1) equals
+    Megatron's own method's (gathered host copies): same entries, keys, shapes, offsets,
+    replica ids, dtypes (a ShardedTensorFactory, e.g. SwiGLU's fc1, has key and replica id
+    only) and values."""
+    model_sd = engine.model.sharded_state_dict()
+    meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+    for o in engine.optimizer.chained_optimizers:
+        ours = o.sharded_param_state_fully_reshardable(model_sd, False, meta)
+        theirs = type(o).sharded_param_state_fully_reshardable(o, model_sd, False, meta)
+        if ours.keys() != theirs.keys():
+            return False
+        for i, entry in ours.items():
+            if entry.keys() != theirs[i].keys():
+                return False
+            for k, a in entry.items():
+                b = theirs[i][k]
+                same = [(type(x), x.key, x.replica_id, *(getattr(x, f, None) for f in ("global_shape", "global_offset", "dtype")))
+                        for x in (a, b)]
+                if same[0] != same[1] or not torch.equal(a.data.cpu(), b.data.cpu()):
+                    return False
+    return True
+
+
 def _scenarios(rank, world, store, tmp, storage) -> dict:
     """Train / save / load (same layout: bitwise; resharded: within bf16 tolerance), reconnect,
     rollback, peer broadcast. Returns numbers for the test to check."""
@@ -126,6 +152,16 @@ def _scenarios(rank, world, store, tmp, storage) -> dict:
     out["moments_nonzero"] = any(a.abs().sum() > 0 for a in saved_moments)
     out["step2_again"] = e.train_step(_batch(cfg, 2, dims, rank), 2)
     out["reset_is_initial"] = (e.reset(), _digest(e) == initial)[1]
+    out["views_match_megatron"] = _views_match_megatron(e)
+    # Async save: the next step trains while the checkpoint is copied (side stream) and written.
+    ck_async = CheckpointManager(os.path.join(tmp, "ckpt_async"))
+    e.snapshot()
+    e.train_step(_batch(cfg, 1, dims, rank), 1)
+    at_call = _digest(e)
+    _save(e, ck_async, 1, dims, rank, train_while_writing=functools.partial(e.train_step, _batch(cfg, 2, dims, rank), 2))
+    after_step2 = _digest(e)
+    e.load_checkpoint(ck_async, ck_async.latest_verified(), rank)
+    out["async_holds_call_state"] = _digest(e) == at_call != after_step2
     del e
     if world >= 2:
         # Resharding: the tp=1 dp=2 checkpoint into tp=2 dp=1 (full batch on one replica).
@@ -181,6 +217,8 @@ def _check_common(res: dict, rank: int, world: int) -> None:
     assert res["step2_again"]["loss"] == res["step2"]["loss"]
     assert res["step2_again"]["grad_norm"] == res["step2"]["grad_norm"]
     assert res["reset_is_initial"]
+    assert res["views_match_megatron"]
+    assert res["async_holds_call_state"]
 
 
 @pytest.mark.gpu
