@@ -32,25 +32,23 @@ config's sizes (config defaults + `--set`; see bench/results/gpu/run_checkpoint_
   raw     `engine.host_state()` (the live training state copied to host memory: model params,
           fp32 main params, exp_avg, exp_avg_sq; `d2h_s`) plus the RNG states, written with the
           plain local writes above (fsync'd), read back cold; then deleted.
-  sync    `MegatronEngine.save_checkpoint` (Megatron dist_checkpointing, torch_dist: its own
-          device-to-host copy, fsync'd writes by 2 forked writer processes, then the sha256 of
-          each file) + `ckpt.commit`: the stall. The raw write is one stream from host memory;
-          `raw_write_incl_d2h_gbps` counts the device-to-host copy too.
   async   a steady train step (`steady_step_s`), then `save_checkpoint(..., async_save=True)`
           (`async_call_s`: the sharded state dicts, planning, queuing the device-to-host copy)
           and at once the next train step (`step_after_save_s`: its update waits for that
           copy); async_stall_s = async_call_s + (step_after_save_s - steady_step_s, if > 0).
-          Then `PendingSave.result()` + commit (async_total_s, from the call), and the async
-          checkpoint is loaded: `async_load_matches`, it holds the state of the call;
-          the save plans are cached from save to save (`SavePlanCache`: from the third save
-          on, repeat 2's async save, DCP's planning collectives are skipped);
-          `sharded_state_s`: building the model's and optimizer's sharded state dicts alone
-          (part of every save's stall; with the distributed optimizer, its fully_reshardable
-          state in model-parameter space). Repeat 2+ reuse the async save's pinned memory.
-  load    the live state is zeroed, the page cache of the checkpoint dropped, `verify_s` is
-          `ckpt.latest_verified()`, then `engine.load_checkpoint(ckpt, manifest, 0)` and
-          `torch.cuda.synchronize()`; `load_matches`: every state tensor's sum (float64, on the
-          GPU) and the engine step equal those at save time.
+          Then `PendingSave.result()` + commit (async_total_s, from the call); the save plans
+          are cached from save to save (`SavePlanCache`); the pinned host memory of the copy
+          is reserved when the engine joins (`checkpoint.async_save` is set here).
+  load    of that async checkpoint: the live state is zeroed, the page cache of the
+          checkpoint dropped, `verify_s` is `ckpt.latest_verified()`, then
+          `engine.load_checkpoint(ckpt, manifest, 0)` and `torch.cuda.synchronize()`;
+          `load_matches`: every state tensor's sum (float64, on the GPU) and the engine step
+          equal those at the save call (the step trained after it is not in the checkpoint).
+  sync    `MegatronEngine.save_checkpoint` (Megatron dist_checkpointing, torch_dist, written
+          in the call, then the sha256 of each file) + `ckpt.commit`: the stall. The raw write
+          is one stream from host memory; `raw_write_incl_d2h_gbps` counts the device-to-host
+          copy too. `sharded_state_s`: building the model's and optimizer's sharded state dicts
+          alone (part of every save's stall).
 Headline keys of the JSON (both engines, from the local disk row): `async_save_stall_s`,
 `save_vs_raw` (checkpoint bytes / (async_total_s - async_stall_s), the background write + hash
 + commit, over the raw write speed), `state_gb` (the raw payload), `device`;
@@ -382,24 +380,12 @@ def bench_megatron(args, tmp: str, report) -> dict:
         # update waits for the save's device-to-host copy).
         r["step_after_save_s"] = train_step()
         r["async_stall_s"] = r["async_call_s"] + max(0.0, r["step_after_save_s"] - r["steady_step_s"])
-        async_manifest = ckpt.commit(step, layout, [f for p in pending for f in p.result()])
+        async_files = [f for p in pending for f in p.result()]
+        manifest = ckpt.commit(step, layout, async_files)
         r["async_total_s"] = time.perf_counter() - t0
-        engine.load_checkpoint(ckpt, async_manifest, 0)  # the async checkpoint holds the state of the call
-        r["async_load_matches"] = bool(torch.equal(async_saved, fingerprint())) and engine.step == async_step
+        r["bytes"], r["files"] = sum(f.size for f in async_files), len(async_files)
 
-        step += 1
-        gc.collect()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        files = engine.save_checkpoint(ckpt, step, dims, 0)
-        t1 = time.perf_counter()
-        manifest = ckpt.commit(step, layout, files)
-        r["sync_write_s"], r["commit_s"] = t1 - t0, time.perf_counter() - t1
-        r["sync_stall_s"] = r["save_s"] = time.perf_counter() - t0
-        r["bytes"] = sum(f.size for f in files)
-        r["files"] = len(files)
-
-        saved, saved_step = fingerprint(), engine.step
+        # load: the async checkpoint, cold, into a zeroed state; it holds the state of the call
         for x in state_tensors(engine._train_state()):  # so that the load has to restore every tensor
             x.zero_()
         engine.step = 0
@@ -413,7 +399,17 @@ def bench_megatron(args, tmp: str, report) -> dict:
         engine.load_checkpoint(ckpt, manifest, 0)
         torch.cuda.synchronize()
         r["load_s"] = time.perf_counter() - t0
-        r["load_matches"] = bool(torch.equal(saved, fingerprint())) and engine.step == saved_step
+        r["load_matches"] = bool(torch.equal(async_saved, fingerprint())) and engine.step == async_step
+
+        step += 1
+        gc.collect()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        files = engine.save_checkpoint(ckpt, step, dims, 0)
+        t1 = time.perf_counter()
+        ckpt.commit(step, layout, files)
+        r["sync_write_s"], r["commit_s"] = t1 - t0, time.perf_counter() - t1
+        r["sync_stall_s"] = r["save_s"] = time.perf_counter() - t0
         r["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
         runs.append(r)
         print("  megatron local run: " + " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.endswith("_s"))
@@ -421,7 +417,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
         if not r["load_matches"]:
             print("  WARNING: the loaded state differs from the saved one", flush=True)
         row = summarize("local", f"megatron {info['params'] / 1e9:.2f}B params", runs)
-        row.update(load_matches=all(x["load_matches"] and x["async_load_matches"] for x in runs),
+        row.update(load_matches=all(x["load_matches"] for x in runs),
                    raw_write_incl_d2h_gbps=max(x["payload_bytes"] / (x["d2h_s"] + x["raw_write_s"]) for x in runs) / 1e9)
         report(row, info)
     shutil.rmtree(ckpt.root, ignore_errors=True)

@@ -10,6 +10,6 @@ keep_run() {
   local name=$1 dest=$2 timeout_s=$3 lines=$4 cmd=$5
   mkdir -p "$dest"
   echo $cmd > "$dest/$name.cmd"
-  PYTHONUNBUFFERED=1 timeout "$timeout_s" $cmd 2>&1 | tee "$dest/$name.log" | grep -vE "Warning|warn|socket.cpp" | tail -"$lines"
+  PYTHONUNBUFFERED=1 timeout -k 20 "$timeout_s" $cmd 2>&1 | tee "$dest/$name.log" | grep -vE "Warning|warn|socket.cpp" | tail -"$lines"
   echo "== $name exit ${PIPESTATUS[0]}"
 }
