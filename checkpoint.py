@@ -204,19 +204,28 @@ class CheckpointManager:
         URI (a writer writes there in place), or None for object storage (stage, then ``put_files``)."""
         return f"{self._step_path(step)}/{name}" if self._local else None
 
-    def put_files(self, step: int, local_dir: str, name: str, names: list[str]) -> list[FileEntry]:
+    def put_files(self, step: int, local_dir: str, name: str, names: list[str],
+                  hashed: dict[str, tuple[int, str]] | None = None) -> list[FileEntry]:
         """Hash the files ``names`` of ``local_dir`` and, for object storage, upload them to shard
-        ``name`` of ``step`` (concurrent transfers, s3fs multipart for large files). For a local
-        URI ``local_dir`` must be ``local_dir(step, name)`` (files written in place). Returns
-        their FileEntry list (paths relative to the step directory) for ``commit``. Raises
-        CheckpointError on storage failure past the retry limits."""
+        ``name`` of ``step`` (concurrent transfers, s3fs multipart for large files). ``hashed``:
+        {file name: (size in bytes, sha256 hex)} of files the caller hashed as it wrote them;
+        those are not read again (their size on disk must match). For a local URI ``local_dir``
+        must be ``local_dir(step, name)`` (files written in place). Returns their FileEntry
+        list (paths relative to the step directory) for ``commit``. Raises CheckpointError when
+        a hashed file's size differs, or on storage failure past the retry limits."""
         _check_name(name)
+        hashed = hashed or {}
         paths = {n: p for n in names if os.path.isfile(p := os.path.join(local_dir, n))}
-        # hashlib releases the GIL on large buffers: files hash in parallel (a Megatron rank
-        # writes several .distcp files of GBs each).
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(paths))), thread_name_prefix="ckpt-hash") as pool:
-            digests = list(pool.map(_sha256_local, paths.values()))
-        entries = [FileEntry(f"{name}/{n}", os.path.getsize(p), d) for (n, p), d in zip(paths.items(), digests)]
+        changed = [f"{n}: {os.path.getsize(p)} bytes, {hashed[n][0]} written" for n, p in paths.items()
+                   if n in hashed and os.path.getsize(p) != hashed[n][0]]
+        if changed:
+            raise CheckpointError(f"files of shard {name!r} changed after they were written: {'; '.join(changed)}")
+        unhashed = [n for n in paths if n not in hashed]
+        # hashlib releases the GIL on large buffers: files hash in parallel.
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(unhashed))), thread_name_prefix="ckpt-hash") as pool:
+            digests = dict(zip(unhashed, pool.map(_sha256_local, [paths[n] for n in unhashed])))
+        entries = [FileEntry(f"{name}/{n}", os.path.getsize(p), hashed[n][1] if n in hashed else digests[n])
+                   for n, p in paths.items()]
         if self._local:
             if os.path.realpath(local_dir) != os.path.realpath(self.local_dir(step, name)):
                 raise ValueError(f"{local_dir} is not {self.local_dir(step, name)}: write local shards in place")
@@ -696,7 +705,7 @@ def _dcp_save_fresh(state_dict: dict, directory: str, sync_files: bool) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     writer = dcp.FileSystemWriter(directory, thread_count=_WRITE_THREADS, sync_files=sync_files)
-    with _no_zip_crc32():
+    with no_zip_crc32():
         dcp.save(state_dict, storage_writer=writer, no_dist=True)
 
 
@@ -706,7 +715,7 @@ _crc_saved = True
 
 
 @contextlib.contextmanager
-def _no_zip_crc32():
+def no_zip_crc32():
     """torch.save (which DCP runs per tensor) computes a zip CRC32 of every byte, a full CPU pass
     (~1/3 of DCP's save time on CPU) that torch.load never checks; our integrity check is the
     manifest's sha256. The switch is process-global, so it is refcounted across saver threads

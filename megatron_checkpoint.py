@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from checkpoint import CheckpointError, CheckpointMismatch, as_checkpoint_error
 from host_memory import carve, pinned_empty, state_nbytes
-from megatron_compat import fetch_before_read, write_buckets
+from megatron_compat import torch_dist_reader, write_buckets
 
 MEGATRON_SHARD = "megatron"  # shard name of the dist_checkpointing files in a checkpoint step
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -28,9 +28,11 @@ def _is_rank_file(name: str, rank: int) -> bool:
     return int(m.group(1)) == rank if m else rank == 0
 
 
-def _put_rank_files(ckpt, step: int, stage: str, rank: int) -> list:
-    """`ckpt.put_files` of the files of `rank` in `stage` (hash; upload for object storage)."""
-    return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
+def _put_rank_files(ckpt, step: int, stage: str, rank: int, hashed: dict | None = None) -> list:
+    """`ckpt.put_files` of the files of `rank` in `stage` (hash those not in `hashed`, {name:
+    (size, sha256)} of the files hashed as they were written; upload for object storage)."""
+    return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)],
+                          hashed)
 
 
 class SavePlanCache:
@@ -106,11 +108,13 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
 class PendingSave:
     """The background part of an async `save_sharded`: Megatron's AsyncRequest
     (`dist_checkpointing.save(..., async_sharded_save=True)`) whose tensors were copied to host
-    memory at construction; its write (`async_fn`: no collective) runs in a thread. `result()`
+    memory at construction; its write (`async_fn`: no collective) runs in a thread
+    (`write_buckets`: the .distcp files in parallel, each hashed as it is written). `result()`
     must be called on every rank, from the thread that runs the collectives (the actor's
     `finish_checkpoint`): it waits for the write, runs the request's finalize functions
-    (collective: the global metadata), then hashes / uploads this rank's files and returns
-    their FileEntry list. Raises CheckpointError when the write or an upload failed."""
+    (collective: the global metadata), then hashes the global files (rank 0), uploads this
+    rank's files for object storage and returns their FileEntry list. Raises CheckpointError
+    when the write or an upload failed."""
 
     def __init__(self, ckpt, step: int, rank: int, request, stage: str, owns_stage: bool):
         import threading
@@ -135,9 +139,10 @@ class PendingSave:
         self._thread.start()
 
     def _write(self, args) -> None:
+        self.hashed = {}  # {file name: (size, sha256)} of the .distcp files, hashed as written
         try:
             if self.request.async_fn is not None:
-                write_buckets(self.request.async_fn, *args)
+                self.hashed = write_buckets(self.request.async_fn, *args)
         except BaseException as exc:  # noqa: BLE001 (reported by result())
             self.error = exc
 
@@ -155,7 +160,7 @@ class PendingSave:
                                       (f": {self.error!r}" if self.error is not None else ""))
             for finalize in self.request.finalize_fns:
                 as_checkpoint_error(what, finalize)
-            return _put_rank_files(self.ckpt, self.step, self.stage, self.rank)
+            return _put_rank_files(self.ckpt, self.step, self.stage, self.rank, self.hashed)
         finally:
             if not self._thread.is_alive():
                 _SAVE_ARENA[:] = [self._arena]
@@ -167,7 +172,9 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
     """Collective over the default process group: `dist_checkpointing.load` of shard
     `megatron` of the committed checkpoint `manifest` into `sharded_state_dict` (the saved
     layout may differ in DP and TP size: dist_checkpointing reshards). Returns the loaded
-    state dict.
+    state dict. Files are read in parallel, tensors straight into their destinations where the
+    stored bytes allow (`megatron_compat.torch_dist_reader`); local files are not hashed here
+    (a restore verifies them first: `CheckpointManager.verify_files`).
 
     Object storage: the global files are downloaded into a private staging directory first,
     then each `.distcp` file only when this rank's load plan reads from it (so a rank fetches
@@ -180,7 +187,8 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
     what = f"loading {ckpt.step_uri(manifest.step)}/{MEGATRON_SHARD}"
     path = ckpt.local_dir(manifest.step, MEGATRON_SHARD)
     if path is not None:
-        return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path, error=CheckpointMismatch)
+        with torch_dist_reader():
+            return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path, error=CheckpointMismatch)
     import tempfile
 
     prefix = MEGATRON_SHARD + "/"
@@ -197,7 +205,7 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
             ckpt.get_files(manifest.step, [files[n] for n in missing], stage)
             fetched.update(missing)
 
-        with fetch_before_read(fetch):
+        with torch_dist_reader(fetch):
             return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict,
                                        os.path.join(stage, MEGATRON_SHARD), error=CheckpointMismatch)
 

@@ -45,7 +45,7 @@ import time
 import torch
 
 from bench.checkpoint_io import ROOT, drop_cache, raw_read, raw_write
-from checkpoint import CheckpointManager, _no_zip_crc32
+from checkpoint import CheckpointManager, no_zip_crc32
 
 HIDDEN, FFN, VOCAB = 1024, 2816, 32000
 WEIGHTS = {"qkv": (3 * HIDDEN, HIDDEN), "proj": (HIDDEN, HIDDEN), "fc1": (2 * FFN, HIDDEN),
@@ -114,7 +114,7 @@ def phases(tensors: list[torch.Tensor]) -> dict:
             torch.save(t, sink)
 
     out = {"torch_save_crc32_s": timed(save_all)}
-    with _no_zip_crc32():
+    with no_zip_crc32():
         out["torch_save_no_crc32_s"] = timed(save_all)
     out["sha256_s"] = timed(lambda: [hashlib.sha256(memoryview(t.view(-1).view(torch.uint8).numpy())).digest()
                                      for t in tensors])

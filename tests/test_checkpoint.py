@@ -289,6 +289,25 @@ def test_bad_arguments(tmp_path):
         CheckpointManager(str(tmp_path), keep_last=0)
 
 
+def test_put_files_takes_the_hashes_made_while_writing(tmp_path):
+    """A file the writer hashed as it wrote it is not read again: its entry carries the given
+    sha256 (a wrong one here, so a re-read would show); the others are hashed from disk. A
+    hashed file whose size on disk differs is refused."""
+    import hashlib
+
+    m = CheckpointManager(str(tmp_path / "c"))
+    d = m.local_dir(1, "megatron")
+    os.makedirs(d)
+    for name, data in (("a", b"abc"), ("b", b"defg")):
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+    entries = m.put_files(1, d, "megatron", ["a", "b"], hashed={"a": (3, "f" * 64)})
+    assert entries == [FileEntry("megatron/a", 3, "f" * 64),
+                       FileEntry("megatron/b", 4, hashlib.sha256(b"defg").hexdigest())]
+    with pytest.raises(CheckpointError, match="a: 3 bytes, 2 written"):
+        m.put_files(1, d, "megatron", ["a", "b"], hashed={"a": (2, "f" * 64)})
+
+
 def test_s3_outage_and_recovery(tmp_path):
     server = S3Server().start()  # own server: stopping it must not disturb other tests
     try:
