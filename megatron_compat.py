@@ -11,10 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
 import importlib
 import logging
-import os
 import threading
 
 import megatron.core
@@ -27,6 +25,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from checkpoint import CheckpointError, no_zip_crc32
+from hashed_file import HashedFile
 
 log = logging.getLogger(__name__)
 WRITTEN_FOR = "0.16.1"  # megatron-core version the patches below were written against
@@ -307,66 +306,21 @@ class _Stage:
                 done.synchronize()
 
 
-class _HashedFile:
-    """A file being written whose bytes also go to sha256 as they are written, with write-behind:
-    `write` takes them in pieces of `_PIECE` bytes, each hashed, then copied to the page cache
-    while still in the CPU cache (one pass over memory, not a second read of the file), and
-    after each full piece the disk write of what is new is started (`_write_behind`), so the
-    final fsync waits for little. `size`: bytes written."""
-
-    def __init__(self, path: str):
-        self.file = open(path, "wb")
-        self.sha256, self.size, self._started = hashlib.sha256(), 0, 0
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), _PIECE):
-            piece = view[start:start + _PIECE]
-            self.sha256.update(piece)  # hashlib and file writes release the GIL: buckets run in parallel
-            self.file.write(piece)
-            if len(piece) == _PIECE:
-                self._write_behind()
-        self.size += len(view)
-        return len(view)
-
-    def _write_behind(self) -> None:
-        """Start writing the dirty pages written since the last call to disk, without waiting
-        (Linux: POSIX_FADV_DONTNEED starts the writeback of dirty pages, and drops only pages
-        that are clean by then; PostgreSQL's pg_flush_data uses it where sync_file_range is
-        missing). Without it the kernel starts late (dirty_background_ratio) and the fsync
-        pays for the whole file after the CPU work instead of during it."""
-        if not hasattr(os, "posix_fadvise"):  # not on macOS
-            return
-        self.file.flush()
-        end = self.file.tell()
-        os.posix_fadvise(self.file.fileno(), self._started, end - self._started, os.POSIX_FADV_DONTNEED)
-        self._started = end
-
-    def tell(self) -> int:
-        return self.file.tell()
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-_PIECE = 4 << 20  # bytes: stays in the L2/L3 cache between hashing and copying
-
-
 def _write_bucket(transform_list: list, bucket) -> tuple[list, tuple[int, str]]:
     """`FileSystemWriterAsync.write_preloaded_data` of one write bucket (file path, storage key,
-    (byte items, tensor items)) with the file's sha256 computed as it is written: every item
-    through torch's `_write_item` (torch.save of each tensor) in Megatron's order, then fsync.
-    Returns (the items' WriteResults, (file size in bytes, sha256 hex))."""
+    (byte items, tensor items)) into a `HashedFile` (sha256 computed as written, O_DIRECT):
+    every item through torch's `_write_item` (torch.save of each tensor) in Megatron's order,
+    then fsync. Returns (the items' WriteResults, (file size in bytes, sha256 hex))."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import _write_item
 
     path, storage_key, (bytes_data, tensor_data) = bucket
-    out = _HashedFile(path)
-    with out.file:
+    out = HashedFile(path)
+    try:
         results = [_write_item(*transform_list, out, data, item, storage_key,
                                serialization_format=SerializationFormat.TORCH_SAVE)
                    for item, data in [*bytes_data, *tensor_data]]
-        out.flush()
-        os.fsync(out.file.fileno())
+    finally:
+        out.close()
     return results, (out.size, out.sha256.hexdigest())
 
 
@@ -374,7 +328,7 @@ def write_buckets(async_fn, _rank: int, buckets: list, results_queue) -> dict[st
     """What Megatron's async write (`async_fn`: `FileSystemWriterAsync.write_preloaded_data_multiproc`
     bound to its transforms and `use_msc`) does, without its fork and without a second read of
     the files: the write buckets are written in parallel, one thread each (`_write_bucket`:
-    hashed as written, fsync'd), with torch.save's zip CRC32 off (`no_zip_crc32`); the results
+    hashed as written, O_DIRECT, fsync'd), with torch.save's zip CRC32 off (`no_zip_crc32`); the results
     (bucket index -> write results, or the first exception) go to `results_queue` for the
     request's finalize (`_rank`, Megatron's first argument, is not needed). Returns {file name
     in the checkpoint directory: (size in bytes, sha256 hex)} of the files written, for

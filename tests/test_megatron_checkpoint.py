@@ -208,6 +208,7 @@ def _io_worker(rank: int, world: int, store, root: str) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     import checkpoint
+    import hashed_file
     import megatron_compat
     from megatron_checkpoint import load_sharded, save_sharded
 
@@ -217,7 +218,7 @@ def _io_worker(rank: int, world: int, store, root: str) -> dict:
     checkpoint._sha256_local = lambda path: (reread.append(os.path.basename(path)), sha256_local(path))[1]
     megatron_compat._read_exact = lambda f, offset, out: (direct.append(len(out)), read_exact(f, offset, out))[1]
     g = torch.Generator().manual_seed(0)
-    values = {"big": torch.randn(3, megatron_compat._PIECE // 4 + 5, generator=g),  # > 3 write pieces
+    values = {"big": torch.randn(3, hashed_file.PIECE // 4 + 5, generator=g),  # > 3 write pieces
               "bf16": torch.randn(7, 5, generator=g).bfloat16(),
               "transposed": torch.randn(6, 4, generator=g).t()}
 
@@ -243,7 +244,7 @@ def test_async_save_hashes_while_writing_and_load_reads_into_the_tensors(tmp_pat
     files are read back to hash them), with sha256 values that `verify` recomputes; the zip
     CRC32 switch is restored after the write. The load reads each contiguous stored tensor
     straight into its destination; a transposed one goes through torch's read, equal too."""
-    import megatron_compat
+    import hashed_file
 
     (out,) = spawn_ranks(_io_worker, 1, str(tmp_path / "c"), timeout_s=240)
     distcp = [p.split("/", 1)[1] for p in out["files"] if p.endswith(".distcp")]
@@ -251,4 +252,4 @@ def test_async_save_hashes_while_writing_and_load_reads_into_the_tensors(tmp_pat
     assert not set(out["reread"]) & set(distcp) and out["reread"], out["reread"]
     assert out["verify"] == [] and out["crc32_after_save"] is True
     assert out["equal"] == {"big": True, "bf16": True, "transposed": True} and out["rng"] == {"seed": 5}
-    assert out["direct"] == sorted([3 * (megatron_compat._PIECE // 4 + 5) * 4, 7 * 5 * 2]), out["direct"]
+    assert out["direct"] == sorted([3 * (hashed_file.PIECE // 4 + 5) * 4, 7 * 5 * 2]), out["direct"]
