@@ -1,7 +1,7 @@
 """Megatron torch_dist checkpoint I/O on CPU: the async save's background write and the load,
 each against raw disk I/O of the same bytes in the same run (issue 24).
 
-    python -m bench.write_path [--gb 2.5] [--repeat 3] [--dir /tmp] [--out PATH]   (repository root)
+    python -m bench.write_path [--gb 2.5] [--repeat 3] [--dir /tmp] [--device cpu|cuda] [--out PATH]
 
 The state: the tensors of a GPT-like model (hidden 1024, FFN 2816, vocab 32000) as a training
 rank holds them, per weight a bf16 parameter and the fp32 main parameter, exp_avg and exp_avg_sq,
@@ -10,6 +10,8 @@ files (.metadata, common.pt, metadata.json) are written as in the engine's saves
 world-size-1 gloo group in this process, Megatron ShardedTensors of CPU tensors (the engine
 needs CUDA; its save hands Megatron the same objects), through `megatron_checkpoint` exactly as
 `MegatronEngine.save_checkpoint` / `load_checkpoint` do, on a local directory under --dir.
+`--device cuda`: the state's tensors on CUDA device 0, as the engine's are (the save copies them
+to pinned host memory; the load reads into GPU memory); the raw I/O uses host copies of them.
 
 Per repeat, in this order:
   raw      the state's bytes written into one file with open/write/fsync (bench.checkpoint_io's
@@ -23,7 +25,8 @@ Per repeat, in this order:
            state's shapes; `load_matches`: every tensor equals the saved one.
 `save_vs_raw` = checkpoint bytes / background_s over the raw write's GB/s; `load_vs_raw`
 likewise for the load against the raw read. Both from the best (least) time of each measure
-over the repeats; `runs` keeps every repeat and its own ratios.
+over the repeats; `runs` keeps every repeat and its own ratios (raw and checkpoint I/O side by
+side), `median_run_save_vs_raw` / `median_run_load_vs_raw` are their medians.
 
 `phases`: what the write path's CPU work costs, measured in memory on the same tensors (no
 disk): torch.save of every tensor into a discarding stream with and without the zip CRC32
@@ -39,12 +42,13 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 
 import torch
 
-from bench.checkpoint_io import ROOT, drop_cache, raw_read, raw_write
+from bench.checkpoint_io import ROOT, _mount_of, drop_cache, raw_read, raw_write
 from checkpoint import CheckpointManager, no_zip_crc32
 
 HIDDEN, FFN, VOCAB = 1024, 2816, 32000
@@ -121,14 +125,14 @@ def phases(tensors: list[torch.Tensor]) -> dict:
     return out
 
 
-def one_repeat(ckpt: CheckpointManager, step: int, state: dict, template: dict, raw_root: str) -> dict:
+def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, template: dict, raw_root: str) -> dict:
+    """One repeat (see the module docstring); `host`: the state's tensors in host memory."""
     from megatron_checkpoint import load_sharded, save_sharded
 
-    tensors = list(state.values())
-    r = {"payload_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+    r = {"payload_bytes": sum(t.numel() * t.element_size() for t in host)}
     os.makedirs(raw_root, exist_ok=True)
-    r["raw_write_s"] = raw_write(None, True, raw_root, {"state": tensors})
-    r["raw_read_s"] = raw_read(None, True, raw_root, {"state": tensors})
+    r["raw_write_s"] = raw_write(None, True, raw_root, {"state": host})
+    r["raw_read_s"] = raw_read(None, True, raw_root, {"state": host})
     shutil.rmtree(raw_root)
 
     t0 = time.perf_counter()
@@ -153,6 +157,8 @@ def one_repeat(ckpt: CheckpointManager, step: int, state: dict, template: dict, 
     drop_cache(ckpt._step_path(step))
     t0 = time.perf_counter()
     loaded = load_sharded(ckpt, manifest, sharded(template))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     r["load_s"] = time.perf_counter() - t0
     r["load_matches"] = all(torch.equal(loaded[k], v) for k, v in state.items()) and loaded["step"] == 1
     r["save_vs_raw"] = (r["bytes"] / r["background_s"]) / (r["payload_bytes"] / r["raw_write_s"])
@@ -171,6 +177,8 @@ def summarize(runs: list[dict]) -> dict:
            **best, "load_matches": all(r["load_matches"] for r in runs)}
     out["save_vs_raw"] = out["background_gbps"] / out["raw_write_gbps"]
     out["load_vs_raw"] = out["load_gbps"] / out["raw_read_gbps"]
+    for k in ("save_vs_raw", "load_vs_raw"):
+        out[f"median_run_{k}"] = statistics.median(r[k] for r in runs)
     return out
 
 
@@ -179,24 +187,28 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=2.5, help="state size in GB (default 2.5)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="parent of the checkpoint directory (default: TMPDIR)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the state's tensors are")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "checkpoint_write_path_cpu.json"))
     args = ap.parse_args()
 
+    import megatron.core
     import torch.distributed as dist
 
-    torch.cuda.synchronize = lambda *a, **k: None  # Megatron's torch_dist writer calls these;
-    torch.cuda.current_device = lambda: "cpu"       # no CUDA here (as tests/test_megatron_checkpoint.py)
-    state = make_state(args.gb)
+    if args.device == "cpu":
+        torch.cuda.synchronize = lambda *a, **k: None  # Megatron's torch_dist writer calls these;
+        torch.cuda.current_device = lambda: "cpu"       # no CUDA here (as tests/test_megatron_checkpoint.py)
+    host = make_state(args.gb)
+    state = {k: t.to(args.device) for k, t in host.items()}
     template = {k: torch.zeros_like(t) for k, t in state.items()}
     print(f"state: {len(state)} tensors, {sum(t.nbytes for t in state.values()) / 1e9:.2f} GB", flush=True)
-    found = phases(list(state.values()))
+    found = phases(list(host.values()))
     print("  in memory: " + " ".join(f"{k}={v:.2f}" for k, v in found.items()), flush=True)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-write-path-", dir=args.dir) as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
         ckpt = CheckpointManager(os.path.join(tmp, "ckpt"), keep_last=1)
         for i in range(args.repeat):
-            runs.append(one_repeat(ckpt, i + 1, state, template, os.path.join(tmp, "raw")))
+            runs.append(one_repeat(ckpt, i + 1, state, list(host.values()), template, os.path.join(tmp, "raw")))
             print("  run: " + " ".join(f"{k}={v:.3f}" for k, v in runs[-1].items() if k.endswith(("_s", "_raw")))
                   + f" load_matches={runs[-1]['load_matches']}", flush=True)
         dist.destroy_process_group()
@@ -207,11 +219,15 @@ def main() -> None:
     print(f"GB/s, best of {args.repeat} runs; {head['bytes'] / 1e9:.2f} GB in {head['files']} files")
     print(" ".join(f"{c:>10}" for c, _ in cols))
     print(" ".join(f"{head[k]:>10.2f}" for _, k in cols))
+    print(f"median of the runs' own ratios: save {head['median_run_save_vs_raw']:.2f}, "
+          f"load {head['median_run_load_vs_raw']:.2f}")
     out = {**head, "state_gb": head["payload_bytes"] / 1e9, "tensors": len(state), "phases": found,
-           "repeats": args.repeat, "stat": "best of repeats", "device": "cpu",
+           "repeats": args.repeat, "stat": "best of repeats",
+           "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                       "load_avg_1m": os.getloadavg()[0]},
+                       "megatron_core": megatron.core.__version__, "load_avg_1m": os.getloadavg()[0],
+                       "dir": args.dir or tempfile.gettempdir(), **_mount_of(args.dir or tempfile.gettempdir())},
            "runs": runs}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
