@@ -186,7 +186,7 @@ def torch_dist_reader(fetch=None):
 
 
 _READ_THREADS = 8  # files of one read plan read at once
-_STAGE = 32 << 20  # bytes: each of the two pinned buffers of a thread that reads into GPU memory
+_STAGE = 16 << 20  # bytes: each of the two pinned buffers of a thread that reads into GPU memory
 
 
 class _Reader(FileSystemReader):
