@@ -69,8 +69,9 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
 
     `async_save`: only the synchronous part runs here (planning collectives, the common state,
     a host copy of every tensor: later changes to the state are not in the checkpoint); the
-    files are written in a background thread, and `[PendingSave]` is returned. Synchronous:
-    `after_write()` runs between the write and the hash / upload (fault injection 'mid_save').
+    files are written in a background thread, and `[PendingSave]` is returned. Synchronous: the
+    same write in this call (`_write_now`); `after_write()` runs between the write and the
+    upload (fault injection 'mid_save'). Either way each .distcp file is hashed as it is written.
     `plans`: the layout's `SavePlanCache` (None: plan from scratch and validate, every save)."""
     import shutil
     import tempfile
@@ -95,14 +96,32 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
                 plans.validated = True
             done = True  # the stage now belongs to the PendingSave
             return [PendingSave(ckpt, step, rank, request, stage, path is None)]
-        as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage, **kwargs)
+        request = as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage,
+                                      async_sharded_save=True, **kwargs)
         if plans is not None:
             plans.validated = True
+        hashed = as_checkpoint_error(what, _write_now, request)
         after_write()
-        return _put_rank_files(ckpt, step, stage, rank)
+        return _put_rank_files(ckpt, step, stage, rank, hashed)
     finally:
         if path is None and not done:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _write_now(request) -> dict:
+    """Megatron's `AsyncRequest.execute_sync` with `write_buckets` as the write (threads, each
+    file hashed as written; not Megatron's forked writers): the host copy of the tensors
+    (`preload_fn`), the write, a barrier, the finalize functions (collective). Returns
+    {file name: (size, sha256)} of the files written."""
+    hashed, args = {}, list(request.async_fn_args)
+    if request.async_fn is not None:
+        if request.preload_fn is not None:
+            args[1] = request.preload_fn()
+        hashed = write_buckets(request.async_fn, *args)
+    dist.barrier()
+    for finalize in request.finalize_fns:
+        finalize()
+    return hashed
 
 
 class PendingSave:

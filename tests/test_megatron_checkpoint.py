@@ -199,8 +199,9 @@ def test_an_unknown_megatron_async_write_is_named():
 
 def _io_worker(rank: int, world: int, store, root: str) -> dict:
     """One rank: an async save of tensors that span several write pieces, a transposed
-    (non-contiguous) one and an object; then a load into zeroed tensors. Records which files
-    were hashed by reading them back and how many bytes were read straight into tensors."""
+    (non-contiguous) one and an object; a load into zeroed tensors; a synchronous save. Records
+    which files were hashed by reading them back and how many bytes were read straight into
+    tensors."""
     torch.cuda.synchronize = lambda *a, **k: None  # no CUDA here (see module docstring)
     torch.cuda.current_device = lambda: "cpu"
     import torch.distributed as dist
@@ -235,14 +236,19 @@ def _io_worker(rank: int, world: int, store, root: str) -> dict:
     loaded = load_sharded(ckpt, manifest, state(True))
     out["equal"] = {k: torch.equal(loaded[k], v) for k, v in values.items()}
     out["rng"], out["direct"] = loaded["rng"], sorted(direct)
+    reread.clear()  # a synchronous save writes the same way, in this thread, without forking
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))
+    ckpt.commit(2, {"dp": 1}, save_sharded(ckpt, 2, 0, state(False)))
+    out["sync"] = {"reread": sorted(reread), "forks": len(forks), "verify": ckpt.verify(2)}
     dist.destroy_process_group()
     return out
 
 
-def test_async_save_hashes_while_writing_and_load_reads_into_the_tensors(tmp_path):
+def test_saves_hash_while_writing_and_load_reads_into_the_tensors(tmp_path):
     """The background write hashes each .distcp file as it writes it (only the small global
     files are read back to hash them), with sha256 values that `verify` recomputes; the zip
-    CRC32 switch is restored after the write. The load reads each contiguous stored tensor
+    CRC32 switch is restored after the write; a synchronous save does the same, without fork. The load reads each contiguous stored tensor
     straight into its destination; a transposed one goes through torch's read, equal too."""
     import hashed_file
 
@@ -253,3 +259,4 @@ def test_async_save_hashes_while_writing_and_load_reads_into_the_tensors(tmp_pat
     assert out["verify"] == [] and out["crc32_after_save"] is True
     assert out["equal"] == {"big": True, "bf16": True, "transposed": True} and out["rng"] == {"seed": 5}
     assert out["direct"] == sorted([3 * (hashed_file.PIECE // 4 + 5) * 4, 7 * 5 * 2]), out["direct"]
+    assert out["sync"] == {"reread": out["reread"], "forks": 0, "verify": []}, out["sync"]
