@@ -23,10 +23,12 @@ Per repeat, in this order:
            before it loads).
   load     the page cache of the checkpoint dropped, `load_sharded` into zeroed tensors of the
            state's shapes; `load_matches`: every tensor equals the saved one.
+  sync     `save_sharded(...)` synchronously + `ckpt.commit` (`sync_save_s`: what a save without
+           checkpoint.async_save stalls training for; `sync_vs_raw` against the raw write).
 `save_vs_raw` = checkpoint bytes / background_s over the raw write's GB/s; `load_vs_raw`
 likewise for the load against the raw read. Both from the best (least) time of each measure
 over the repeats; `runs` keeps every repeat and its own ratios (raw and checkpoint I/O side by
-side), `median_run_save_vs_raw` / `median_run_load_vs_raw` are their medians.
+side), `median_run_*` are their medians.
 
 `phases`: what the write path's CPU work costs, measured in memory on the same tensors (no
 disk): torch.save of every tensor into a discarding stream with and without the zip CRC32
@@ -126,7 +128,8 @@ def phases(tensors: list[torch.Tensor]) -> dict:
 
 
 def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, template: dict, raw_root: str) -> dict:
-    """One repeat (see the module docstring); `host`: the state's tensors in host memory."""
+    """One repeat (see the module docstring): checkpoints `step` (async) and `step` + 1 (sync);
+    `host`: the state's tensors in host memory."""
     from megatron_checkpoint import load_sharded, save_sharded
 
     r = {"payload_bytes": sum(t.numel() * t.element_size() for t in host)}
@@ -161,7 +164,12 @@ def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, temp
         torch.cuda.synchronize()
     r["load_s"] = time.perf_counter() - t0
     r["load_matches"] = all(torch.equal(loaded[k], v) for k, v in state.items()) and loaded["step"] == 1
+
+    t0 = time.perf_counter()
+    ckpt.commit(step + 1, {"world_size": 1, "engine": "megatron"}, save_sharded(ckpt, step + 1, 0, sharded(state)))
+    r["sync_save_s"] = time.perf_counter() - t0
     r["save_vs_raw"] = (r["bytes"] / r["background_s"]) / (r["payload_bytes"] / r["raw_write_s"])
+    r["sync_vs_raw"] = (r["bytes"] / r["sync_save_s"]) / (r["payload_bytes"] / r["raw_write_s"])
     r["load_vs_raw"] = (r["payload_bytes"] / r["load_s"]) / (r["payload_bytes"] / r["raw_read_s"])
     return r
 
@@ -175,9 +183,11 @@ def summarize(runs: list[dict]) -> dict:
            "raw_write_gbps": payload_gb / best["raw_write_s"], "background_gbps": gb / best["background_s"],
            "raw_read_gbps": payload_gb / best["raw_read_s"], "load_gbps": payload_gb / best["load_s"],
            **best, "load_matches": all(r["load_matches"] for r in runs)}
+    out["sync_save_gbps"] = gb / best["sync_save_s"]
     out["save_vs_raw"] = out["background_gbps"] / out["raw_write_gbps"]
+    out["sync_vs_raw"] = out["sync_save_gbps"] / out["raw_write_gbps"]
     out["load_vs_raw"] = out["load_gbps"] / out["raw_read_gbps"]
-    for k in ("save_vs_raw", "load_vs_raw"):
+    for k in ("save_vs_raw", "sync_vs_raw", "load_vs_raw"):
         out[f"median_run_{k}"] = statistics.median(r[k] for r in runs)
     return out
 
@@ -208,19 +218,19 @@ def main() -> None:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
         ckpt = CheckpointManager(os.path.join(tmp, "ckpt"), keep_last=1)
         for i in range(args.repeat):
-            runs.append(one_repeat(ckpt, i + 1, state, list(host.values()), template, os.path.join(tmp, "raw")))
+            runs.append(one_repeat(ckpt, 2 * i + 1, state, list(host.values()), template, os.path.join(tmp, "raw")))
             print("  run: " + " ".join(f"{k}={v:.3f}" for k, v in runs[-1].items() if k.endswith(("_s", "_raw")))
                   + f" load_matches={runs[-1]['load_matches']}", flush=True)
         dist.destroy_process_group()
     head = summarize(runs)
     cols = [("raw_write", "raw_write_gbps"), ("background", "background_gbps"), ("ratio", "save_vs_raw"),
-            ("raw_read", "raw_read_gbps"), ("load", "load_gbps"), ("ratio", "load_vs_raw"),
-            ("stall_s", "stall_s"), ("verify_s", "verify_s")]
+            ("sync_save", "sync_save_gbps"), ("ratio", "sync_vs_raw"), ("raw_read", "raw_read_gbps"),
+            ("load", "load_gbps"), ("ratio", "load_vs_raw"), ("stall_s", "stall_s"), ("verify_s", "verify_s")]
     print(f"GB/s, best of {args.repeat} runs; {head['bytes'] / 1e9:.2f} GB in {head['files']} files")
     print(" ".join(f"{c:>10}" for c, _ in cols))
     print(" ".join(f"{head[k]:>10.2f}" for _, k in cols))
-    print(f"median of the runs' own ratios: save {head['median_run_save_vs_raw']:.2f}, "
-          f"load {head['median_run_load_vs_raw']:.2f}")
+    print(f"median of the runs' own ratios: background {head['median_run_save_vs_raw']:.2f}, "
+          f"sync {head['median_run_sync_vs_raw']:.2f}, load {head['median_run_load_vs_raw']:.2f}")
     out = {**head, "state_gb": head["payload_bytes"] / 1e9, "tensors": len(state), "phases": found,
            "repeats": args.repeat, "stat": "best of repeats",
            "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
