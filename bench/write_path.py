@@ -30,6 +30,8 @@ likewise for the load against the raw read. Both from the best (least) time of e
 over the repeats; `runs` keeps every repeat and its own ratios (raw and checkpoint I/O side by
 side), `median_run_*` are their medians.
 
+`raw_write_cpu_s` / `background_cpu_s`: CPU seconds of this process (all threads, kernel time
+included) during the raw write and during the background part.
 `phases`: what the write path's CPU work costs, measured in memory on the same tensors (no
 disk): torch.save of every tensor into a discarding stream with and without the zip CRC32
 (DCP's `_write_item` pickles each tensor with torch.save), and sha256 of every byte.
@@ -134,16 +136,18 @@ def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, temp
 
     r = {"payload_bytes": sum(t.numel() * t.element_size() for t in host)}
     os.makedirs(raw_root, exist_ok=True)
+    cpu = time.process_time()
     r["raw_write_s"] = raw_write(None, True, raw_root, {"state": host})
+    r["raw_write_cpu_s"] = time.process_time() - cpu
     r["raw_read_s"] = raw_read(None, True, raw_root, {"state": host})
     shutil.rmtree(raw_root)
 
     t0 = time.perf_counter()
     (pending,) = save_sharded(ckpt, step, 0, sharded(state), async_save=True)
-    r["stall_s"] = time.perf_counter() - t0
+    r["stall_s"], cpu = time.perf_counter() - t0, time.process_time()
     files = pending.result()
     manifest = ckpt.commit(step, {"world_size": 1, "engine": "megatron"}, files)
-    r["total_s"] = time.perf_counter() - t0
+    r["total_s"], r["background_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu
     r["background_s"] = r["total_s"] - r["stall_s"]
     r["bytes"], r["files"] = sum(f.size for f in files), len(files)
 
