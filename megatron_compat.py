@@ -226,23 +226,25 @@ class _Reader(FileSystemReader):
 
     def _read_file(self, name: str, items: list, planner, lock) -> None:
         stage = None
-        with open(self.fs.concat_path(self.path, name), "rb") as f:
-            for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-                stored = self._stored_bytes(f, item)
-                with lock:
-                    target = None if stored is None else planner.resolve_tensor(item).detach()
-                    if target is None or not _fits(target, stored[0]):
-                        super().read_data(LoadPlan([item]), planner)
-                        continue
-                if target.is_cuda:
-                    stage = stage or _Stage(target.device)
-                    stage.copy(f, stored[1], target)
-                else:
-                    _read_exact(f, stored[1], memoryview(target.view(-1).view(torch.uint8).numpy()))
-                with lock:
-                    planner.commit_tensor(item, target)
-        if stage is not None:
-            stage.finish()
+        try:
+            with open(self.fs.concat_path(self.path, name), "rb") as f:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    stored = self._stored_bytes(f, item)
+                    with lock:
+                        target = None if stored is None else planner.resolve_tensor(item).detach()
+                        if target is None or not _fits(target, stored[0]):
+                            super().read_data(LoadPlan([item]), planner)
+                            continue
+                    if target.is_cuda:
+                        stage = stage or _Stage(target.device)
+                        stage.copy(f, stored[1], target)
+                    else:
+                        _read_exact(f, stored[1], memoryview(target.view(-1).view(torch.uint8).numpy()))
+                    with lock:
+                        planner.commit_tensor(item, target)
+        finally:
+            if stage is not None:
+                stage.finish()  # also on an error: no copy may still read a buffer once it is freed
 
     def _stored_bytes(self, f, item):
         """(meta tensor of the stored slice `item` reads, offset in `f` of its first byte) when
@@ -328,9 +330,9 @@ def write_buckets(async_fn, _rank: int, buckets: list, results_queue) -> dict[st
     """What Megatron's async write (`async_fn`: `FileSystemWriterAsync.write_preloaded_data_multiproc`
     bound to its transforms and `use_msc`) does, without its fork and without a second read of
     the files: the write buckets are written in parallel, one thread each (`_write_bucket`:
-    hashed as written, O_DIRECT, fsync'd), with torch.save's zip CRC32 off (`no_zip_crc32`); the results
-    (bucket index -> write results, or the first exception) go to `results_queue` for the
-    request's finalize (`_rank`, Megatron's first argument, is not needed). Returns {file name
+    hashed as written, O_DIRECT, fsync'd), with torch.save's zip CRC32 off (`no_zip_crc32`);
+    the results (bucket index -> write results, or the first exception) go to `results_queue`
+    for the request's finalize (`_rank`, Megatron's first argument, is not needed). Returns {file name
     in the checkpoint directory: (size in bytes, sha256 hex)} of the files written, for
     `CheckpointManager.put_files(..., hashed=...)`; {} when a bucket failed.
     Why not Megatron's fork of one writer process per bucket: it forks from a background thread

@@ -13,7 +13,8 @@ needs CUDA; its save hands Megatron the same objects), through `megatron_checkpo
 `--device cuda`: the state's tensors on CUDA device 0, as the engine's are (the save copies them
 to pinned host memory; the load reads into GPU memory); the raw I/O uses host copies of them.
 
-Per repeat, in this order:
+Per repeat, in this order (each write starts with the page cache of the earlier checkpoints
+dropped, so that none pays for reclaiming another's pages):
   raw      the state's bytes written into one file with open/write/fsync (bench.checkpoint_io's
            `raw_write`), then read back cold (`raw_read`); then deleted.
   save     `save_sharded(..., async_save=True)` (`stall_s`: planning + host copy), then
@@ -136,6 +137,7 @@ def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, temp
 
     r = {"payload_bytes": sum(t.numel() * t.element_size() for t in host)}
     os.makedirs(raw_root, exist_ok=True)
+    drop_cache(ckpt.root)  # every write starts with none of the earlier checkpoints' pages cached
     cpu = time.process_time()
     r["raw_write_s"] = raw_write(None, True, raw_root, {"state": host})
     r["raw_write_cpu_s"] = time.process_time() - cpu
@@ -169,6 +171,7 @@ def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, temp
     r["load_s"] = time.perf_counter() - t0
     r["load_matches"] = all(torch.equal(loaded[k], v) for k, v in state.items()) and loaded["step"] == 1
 
+    drop_cache(ckpt.root)
     t0 = time.perf_counter()
     ckpt.commit(step + 1, {"world_size": 1, "engine": "megatron"}, save_sharded(ckpt, step + 1, 0, sharded(state)))
     r["sync_save_s"] = time.perf_counter() - t0
