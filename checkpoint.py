@@ -34,7 +34,8 @@ model (or a layout the torch engine cannot load) with a ConfigError naming both 
 ``committed_manifests(run_id)`` / ``latest_verified(run_id)`` skip the checkpoints of other runs.
 
 Remote shards are written by DCP into a private local staging directory (``tempfile``, honours
-``TMPDIR``), hashed there, then uploaded with fsspec ``put`` (concurrent files; s3fs multipart).
+``TMPDIR``), hashed there, then uploaded with fsspec (concurrent files; a large file in parallel
+parts: s3fs multipart, GCS parallel composite upload; ``part_bytes``).
 Loads download into staging, check the hashes, then read. Local URIs are written and read in place.
 For the GCS emulator set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` before gcsfs is imported.
 """
@@ -80,6 +81,9 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _WRITE_THREADS = 1  # >1 loses errors: DCP (torch 2.13) only prints exceptions of its extra writer threads
 _HASH_CHUNK = 8 << 20  # bytes
+_COMPOSE_MAX = 32  # source objects of one GCS compose request, at most
+_PART_STREAMS = 16  # GCS part objects uploaded at once
+_PART_BLOCK = 16 << 20  # bytes: a part's read size and its gcsfs write block (a multiple of 256 KiB)
 PROBE_BUDGET_S = 10.0  # retries of the start-up storage probe: a wrong endpoint is reported in seconds
 
 
@@ -141,6 +145,9 @@ class CheckpointManager:
         retry_backoff_s: first retry delay in seconds, doubled each retry.
         retry_budget_s: a storage operation gives up (CheckpointError) when the next retry would
             start later than this many seconds after its first attempt.
+        part_bytes: object storage uploads a file of at least two such parts in parallel parts
+            (``put_files``): S3 parts of this size (at least 5 MiB; larger when a file would
+            need more than 10,000), GCS at most 32 parts of at least this size.
     """
 
     def __init__(
@@ -151,9 +158,11 @@ class CheckpointManager:
         max_retries: int = 5,
         retry_backoff_s: float = 0.5,
         retry_budget_s: float = 60.0,
+        part_bytes: int = 64 << 20,
     ):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.part_bytes = part_bytes
         self.uri = str(uri).rstrip("/")
         self.keep_last = keep_last
         self.max_retries = max_retries
@@ -204,27 +213,84 @@ class CheckpointManager:
         URI (a writer writes there in place), or None for object storage (stage, then ``put_files``)."""
         return f"{self._step_path(step)}/{name}" if self._local else None
 
-    def put_files(self, step: int, local_dir: str, name: str, names: list[str]) -> list[FileEntry]:
+    def put_files(self, step: int, local_dir: str, name: str, names: list[str],
+                  hashed: dict[str, tuple[int, str]] | None = None) -> list[FileEntry]:
         """Hash the files ``names`` of ``local_dir`` and, for object storage, upload them to shard
-        ``name`` of ``step`` (concurrent transfers, s3fs multipart for large files). For a local
-        URI ``local_dir`` must be ``local_dir(step, name)`` (files written in place). Returns
-        their FileEntry list (paths relative to the step directory) for ``commit``. Raises
-        CheckpointError on storage failure past the retry limits."""
+        ``name`` of ``step`` (``_upload``: files concurrently, large ones in parallel parts). ``hashed``:
+        {file name: (size in bytes, sha256 hex)} of files the caller hashed as it wrote them;
+        those are not read again (their size on disk must match). For a local URI ``local_dir``
+        must be ``local_dir(step, name)`` (files written in place). Returns their FileEntry
+        list (paths relative to the step directory) for ``commit``. Raises CheckpointError when
+        a hashed file's size differs, or on storage failure past the retry limits."""
         _check_name(name)
+        hashed = hashed or {}
         paths = {n: p for n in names if os.path.isfile(p := os.path.join(local_dir, n))}
-        # hashlib releases the GIL on large buffers: files hash in parallel (a Megatron rank
-        # writes several .distcp files of GBs each).
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(paths))), thread_name_prefix="ckpt-hash") as pool:
-            digests = list(pool.map(_sha256_local, paths.values()))
-        entries = [FileEntry(f"{name}/{n}", os.path.getsize(p), d) for (n, p), d in zip(paths.items(), digests)]
+        changed = [f"{n}: {os.path.getsize(p)} bytes, {hashed[n][0]} written" for n, p in paths.items()
+                   if n in hashed and os.path.getsize(p) != hashed[n][0]]
+        if changed:
+            raise CheckpointError(f"files of shard {name!r} changed after they were written: {'; '.join(changed)}")
+        unhashed = [n for n in paths if n not in hashed]
+        # hashlib releases the GIL on large buffers: files hash in parallel.
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(unhashed))), thread_name_prefix="ckpt-hash") as pool:
+            digests = dict(zip(unhashed, pool.map(_sha256_local, [paths[n] for n in unhashed])))
+        entries = [FileEntry(f"{name}/{n}", os.path.getsize(p), hashed[n][1] if n in hashed else digests[n])
+                   for n, p in paths.items()]
         if self._local:
             if os.path.realpath(local_dir) != os.path.realpath(self.local_dir(step, name)):
                 raise ValueError(f"{local_dir} is not {self.local_dir(step, name)}: write local shards in place")
             return entries
         local = [os.path.join(local_dir, e.path.split("/", 1)[1]) for e in entries]
         remote = [f"{self._step_path(step)}/{e.path}" for e in entries]
-        self._retry(f"uploading shard {name!r} to {self.step_uri(step)}/{name}", self.fs.put, local, remote)
+        self._retry(f"uploading shard {name!r} to {self.step_uri(step)}/{name}", self._upload, local, remote)
         return entries
+
+    def _upload(self, local: list[str], remote: list[str]) -> None:
+        """Upload the files `local` to the object paths `remote`, concurrently; a file of at
+        least two `part_bytes` parts in parallel parts, with each library's own mechanism:
+        S3, s3fs's multipart upload (`max_concurrency` parts in flight, 10 by default); GCS,
+        whose resumable upload sends its chunks one after another, `_put_composite`."""
+        sizes = [os.path.getsize(p) for p in local]
+        if "gs" in _protocols(self.fs) or "gcs" in _protocols(self.fs):
+            large = [i for i, n in enumerate(sizes) if n >= 2 * self.part_bytes]
+            rest = [i for i in range(len(local)) if i not in large]
+            if rest:
+                self.fs.put([local[i] for i in rest], [remote[i] for i in rest])
+            for i in large:
+                self._put_composite(local[i], remote[i], sizes[i])
+        elif "s3" in _protocols(self.fs):  # s3fs: multipart from 2 parts on, at most 10,000 parts
+            self.fs.put(local, remote, chunksize=max(self.part_bytes, -(-max(sizes, default=0) // 10_000)))
+        else:
+            self.fs.put(local, remote)
+
+    def _put_composite(self, local: str, remote: str, size: int) -> None:
+        """GCS parallel composite upload of the file `local` to `remote` (as gsutil's): its
+        byte ranges go to at most `_COMPOSE_MAX` part objects beside `remote`, `_PART_STREAMS`
+        of them at a time (gcsfs's file writer each, on gcsfs's event loop), then GCS composes
+        them into `remote` (gcsfs `merge`) and the parts are deleted, also when a step failed."""
+        n = min(_COMPOSE_MAX, -(-size // self.part_bytes))
+        span = -(-size // n)
+        parts = [f"{remote}.part-{uuid.uuid4().hex[:8]}-{i:02d}" for i in range(n)]
+
+        def put_part(i: int) -> None:
+            with open(local, "rb") as src, self.fs.open(parts[i], "wb", block_size=_PART_BLOCK) as dst:
+                src.seek(i * span)
+                left = min(span, size - i * span)
+                while left:
+                    if not (chunk := src.read(min(left, _PART_BLOCK))):
+                        raise EOFError(f"{local} ended before byte {size}")
+                    left -= dst.write(chunk)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(min(n, _PART_STREAMS), thread_name_prefix="ckpt-part") as pool:
+                list(pool.map(put_part, range(n)))
+            self.fs.merge(remote, parts)
+        finally:
+            try:
+                self.fs.rm(parts)  # the ones that exist
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 (not in the manifest; deleted with their step)
+                logger.warning("could not delete the upload parts of %s: %s", remote, _describe(exc))
 
     def get_files(self, step: int, files: list[FileEntry], stage_dir: str) -> None:
         """Download ``files`` (manifest entries of ``step``) from object storage into
@@ -696,7 +762,7 @@ def _dcp_save_fresh(state_dict: dict, directory: str, sync_files: bool) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     writer = dcp.FileSystemWriter(directory, thread_count=_WRITE_THREADS, sync_files=sync_files)
-    with _no_zip_crc32():
+    with no_zip_crc32():
         dcp.save(state_dict, storage_writer=writer, no_dist=True)
 
 
@@ -706,7 +772,7 @@ _crc_saved = True
 
 
 @contextlib.contextmanager
-def _no_zip_crc32():
+def no_zip_crc32():
     """torch.save (which DCP runs per tensor) computes a zip CRC32 of every byte, a full CPU pass
     (~1/3 of DCP's save time on CPU) that torch.load never checks; our integrity check is the
     manifest's sha256. The switch is process-global, so it is refcounted across saver threads

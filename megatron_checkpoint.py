@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from checkpoint import CheckpointError, CheckpointMismatch, as_checkpoint_error
 from host_memory import carve, pin_in_background, pinned_empty, state_nbytes
-from megatron_compat import fetch_before_read, write_buckets
+from megatron_compat import torch_dist_reader, write_buckets
 
 MEGATRON_SHARD = "megatron"  # shard name of the dist_checkpointing files in a checkpoint step
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -30,9 +30,11 @@ def _is_rank_file(name: str, rank: int) -> bool:
     return int(m.group(1)) == rank if m else rank == 0
 
 
-def _put_rank_files(ckpt, step: int, stage: str, rank: int) -> list:
-    """`ckpt.put_files` of the files of `rank` in `stage` (hash; upload for object storage)."""
-    return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)])
+def _put_rank_files(ckpt, step: int, stage: str, rank: int, hashed: dict | None = None) -> list:
+    """`ckpt.put_files` of the files of `rank` in `stage` (hash those not in `hashed`, {name:
+    (size, sha256)} of the files hashed as they were written; upload for object storage)."""
+    return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)],
+                          hashed)
 
 
 def reserve_save_arena(nbytes: int) -> None:
@@ -93,8 +95,9 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
 
     `async_save`: only the synchronous part runs here (planning collectives, the common state,
     a host copy of every tensor: later changes to the state are not in the checkpoint); the
-    files are written in a background thread, and `[PendingSave]` is returned. Synchronous:
-    `after_write()` runs between the write and the hash / upload (fault injection 'mid_save').
+    files are written in a background thread, and `[PendingSave]` is returned. Synchronous: the
+    same write in this call (`_write_now`); `after_write()` runs between the write and the
+    upload (fault injection 'mid_save'). Either way each .distcp file is hashed as it is written.
     `plans`: the layout's `SavePlanCache` (None: plan from scratch and validate, every save).
     `copy_stream` (async, CUDA): the device-to-host copies run on that stream, ordered after
     the current stream's work, and the call returns without waiting for them; the caller must
@@ -116,33 +119,48 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
         dist.barrier()  # the in-place directory exists (and is empty) before anyone writes
         kwargs = {} if plans is None else {"sharded_strategy": plans.strategy,
                                            "validate_access_integrity": not plans.validated}
-        if async_save:
-            request = as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage,
-                                          async_sharded_save=True, **kwargs)
-            if plans is not None:
-                plans.validated = True
-            done = True  # the stage now belongs to the PendingSave
-            return [PendingSave(ckpt, step, rank, request, stage, path is None, copy_stream)]
-        as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage, **kwargs)
+        request = as_checkpoint_error(what, dist_checkpointing.save, sharded_state_dict, stage,
+                                      async_sharded_save=True, **kwargs)
         if plans is not None:
             plans.validated = True
+        if async_save:
+            done = True  # the stage now belongs to the PendingSave
+            return [PendingSave(ckpt, step, rank, request, stage, path is None, copy_stream)]
+        hashed = as_checkpoint_error(what, _write_now, request)
         after_write()
-        return _put_rank_files(ckpt, step, stage, rank)
+        return _put_rank_files(ckpt, step, stage, rank, hashed)
     finally:
         if path is None and not done:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _write_now(request) -> dict:
+    """Megatron's `AsyncRequest.execute_sync` with `write_buckets` as the write (threads, each
+    file hashed as written; not Megatron's forked writers): the host copy of the tensors
+    (`preload_fn`), the write, a barrier, the finalize functions (collective). Returns
+    {file name: (size, sha256)} of the files written."""
+    hashed, args = {}, list(request.async_fn_args)
+    if request.async_fn is not None:
+        if request.preload_fn is not None:
+            args[1] = request.preload_fn()
+        hashed = write_buckets(request.async_fn, *args)
+    dist.barrier()
+    for finalize in request.finalize_fns:
+        finalize()
+    return hashed
 
 
 class PendingSave:
     """The background part of an async `save_sharded`: Megatron's AsyncRequest
     (`dist_checkpointing.save(..., async_sharded_save=True)`) whose tensors are copied to host
     memory at construction; its write (`async_fn`: no collective) runs in a thread once the
-    copies are done. `copied`: the CUDA event that marks them done (None when the construction
+    copies are done (`write_buckets`: the .distcp files in parallel, each hashed as it is
+    written). `copied`: the CUDA event that marks the copies done (None when the construction
     waited for them, or without CUDA). `result()` must be called on every rank, from the thread
     that runs the collectives (the actor's `finish_checkpoint`): it waits for the write, runs
-    the request's finalize functions (collective: the global metadata), then hashes / uploads
-    this rank's files and returns their FileEntry list. Raises CheckpointError when the write
-    or an upload failed."""
+    the request's finalize functions (collective: the global metadata), then hashes the global
+    files (rank 0), uploads this rank's files for object storage and returns their FileEntry
+    list. Raises CheckpointError when the write or an upload failed."""
 
     def __init__(self, ckpt, step: int, rank: int, request, stage: str, owns_stage: bool,
                  copy_stream: torch.cuda.Stream | None = None):
@@ -173,11 +191,12 @@ class PendingSave:
         self._thread.start()
 
     def _write(self, args) -> None:
+        self.hashed = {}  # {file name: (size, sha256)} of the .distcp files, hashed as written
         try:
             if self.copied is not None:
                 self.copied.synchronize()
             if self.request.async_fn is not None:
-                write_buckets(self.request.async_fn, *args)
+                self.hashed = write_buckets(self.request.async_fn, *args)
         except BaseException as exc:  # noqa: BLE001 (reported by result())
             self.error = exc
 
@@ -195,7 +214,7 @@ class PendingSave:
                                       (f": {self.error!r}" if self.error is not None else ""))
             for finalize in self.request.finalize_fns:
                 as_checkpoint_error(what, finalize)
-            return _put_rank_files(self.ckpt, self.step, self.stage, self.rank)
+            return _put_rank_files(self.ckpt, self.step, self.stage, self.rank, self.hashed)
         finally:
             if not self._thread.is_alive():
                 _SAVE_ARENA[:] = [self._arena]
@@ -207,7 +226,9 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
     """Collective over the default process group: `dist_checkpointing.load` of shard
     `megatron` of the committed checkpoint `manifest` into `sharded_state_dict` (the saved
     layout may differ in DP and TP size: dist_checkpointing reshards). Returns the loaded
-    state dict.
+    state dict. Files are read in parallel, tensors straight into their destinations where the
+    stored bytes allow (`megatron_compat.torch_dist_reader`); local files are not hashed here
+    (a restore verifies them first: `CheckpointManager.verify_files`).
 
     Object storage: the global files are downloaded into a private staging directory first,
     then each `.distcp` file only when this rank's load plan reads from it (so a rank fetches
@@ -220,7 +241,8 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
     what = f"loading {ckpt.step_uri(manifest.step)}/{MEGATRON_SHARD}"
     path = ckpt.local_dir(manifest.step, MEGATRON_SHARD)
     if path is not None:
-        return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path, error=CheckpointMismatch)
+        with torch_dist_reader():
+            return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path, error=CheckpointMismatch)
     import tempfile
 
     prefix = MEGATRON_SHARD + "/"
@@ -237,7 +259,7 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
             ckpt.get_files(manifest.step, [files[n] for n in missing], stage)
             fetched.update(missing)
 
-        with fetch_before_read(fetch):
+        with torch_dist_reader(fetch):
             return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict,
                                        os.path.join(stage, MEGATRON_SHARD), error=CheckpointMismatch)
 

@@ -14,11 +14,19 @@ import dataclasses
 import functools
 import importlib
 import logging
+import threading
 
 import megatron.core
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.distributed.checkpoint.utils import _create_file_view
+from torch.futures import Future
 
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, no_zip_crc32
+from hashed_file import HashedFile
 
 log = logging.getLogger(__name__)
 WRITTEN_FOR = "0.16.1"  # megatron-core version the patches below were written against
@@ -31,13 +39,18 @@ PATCHES = (
      "per-instance method swaps: the original load raises KeyError 'step' in a fully_reshardable "
      "load; the save's model-space state with one DP rank is built from views (same keys, shapes, "
      "replica ids as the original's, which iterates gbuf_ranges / buffers[i].param_index_map)"),
-    ("fetch_before_read", "megatron.core.dist_checkpointing.strategies.torch",
+    ("torch_dist_reader", "megatron.core.dist_checkpointing.strategies.torch",
      ("_get_filesystem_reader",),
-     "the torch_dist loader's reader factory, swapped for one load to fetch files before reading"),
+     "the torch_dist loader's reader factory (checkpoint_dir, cache_metadata=True: metadata read once), "
+     "swapped for one load for a reader that reads in parallel, straight into the destinations, and "
+     "fetches files before reading"),
     ("write_buckets", "megatron.core.dist_checkpointing.strategies.filesystem_async",
-     ("FileSystemWriterAsync.write_preloaded_data_multiproc", "FileSystemWriterAsync.write_preloaded_data"),
-     "re-implements the async write (partial(write_preloaded_data_multiproc, transform_list, "
-     "use_msc)) with threads instead of forked writers"),
+     ("FileSystemWriterAsync.write_preloaded_data_multiproc", "FileSystemWriterAsync.write_preloaded_data",
+      "_write_item"),
+     "re-implements the async write (partial(write_preloaded_data_multiproc, transform_list, use_msc)) "
+     "with threads instead of forked writers, and write_preloaded_data (each bucket's items through "
+     "_write_item(*transform_list, stream, data, item, storage_key, serialization_format=TORCH_SAVE), "
+     "then fsync) with the file hashed as written"),
     ("foreach_grad_norm", "megatron.core.optimizer.clip_grads",
      ("l2_norm_impl", "multi_tensor_scale_impl", "multi_tensor_applier"),
      "without TE / Apex, clip_grads' local fallbacks: l2_norm_impl(chunk, noop, [tensors], per_tensor) "
@@ -207,54 +220,195 @@ def one_group_per_membership():
 
 
 @contextlib.contextmanager
-def fetch_before_read(fetch):
-    """Make Megatron's torch_dist loader call `fetch(relative file names)` with the files a
-    read plan needs before reading them. Megatron-Core 0.16 builds its reader in
-    `strategies.torch._get_filesystem_reader` (its only remote path is NVIDIA's
+def torch_dist_reader(fetch=None):
+    """Inside the block, Megatron's torch_dist loader reads with `_Reader` (files in parallel,
+    tensors straight into their destinations) and, when `fetch` is given, calls `fetch(relative
+    file names)` with the files a read plan needs before reading them. Megatron-Core 0.16 builds
+    its reader in `strategies.torch._get_filesystem_reader` (its only remote path is NVIDIA's
     multi-storage client), so that factory is swapped for the duration of one load."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class Reader(FileSystemReader):
-        def read_data(self, plan, planner):
-            fetch({self.storage_data[item.storage_index].relative_path for item in plan.items})
-            return super().read_data(plan, planner)
 
     original = mcore_torch._get_filesystem_reader
-    mcore_torch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: Reader(checkpoint_dir)
+    mcore_torch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: _Reader(checkpoint_dir, fetch)
     try:
         yield
     finally:
         mcore_torch._get_filesystem_reader = original
 
 
-def write_buckets(async_fn, _rank: int, buckets: list, results_queue) -> None:
+_READ_THREADS = 8  # files of one read plan read at once
+_STAGE = 16 << 20  # bytes: each of the two pinned buffers of a thread that reads into GPU memory
+
+
+class _Reader(FileSystemReader):
+    """Megatron's torch_dist reader (torch DCP's FileSystemReader, metadata read once), faster:
+    the files of a read plan are read in parallel (a thread each, at most `_READ_THREADS`), and
+    a tensor whose stored bytes are those of its destination (after the plan's narrowing: same
+    dtype and shape, both contiguous) is read straight into it (CPU memory), or through two
+    pinned buffers per thread (GPU memory), instead of torch.load into a new tensor and a copy.
+    Anything else (objects, stream transforms, slices of another layout that are not
+    contiguous) goes through FileSystemReader.read_data, one item at a time. The planner is
+    called under one lock (DCP's planners assume one caller). Stored bytes are taken in the
+    host's byte order, as torch.save writes them (every supported host is little-endian)."""
+
+    def __init__(self, path, fetch=None):
+        super().__init__(path)
+        self._fetch, self._metadata = fetch, None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:  # Megatron reads it again after the load
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+    def read_data(self, plan, planner):
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        if self._fetch is not None:
+            self._fetch(set(per_file))
+        lock = threading.Lock()
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(_READ_THREADS, len(per_file))),
+                                                   thread_name_prefix="mcore-read") as pool:
+            for _ in pool.map(lambda name: self._read_file(name, per_file[name], planner, lock), per_file):
+                pass
+        done = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, name: str, items: list, planner, lock) -> None:
+        stage = None
+        try:
+            with open(self.fs.concat_path(self.path, name), "rb") as f:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    stored = self._stored_bytes(f, item)
+                    with lock:
+                        target = None if stored is None else planner.resolve_tensor(item).detach()
+                        if target is None or not _fits(target, stored[0]):
+                            super().read_data(LoadPlan([item]), planner)
+                            continue
+                    if target.is_cuda:
+                        stage = stage or _Stage(target.device)
+                        stage.copy(f, stored[1], target)
+                    else:
+                        _read_exact(f, stored[1], memoryview(target.view(-1).view(torch.uint8).numpy()))
+                    with lock:
+                        planner.commit_tensor(item, target)
+        finally:
+            if stage is not None:
+                stage.finish()  # also on an error: no copy may still read a buffer once it is freed
+
+    def _stored_bytes(self, f, item):
+        """(meta tensor of the stored slice `item` reads, offset in `f` of its first byte) when
+        those bytes are contiguous in the file, else None. Reads only the small records of the
+        item's torch.save archive (torch.load to the meta device records each storage's offset)."""
+        info = self.storage_data[item.storage_index]
+        if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+            return None
+        meta = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta", weights_only=True)
+        start = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+        src = narrow_tensor_by_index(meta, item.storage_offsets, item.lengths)
+        if start is None or not src.is_contiguous():
+            return None
+        return src, info.offset + start + src.storage_offset() * src.element_size()
+
+
+def _fits(target: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether the bytes of `src` (contiguous) can be read into `target` as they are."""
+    return (type(target) is torch.Tensor and target.device.type in ("cpu", "cuda") and target.dtype == src.dtype
+            and target.shape == src.shape and target.is_contiguous())
+
+
+def _read_exact(f, offset: int, out: memoryview) -> None:
+    """Read len(`out`) bytes of `f` from `offset` into `out` (the GIL is released while reading).
+    Raises EOFError when the file ends first."""
+    f.seek(offset)
+    if f.readinto(out) != len(out):
+        raise EOFError(f"{f.name}: fewer than {len(out)} bytes at offset {offset}")
+
+
+class _Stage:
+    """Two pinned host buffers of `_STAGE` bytes through which one thread reads file bytes into
+    GPU memory: a piece is read into one buffer while the other's copy to the GPU runs."""
+
+    def __init__(self, device: torch.device):
+        from host_memory import pinned_empty
+
+        self.device = device
+        self.buffers = [pinned_empty(_STAGE, device.index) for _ in range(2)]
+        self.copied: list = [None, None]  # the event of each buffer's copy in flight
+        self.turn = 0
+
+    def copy(self, f, offset: int, target: torch.Tensor) -> None:
+        out = target.view(-1).view(torch.uint8)
+        with torch.cuda.device(self.device):
+            for start in range(0, out.numel(), _STAGE):
+                n = min(_STAGE, out.numel() - start)
+                buf, done = self.buffers[self.turn], self.copied[self.turn]
+                if done is not None:
+                    done.synchronize()  # its previous copy has left the buffer
+                _read_exact(f, offset + start, memoryview(buf[:n].numpy()))
+                out[start:start + n].copy_(buf[:n], non_blocking=True)
+                self.copied[self.turn] = torch.cuda.Event()
+                self.copied[self.turn].record()
+                self.turn ^= 1
+
+    def finish(self) -> None:
+        """Wait until every copy has reached the GPU (the destinations may be used after)."""
+        for done in self.copied:
+            if done is not None:
+                done.synchronize()
+
+
+def _write_bucket(transform_list: list, bucket) -> tuple[list, tuple[int, str]]:
+    """`FileSystemWriterAsync.write_preloaded_data` of one write bucket (file path, storage key,
+    (byte items, tensor items)) into a `HashedFile` (sha256 computed as written, O_DIRECT):
+    every item through torch's `_write_item` (torch.save of each tensor) in Megatron's order,
+    then fsync. Returns (the items' WriteResults, (file size in bytes, sha256 hex))."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import _write_item
+
+    path, storage_key, (bytes_data, tensor_data) = bucket
+    out = HashedFile(path)
+    try:
+        results = [_write_item(*transform_list, out, data, item, storage_key,
+                               serialization_format=SerializationFormat.TORCH_SAVE)
+                   for item, data in [*bytes_data, *tensor_data]]
+    finally:
+        out.close()
+    return results, (out.size, out.sha256.hexdigest())
+
+
+def write_buckets(async_fn, _rank: int, buckets: list, results_queue) -> dict[str, tuple[int, str]]:
     """What Megatron's async write (`async_fn`: `FileSystemWriterAsync.write_preloaded_data_multiproc`
-    bound to its transforms and `use_msc`) does, without its fork: each write bucket goes to
-    `FileSystemWriterAsync.write_preloaded_data` in a thread of this process, and the results
-    (bucket index -> write results, or the first exception) go to `results_queue` for the
-    request's finalize (`_rank`, Megatron's first argument, is not needed). Why not Megatron's
-    fork of one writer process per bucket: it forks from a background thread while the
-    training thread runs, and a lock another thread holds at the fork stays held forever in
-    the child (a forked writer then hangs in futex_wait). Raises CheckpointError when
-    `async_fn` is not the partial of megatron-core `WRITTEN_FOR`."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
+    bound to its transforms and `use_msc`) does, without its fork and without a second read of
+    the files: the write buckets are written in parallel, one thread each (`_write_bucket`:
+    hashed as written, O_DIRECT, fsync'd), with torch.save's zip CRC32 off (`no_zip_crc32`);
+    the results (bucket index -> write results, or the first exception) go to `results_queue`
+    for the request's finalize (`_rank`, Megatron's first argument, is not needed). Returns {file name
+    in the checkpoint directory: (size in bytes, sha256 hex)} of the files written, for
+    `CheckpointManager.put_files(..., hashed=...)`; {} when a bucket failed.
+    Why not Megatron's fork of one writer process per bucket: it forks from a background thread
+    while the training thread runs, and a lock another thread holds at the fork stays held
+    forever in the child (a forked writer then hangs in futex_wait). Raises CheckpointError when
+    `async_fn` is not the partial of megatron-core `WRITTEN_FOR`, or when Megatron's
+    multi-storage client is enabled (this writer writes local files)."""
     if not (isinstance(async_fn, functools.partial) and len(async_fn.args) == 2):
         raise CheckpointError(f"megatron-core's async write is {async_fn!r}, not the partial of "
                               f"(transform_list, use_msc) of megatron-core {WRITTEN_FOR}: install the version "
                               "pinned in requirements.txt")
     transform_list, use_msc = async_fn.args
+    if use_msc:
+        raise CheckpointError("megatron-core's multi-storage client is enabled; checkpoints are staged in local "
+                              "files (disable it, or uninstall multistorageclient)")
 
-    def write(i: int, bucket):
-        out, count = queue.Queue(), queue.Queue()
-        count.put(i)  # the writer marks its bucket done on this queue
-        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, out, count, True, use_msc=use_msc)
-        return out.get()[1]
+    def write(bucket):
+        try:
+            return _write_bucket(transform_list, bucket)
+        except Exception as exc:  # noqa: BLE001 (handed to finalize, as Megatron's writer does)
+            return exc, None
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(buckets)), thread_name_prefix="mcore-write") as pool:
-        results = list(pool.map(write, range(len(buckets)), buckets))
-    error = next((r for r in results if isinstance(r, Exception)), None)
-    results_queue.put(error if error is not None else dict(enumerate(results)))
+    with no_zip_crc32(), concurrent.futures.ThreadPoolExecutor(
+            max(1, len(buckets)), thread_name_prefix="mcore-write") as pool:
+        written = list(pool.map(write, buckets))
+    error = next((r for r, _ in written if isinstance(r, Exception)), None)
+    results_queue.put(error if error is not None else {i: r for i, (r, _) in enumerate(written)})
+    return {} if error is not None else {key: digest for (_, key, _), (_, digest) in zip(buckets, written)}

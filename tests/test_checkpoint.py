@@ -289,6 +289,91 @@ def test_bad_arguments(tmp_path):
         CheckpointManager(str(tmp_path), keep_last=0)
 
 
+def test_put_files_takes_the_hashes_made_while_writing(tmp_path):
+    """A file the writer hashed as it wrote it is not read again: its entry carries the given
+    sha256 (a wrong one here, so a re-read would show); the others are hashed from disk. A
+    hashed file whose size on disk differs is refused."""
+    import hashlib
+
+    m = CheckpointManager(str(tmp_path / "c"))
+    d = m.local_dir(1, "megatron")
+    os.makedirs(d)
+    for name, data in (("a", b"abc"), ("b", b"defg")):
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+    entries = m.put_files(1, d, "megatron", ["a", "b"], hashed={"a": (3, "f" * 64)})
+    assert entries == [FileEntry("megatron/a", 3, "f" * 64),
+                       FileEntry("megatron/b", 4, hashlib.sha256(b"defg").hexdigest())]
+    with pytest.raises(CheckpointError, match="a: 3 bytes, 2 written"):
+        m.put_files(1, d, "megatron", ["a", "b"], hashed={"a": (2, "f" * 64)})
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_a_large_file_uploads_in_parallel_parts(backend, request, tmp_path, monkeypatch):
+    """With 5 MiB parts, a 21 MB file goes up in 5 parts at once (S3: s3fs's multipart
+    upload, seen as UploadPart requests in flight together; GCS: part objects written from
+    several threads, composed in order, then deleted) and arrives byte for byte; a small file
+    beside it goes up whole. A failed compose leaves no part behind."""
+    import hashlib
+
+    server = request.getfixturevalue(f"{backend}_server")
+    m = CheckpointManager(server.uri(f"parts-{uuid.uuid4().hex[:8]}"), storage_options=server.storage_options,
+                          part_bytes=5 << 20)
+    big = os.urandom(4 * (5 << 20) + 12345)
+    os.makedirs(tmp_path / "stage")
+    (tmp_path / "stage" / "big").write_bytes(big)
+    (tmp_path / "stage" / "small").write_bytes(b"small")
+    shard_dir = f"{m.root}/step_00000001/shard"
+    seen = {"parts": 0, "in_flight": 0, "most_in_flight": 0, "threads": set(), "merged": []}
+    if backend == "s3":
+        def before(**_):
+            seen["parts"] += 1
+            seen["in_flight"] += 1
+            seen["most_in_flight"] = max(seen["most_in_flight"], seen["in_flight"])
+
+        def after(**_):
+            seen["in_flight"] -= 1
+
+        m.fs.connect()
+        m.fs.s3.meta.events.register("before-call.s3.UploadPart", before)
+        m.fs.s3.meta.events.register("after-call.s3.UploadPart", after)
+    else:
+        fs_open, fs_merge = m.fs.open, m.fs.merge
+
+        def open_part(path, mode="rb", **kwargs):
+            if ".part-" in path:
+                seen["parts"] += 1
+                seen["threads"].add(threading.current_thread().name)
+            return fs_open(path, mode, **kwargs)
+
+        monkeypatch.setattr(m.fs, "open", open_part)
+        monkeypatch.setattr(m.fs, "merge", lambda path, parts: (seen["merged"].append(parts), fs_merge(path, parts)))
+
+    entries = m.put_files(1, str(tmp_path / "stage"), "shard", ["big", "small"])
+    assert entries == [FileEntry("shard/big", len(big), hashlib.sha256(big).hexdigest()),
+                       FileEntry("shard/small", 5, hashlib.sha256(b"small").hexdigest())]
+    assert hashlib.sha256(m.fs.cat_file(f"{shard_dir}/big")).digest() == hashlib.sha256(big).digest()
+    assert m.fs.cat_file(f"{shard_dir}/small") == b"small"
+    assert seen["parts"] == 5, seen
+    if backend == "s3":
+        assert seen["most_in_flight"] > 1, seen
+    else:
+        assert len(seen["threads"]) > 1, seen
+        (parts,) = seen["merged"]
+        assert [p.rsplit("-", 1)[1] for p in parts] == ["00", "01", "02", "03", "04"]
+        m.fs.invalidate_cache()
+        assert sorted(p.rsplit("/", 1)[1] for p in m.fs.find(shard_dir)) == ["big", "small"]
+
+        def refuse(path, parts):
+            raise RuntimeError("compose refused")
+
+        monkeypatch.setattr(m.fs, "merge", refuse)
+        with pytest.raises(CheckpointError, match="compose refused"):
+            m.put_files(2, str(tmp_path / "stage"), "shard", ["big"])
+        m.fs.invalidate_cache()
+        assert m.fs.find(f"{m.root}/step_00000002") == []
+
+
 def test_s3_outage_and_recovery(tmp_path):
     server = S3Server().start()  # own server: stopping it must not disturb other tests
     try:

@@ -195,3 +195,68 @@ def test_an_unknown_megatron_async_write_is_named():
 
     with pytest.raises(CheckpointError, match="0.16.1"):
         write_buckets(lambda *a: None, 0, [], queue.Queue())
+
+
+def _io_worker(rank: int, world: int, store, root: str) -> dict:
+    """One rank: an async save of tensors that span several write pieces, a transposed
+    (non-contiguous) one and an object; a load into zeroed tensors; a synchronous save. Records
+    which files were hashed by reading them back and how many bytes were read straight into
+    tensors."""
+    torch.cuda.synchronize = lambda *a, **k: None  # no CUDA here (see module docstring)
+    torch.cuda.current_device = lambda: "cpu"
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    import checkpoint
+    import hashed_file
+    import megatron_compat
+    from megatron_checkpoint import load_sharded, save_sharded
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    reread, direct = [], []
+    sha256_local, read_exact = checkpoint._sha256_local, megatron_compat._read_exact
+    checkpoint._sha256_local = lambda path: (reread.append(os.path.basename(path)), sha256_local(path))[1]
+    megatron_compat._read_exact = lambda f, offset, out: (direct.append(len(out)), read_exact(f, offset, out))[1]
+    g = torch.Generator().manual_seed(0)
+    values = {"big": torch.randn(3, hashed_file.PIECE // 4 + 5, generator=g),  # > 3 write pieces
+              "bf16": torch.randn(7, 5, generator=g).bfloat16(),
+              "transposed": torch.randn(6, 4, generator=g).t()}
+
+    def state(fill: bool) -> dict:
+        return {**{k: ShardedTensor.from_rank_offsets(k, torch.zeros(v.shape, dtype=v.dtype) if fill else v,
+                                                      replica_id=0) for k, v in values.items()},
+                "rng": ShardedObject("rng", None if fill else {"seed": 5}, (1,), (0,), replica_id=0), "step": 3}
+
+    ckpt = CheckpointManager(root)
+    (pending,) = save_sharded(ckpt, 1, 0, state(False), async_save=True)
+    manifest = ckpt.commit(1, {"dp": 1}, pending.result())
+    out = {"reread": sorted(reread), "files": sorted(f.path for f in manifest.files), "verify": ckpt.verify(1),
+           "crc32_after_save": torch.utils.serialization.config.save.compute_crc32}
+    loaded = load_sharded(ckpt, manifest, state(True))
+    out["equal"] = {k: torch.equal(loaded[k], v) for k, v in values.items()}
+    out["rng"], out["direct"] = loaded["rng"], sorted(direct)
+    reread.clear()  # a synchronous save writes the same way, in this thread, without forking
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))
+    ckpt.commit(2, {"dp": 1}, save_sharded(ckpt, 2, 0, state(False)))
+    out["sync"] = {"reread": sorted(reread), "forks": len(forks), "verify": ckpt.verify(2)}
+    dist.destroy_process_group()
+    return out
+
+
+def test_saves_hash_while_writing_and_load_reads_into_the_tensors(tmp_path):
+    """The background write hashes each .distcp file as it writes it (only the small global
+    files are read back to hash them), with sha256 values that `verify` recomputes; the zip
+    CRC32 switch is restored after the write; a synchronous save does the same, without fork. The load reads each contiguous stored tensor
+    straight into its destination; a transposed one goes through torch's read, equal too."""
+    import hashed_file
+
+    (out,) = spawn_ranks(_io_worker, 1, str(tmp_path / "c"), timeout_s=240)
+    distcp = [p.split("/", 1)[1] for p in out["files"] if p.endswith(".distcp")]
+    assert len(distcp) == 2, out["files"]  # Megatron's two write buckets, written in parallel
+    assert not set(out["reread"]) & set(distcp) and out["reread"], out["reread"]
+    assert out["verify"] == [] and out["crc32_after_save"] is True
+    assert out["equal"] == {"big": True, "bf16": True, "transposed": True} and out["rng"] == {"seed": 5}
+    assert out["direct"] == sorted([3 * (hashed_file.PIECE // 4 + 5) * 4, 7 * 5 * 2]), out["direct"]
+    assert out["sync"] == {"reread": out["reread"], "forks": 0, "verify": []}, out["sync"]
