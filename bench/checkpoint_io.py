@@ -35,20 +35,20 @@ config's sizes (config defaults + `--set`; see bench/results/gpu/run_checkpoint_
   async   a steady train step (`steady_step_s`), then `save_checkpoint(..., async_save=True)`
           (`async_call_s`: the sharded state dicts, planning, queuing the device-to-host copy)
           and at once the next train step (`step_after_save_s`: its update waits for that
-          copy); async_stall_s = async_call_s + (step_after_save_s - steady_step_s, if > 0).
-          Then `PendingSave.result()` + commit (async_total_s, from the call); the save plans
-          are cached from save to save (`SavePlanCache`); the pinned host memory of the copy
-          is reserved when the engine joins (`checkpoint.async_save` is set here).
-  load    of that async checkpoint: the live state is zeroed, the page cache of the
+          copy); async_stall_s = async_call_s + (step_after_save_s - steady_step_s, if > 0);
+          then `PendingSave.result()` + commit (async_total_s, from the call). Run twice: the
+          layout's first save (`first_*`: plans made and validated), and after the sync save
+          the third (the headline: `SavePlanCache` reuses the plans). The pinned host memory of
+          the copy is reserved when the engine joins (`checkpoint.async_save` is set here).
+  sync    between the two, `MegatronEngine.save_checkpoint` (torch_dist, written in the call,
+          each file hashed as written) + `ckpt.commit`: the stall. The raw write is one stream
+          from host memory; `raw_write_incl_d2h_gbps` counts the device-to-host copy too.
+          `sharded_state_s`: building the model's and optimizer's sharded state dicts alone.
+  load    of the third save's checkpoint: the live state is zeroed, the page cache of the
           checkpoint dropped, `verify_s` is `ckpt.latest_verified()`, then
           `engine.load_checkpoint(ckpt, manifest, 0)` and `torch.cuda.synchronize()`;
           `load_matches`: every state tensor's sum (float64, on the GPU) and the engine step
           equal those at the save call (the step trained after it is not in the checkpoint).
-  sync    `MegatronEngine.save_checkpoint` (Megatron dist_checkpointing, torch_dist, written
-          in the call, then the sha256 of each file) + `ckpt.commit`: the stall. The raw write
-          is one stream from host memory; `raw_write_incl_d2h_gbps` counts the device-to-host
-          copy too. `sharded_state_s`: building the model's and optimizer's sharded state dicts
-          alone (part of every save's stall).
 Headline keys of the JSON (both engines, from the local disk row): `async_save_stall_s`,
 `save_vs_raw` (checkpoint bytes / (async_total_s - async_stall_s), the background write + hash
 + commit, over the raw write speed), `state_gb` (the raw payload), `device`;
@@ -332,6 +332,25 @@ def bench_megatron(args, tmp: str, report) -> dict:
     print(f"  megatron: {info['params'] / 1e9:.3f}B params on {info['device']}, build {build_s:.1f} s, "
           f"train step {info['train_step_s']:.1f} s (loss {metrics['loss']:.4f})", flush=True)
 
+    def async_save(step: int) -> tuple:
+        """An async save of checkpoint `step` with the next train step trained at once, committed:
+        (fingerprint and engine step at the call, {steady_step_s, async_call_s, step_after_save_s,
+        async_stall_s, async_total_s}, files, manifest). The training stall is the call plus what
+        the next step takes over a steady one (its update waits for the save's device-to-host copy)."""
+        steady = train_step()
+        gc.collect()
+        torch.cuda.synchronize()
+        saved, saved_step = fingerprint(), engine.step
+        t0 = time.perf_counter()
+        pending = engine.save_checkpoint(ckpt, step, dims, 0, async_save=True)
+        call = time.perf_counter() - t0
+        after = train_step()
+        files = [f for p in pending for f in p.result()]
+        manifest = ckpt.commit(step, layout, files)
+        times = {"steady_step_s": steady, "async_call_s": call, "step_after_save_s": after,
+                 "async_stall_s": call + max(0.0, after - steady), "async_total_s": time.perf_counter() - t0}
+        return saved, saved_step, times, files, manifest
+
     def train_step() -> float:  # seconds of one synchronized train step on the bench's batch
         t0 = time.perf_counter()
         engine.train_step(synthetic_batch(t.seed, engine.step + 1, t.global_batch_size, t.seq_len, m.vocab_size),
@@ -369,23 +388,25 @@ def bench_megatron(args, tmp: str, report) -> dict:
             shutil.rmtree(ckpt._step_path(step), ignore_errors=True)
         step += 1
         r["sharded_state_s"], _ = timed(lambda: engine._sharded_state(False, True))
-        r["steady_step_s"] = train_step()
+        _, _, first, _, _ = async_save(step)  # the layout's first save: plans made and validated
+        r.update({f"first_{k}": v for k, v in first.items()})
+
+        step += 1
         gc.collect()
         torch.cuda.synchronize()
-        async_saved, async_step = fingerprint(), engine.step
         t0 = time.perf_counter()
-        pending = engine.save_checkpoint(ckpt, step, dims, 0, async_save=True)
-        r["async_call_s"] = time.perf_counter() - t0
-        # The training stall: the call, plus what the next step takes over a steady one (its
-        # update waits for the save's device-to-host copy).
-        r["step_after_save_s"] = train_step()
-        r["async_stall_s"] = r["async_call_s"] + max(0.0, r["step_after_save_s"] - r["steady_step_s"])
-        async_files = [f for p in pending for f in p.result()]
-        manifest = ckpt.commit(step, layout, async_files)
-        r["async_total_s"] = time.perf_counter() - t0
+        files = engine.save_checkpoint(ckpt, step, dims, 0)
+        t1 = time.perf_counter()
+        ckpt.commit(step, layout, files)
+        r["sync_write_s"], r["commit_s"] = t1 - t0, time.perf_counter() - t1
+        r["sync_stall_s"] = r["save_s"] = time.perf_counter() - t0
+
+        step += 1  # the steady-state async save: the layout's third save reuses the cached plans
+        async_saved, async_step, steady, async_files, manifest = async_save(step)
+        r.update(steady)
         r["bytes"], r["files"] = sum(f.size for f in async_files), len(async_files)
 
-        # load: the async checkpoint, cold, into a zeroed state; it holds the state of the call
+        # load: that async checkpoint, cold, into a zeroed state; it holds the state of the call
         for x in state_tensors(engine._train_state()):  # so that the load has to restore every tensor
             x.zero_()
         engine.step = 0
@@ -400,16 +421,6 @@ def bench_megatron(args, tmp: str, report) -> dict:
         torch.cuda.synchronize()
         r["load_s"] = time.perf_counter() - t0
         r["load_matches"] = bool(torch.equal(async_saved, fingerprint())) and engine.step == async_step
-
-        step += 1
-        gc.collect()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        files = engine.save_checkpoint(ckpt, step, dims, 0)
-        t1 = time.perf_counter()
-        ckpt.commit(step, layout, files)
-        r["sync_write_s"], r["commit_s"] = t1 - t0, time.perf_counter() - t1
-        r["sync_stall_s"] = r["save_s"] = time.perf_counter() - t0
         r["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
         runs.append(r)
         print("  megatron local run: " + " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.endswith("_s"))
