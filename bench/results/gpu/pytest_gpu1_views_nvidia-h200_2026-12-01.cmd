@@ -1,0 +1,1 @@
+python3 -m pytest tests -m gpu -q -x
