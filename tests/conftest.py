@@ -39,10 +39,21 @@ def run_bench(name: str, *args: str, check: bool = True) -> subprocess.Completed
     return proc
 
 
+@pytest.fixture(scope="session")
+def _shared_ray_at_exit():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_session(s3_server, gcs_server):
-    """A local Ray instance per test module (8 logical CPUs on any machine). Driver and actors
-    reach the loopback S3 / GCS servers through the usual environment variables."""
+def ray_session(s3_server, gcs_server, _shared_ray_at_exit):
+    """A local Ray instance (8 logical CPUs on any machine), shared by the modules that use it:
+    started by the first, kept for the next (a start and shutdown cost ~6 s), shut down at the
+    end of the session or by a module that needs a Ray of its own (`own_ray`). Tests leave
+    nothing running in it (each shuts its actors down). Driver and actors reach the loopback
+    S3 / GCS servers through the usual environment variables."""
     import ray
 
     env = {"PYTHONPATH": ROOT, "AWS_ENDPOINT_URL": s3_server.endpoint_url,
@@ -51,17 +62,26 @@ def ray_session(s3_server, gcs_server):
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    # Actors inherit the environment of the local Ray started here. Credentials must not go in
-    # runtime_env: Ray's runtime-env agent logs its env_vars (tests/test_security.py found it).
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    if not ray.is_initialized():
+        # Actors inherit the environment of the local Ray started here (the same for every
+        # module). Credentials must not go in runtime_env: Ray's runtime-env agent logs its
+        # env_vars (tests/test_security.py found it).
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield ray
-    ray.shutdown()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def own_ray() -> None:
+    """For a module that starts a Ray of its own (one per process): shut down the one
+    `ray_session` shares, which its next user starts again."""
+    import ray
+
+    ray.shutdown()
 
 
 def wait_for_snapshots(group, step: int, timeout_s: float = 30.0) -> None:

@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from conftest import wait_for_senders, wait_for_snapshots
+from conftest import own_ray, wait_for_senders, wait_for_snapshots
 from config import load_config, resolve
 from actor_group import ActorGroup
 from trainer import Trainer
@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def cluster():
+    own_ray()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [c.add_node(num_cpus=2) for _ in range(3)]
     c.wait_for_nodes()
