@@ -109,18 +109,28 @@ def wait_for_senders(group, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+_uninterrupted: dict[tuple, dict] = {}
+
+
 def uninterrupted_losses(path, sets: list[str], steps: int) -> dict:
-    """Losses of `steps` steps of config.yaml with `sets`, run in-process (no failure), with
-    run_dir and checkpoint.uri under `path`: the reference a killed-driver run is compared to."""
+    """Losses of `steps` steps of config.yaml with `sets`, run in-process (no failure, no spare:
+    spares do not change the math), with run_dir and checkpoint.uri under `path`: the reference
+    a killed-driver run is compared to. Run once per session for the same `sets` and `steps`
+    (test_driver_crash and test_driver_failover compare to the same run)."""
     from actor_group import ActorGroup
     from config import load_config, resolve
     from trainer import Trainer
 
-    cfg = resolve(load_config("config.yaml", [*sets, f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]), num_gpus=0)
-    group = ActorGroup(cfg)
-    try:
-        trainer = Trainer(cfg, group)
-        trainer.train(steps)
-        return trainer.losses
-    finally:
-        group.shutdown()
+    sets = [s for s in sets if not s.startswith("cluster.num_spares=")] + ["cluster.num_spares=0"]
+    key = (tuple(sets), steps)
+    if key not in _uninterrupted:
+        cfg = resolve(load_config("config.yaml", [*sets, f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]),
+                      num_gpus=0)
+        group = ActorGroup(cfg)
+        try:
+            trainer = Trainer(cfg, group)
+            trainer.train(steps)
+            _uninterrupted[key] = trainer.losses
+        finally:
+            group.shutdown()
+    return _uninterrupted[key]
