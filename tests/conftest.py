@@ -1,5 +1,7 @@
 """Shared fixtures: the repository root on sys.path, a local Ray session, storage servers; and
 `run_bench`, how tests run a benchmark (as a program: tests do not import bench/)."""
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -109,28 +111,38 @@ def wait_for_senders(group, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-_uninterrupted: dict[tuple, dict] = {}
+_references: dict[str, tuple[dict, list]] = {}
 
 
-def uninterrupted_losses(path, sets: list[str], steps: int) -> dict:
-    """Losses of `steps` steps of config.yaml with `sets`, run in-process (no failure, no spare:
-    spares do not change the math), with run_dir and checkpoint.uri under `path`: the reference
-    a killed-driver run is compared to. Run once per session for the same `sets` and `steps`
-    (test_driver_crash and test_driver_failover compare to the same run)."""
+def reference_run(cfg, steps: int) -> tuple[dict, list]:
+    """(losses, each rank's final state digest) of `steps` steps of the resolved `cfg` trained
+    in-process with no failure and no spare: the reference a run with failures is compared to.
+    Run once per session for the same ranks and math (`cluster.num_workers`, `cluster.device`
+    and the parallel, model, train, ppo and rl sections; spares, nodes, checkpoints and timeouts
+    change no result), so modules with the same reference share one run."""
     from actor_group import ActorGroup
-    from config import load_config, resolve
     from trainer import Trainer
 
-    sets = [s for s in sets if not s.startswith("cluster.num_spares=")] + ["cluster.num_spares=0"]
-    key = (tuple(sets), steps)
-    if key not in _uninterrupted:
-        cfg = resolve(load_config("config.yaml", [*sets, f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]),
-                      num_gpus=0)
+    assert not cfg.chaos.events, "a reference has no failure"
+    fields = dataclasses.asdict(cfg)
+    math = [fields[section] for section in ("parallel", "model", "train", "ppo", "rl")]
+    key = json.dumps([steps, cfg.cluster.num_workers, cfg.cluster.device, *math], sort_keys=True, default=str)
+    if key not in _references:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0))
         group = ActorGroup(cfg)
         try:
             trainer = Trainer(cfg, group)
             trainer.train(steps)
-            _uninterrupted[key] = trainer.losses
+            _references[key] = trainer.losses, group.state_digests()
         finally:
             group.shutdown()
-    return _uninterrupted[key]
+    return _references[key]
+
+
+def uninterrupted_losses(path, sets: list[str], steps: int) -> dict:
+    """Losses of `reference_run` of config.yaml with `sets`, run_dir and checkpoint.uri under
+    `path`: the reference a killed-driver run is compared to."""
+    from config import load_config, resolve
+
+    cfg = resolve(load_config("config.yaml", [*sets, f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]), num_gpus=0)
+    return reference_run(cfg, steps)[0]

@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from conftest import own_ray, wait_for_senders, wait_for_snapshots
+from conftest import own_ray, reference_run, wait_for_senders, wait_for_snapshots
 from config import load_config, resolve
 from actor_group import ActorGroup
 from trainer import Trainer
@@ -40,13 +40,7 @@ def make_cfg(tmp_path, spares, *overrides):
 
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
-    ref_group = ActorGroup(make_cfg(tmp_path_factory.mktemp("ref"), 0))
-    try:
-        ref = Trainer(ref_group.cfg, ref_group)
-        ref.train(4)
-        return ref.losses
-    finally:
-        ref_group.shutdown()
+    return reference_run(make_cfg(tmp_path_factory.mktemp("ref"), 0), 4)[0]
 
 
 def three_live_nodes(cluster) -> list:

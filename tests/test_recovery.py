@@ -8,7 +8,7 @@ committed checkpoint with replay), and the per-step losses equal a no-failure ru
 import pytest
 import ray
 
-from conftest import wait_for_senders, wait_for_snapshots
+from conftest import reference_run, wait_for_senders, wait_for_snapshots
 from config import load_config, resolve
 from actor_group import ActorGroup
 from trainer import Trainer
@@ -33,7 +33,7 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2
             group.call("save_checkpoint", half_written_step)
         if after_step_2 is not None:
             after_step_2(trainer)
-        if kill_ranks:
+        if cfg.fault_tolerance.memory_snapshot_interval:  # step 2's snapshots are held before step 3
             wait_for_snapshots(group, 2)
         for r in [kill_rank] if kill_rank is not None else kill_ranks:
             ray.kill(group.workers[r].handle, no_restart=True)
@@ -48,8 +48,7 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2
 
 @pytest.fixture(scope="module")
 def reference(ray_session, tmp_path_factory):
-    trainer, digests, _ = run(make_cfg(tmp_path_factory.mktemp("ref"), spares=0))
-    return trainer.losses, digests
+    return reference_run(make_cfg(tmp_path_factory.mktemp("ref")), 4)
 
 
 def _model_ids(group) -> list[int]:
