@@ -1,5 +1,7 @@
 """Shared fixtures: the repository root on sys.path, a local Ray session, storage servers; and
 `run_bench`, how tests run a benchmark (as a program: tests do not import bench/)."""
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -39,10 +41,21 @@ def run_bench(name: str, *args: str, check: bool = True) -> subprocess.Completed
     return proc
 
 
+@pytest.fixture(scope="session")
+def _shared_ray_at_exit():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_session(s3_server, gcs_server):
-    """A local Ray instance per test module (8 logical CPUs on any machine). Driver and actors
-    reach the loopback S3 / GCS servers through the usual environment variables."""
+def ray_session(s3_server, gcs_server, _shared_ray_at_exit):
+    """A local Ray instance (8 logical CPUs on any machine), shared by the modules that use it:
+    started by the first, kept for the next (a start and shutdown cost ~6 s), shut down at the
+    end of the session or by a module that needs a Ray of its own (`own_ray`). Tests leave
+    nothing running in it (each shuts its actors down). Driver and actors reach the loopback
+    S3 / GCS servers through the usual environment variables."""
     import ray
 
     env = {"PYTHONPATH": ROOT, "AWS_ENDPOINT_URL": s3_server.endpoint_url,
@@ -51,17 +64,26 @@ def ray_session(s3_server, gcs_server):
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    # Actors inherit the environment of the local Ray started here. Credentials must not go in
-    # runtime_env: Ray's runtime-env agent logs its env_vars (tests/test_security.py found it).
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    if not ray.is_initialized():
+        # Actors inherit the environment of the local Ray started here (the same for every
+        # module). Credentials must not go in runtime_env: Ray's runtime-env agent logs its
+        # env_vars (tests/test_security.py found it).
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield ray
-    ray.shutdown()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def own_ray() -> None:
+    """For a module that starts a Ray of its own (one per process): shut down the one
+    `ray_session` shares, which its next user starts again."""
+    import ray
+
+    ray.shutdown()
 
 
 def wait_for_snapshots(group, step: int, timeout_s: float = 30.0) -> None:
@@ -89,18 +111,38 @@ def wait_for_senders(group, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def uninterrupted_losses(path, sets: list[str], steps: int) -> dict:
-    """Losses of `steps` steps of config.yaml with `sets`, run in-process (no failure), with
-    run_dir and checkpoint.uri under `path`: the reference a killed-driver run is compared to."""
+_references: dict[str, tuple[dict, list]] = {}
+
+
+def reference_run(cfg, steps: int) -> tuple[dict, list]:
+    """(losses, each rank's final state digest) of `steps` steps of the resolved `cfg` trained
+    in-process with no failure and no spare: the reference a run with failures is compared to.
+    Run once per session for the same ranks and math (`cluster.num_workers`, `cluster.device`
+    and the parallel, model, train, ppo and rl sections; spares, nodes, checkpoints and timeouts
+    change no result), so modules with the same reference share one run."""
     from actor_group import ActorGroup
-    from config import load_config, resolve
     from trainer import Trainer
 
+    assert not cfg.chaos.events, "a reference has no failure"
+    fields = dataclasses.asdict(cfg)
+    math = [fields[section] for section in ("parallel", "model", "train", "ppo", "rl")]
+    key = json.dumps([steps, cfg.cluster.num_workers, cfg.cluster.device, *math], sort_keys=True, default=str)
+    if key not in _references:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0))
+        group = ActorGroup(cfg)
+        try:
+            trainer = Trainer(cfg, group)
+            trainer.train(steps)
+            _references[key] = trainer.losses, group.state_digests()
+        finally:
+            group.shutdown()
+    return _references[key]
+
+
+def uninterrupted_losses(path, sets: list[str], steps: int) -> dict:
+    """Losses of `reference_run` of config.yaml with `sets`, run_dir and checkpoint.uri under
+    `path`: the reference a killed-driver run is compared to."""
+    from config import load_config, resolve
+
     cfg = resolve(load_config("config.yaml", [*sets, f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]), num_gpus=0)
-    group = ActorGroup(cfg)
-    try:
-        trainer = Trainer(cfg, group)
-        trainer.train(steps)
-        return trainer.losses
-    finally:
-        group.shutdown()
+    return reference_run(cfg, steps)[0]

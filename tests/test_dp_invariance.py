@@ -49,16 +49,31 @@ def close(a, b) -> bool:
     return same and (a[1] - b[1]).abs().max().item() < 1e-4
 
 
+@pytest.fixture(scope="module")
+def trained(ray_session, tmp_path_factory):
+    """`trained(workers, *overrides)`: `run` of that config to step 4 (checkpoints at steps 2
+    and 4) and its checkpoint directory, run once per module: the dp=4 token-mean run serves
+    both tests below."""
+    done = {}
+
+    def get(workers: int, *overrides: str):
+        key = (workers, overrides)
+        if key not in done:
+            path = tmp_path_factory.mktemp(f"dp{workers}")
+            done[key] = run(make_cfg(path, workers, *overrides), 4), path / "ckpt"
+        return done[key]
+    return get
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_runs_at_dp_4_2_1_train_the_same(ray_session, tmp_path, mode):
-    runs = {n: run(make_cfg(tmp_path / str(n), n, f"ppo.loss_agg_mode={mode}"), 3) for n in (4, 2, 1)}
+def test_runs_at_dp_4_2_1_train_the_same(trained, mode):
+    runs = {n: trained(n, f"ppo.loss_agg_mode={mode}")[0] for n in (4, 2, 1)}
     assert close(runs[2], runs[4]) and close(runs[1], runs[4]), {n: r[0] for n, r in runs.items()}
 
 
-def test_a_checkpoint_saved_at_dp4_resumes_at_dp2_as_the_run_at_dp4(ray_session, tmp_path):
-    full = run(make_cfg(tmp_path / "dp4", 4), 4)  # checkpoints at steps 2 and 4
-    resumed = run(make_cfg(tmp_path / "dp2", 2, f"checkpoint.uri={tmp_path}/dp4/ckpt"), 4,
-                  resume_from=str(tmp_path / "dp4" / "ckpt"))
+def test_a_checkpoint_saved_at_dp4_resumes_at_dp2_as_the_run_at_dp4(trained, tmp_path):
+    full, ckpt = trained(4, "ppo.loss_agg_mode=token-mean")
+    resumed = run(make_cfg(tmp_path / "dp2", 2, f"checkpoint.uri={ckpt}"), 4, resume_from=str(ckpt))
     assert set(resumed[0]) == {3, 4} and close(resumed, full)
 
 

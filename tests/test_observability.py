@@ -14,6 +14,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import own_ray
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -23,6 +25,7 @@ def ray_metrics():
     endpoint's URL."""
     import ray
 
+    own_ray()
     saved = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = "500"
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,

@@ -8,15 +8,16 @@ committed checkpoint with replay), and the per-step losses equal a no-failure ru
 import pytest
 import ray
 
-from conftest import wait_for_senders, wait_for_snapshots
+from conftest import reference_run, wait_for_senders, wait_for_snapshots
 from config import load_config, resolve
 from actor_group import ActorGroup
 from trainer import Trainer
 
 
-def make_cfg(tmp_path, *overrides):
+def make_cfg(tmp_path, *overrides, spares: int = 1):
+    """`spares`: what the test needs, no more (each spare is an actor start of seconds)."""
     return resolve(load_config("config.yaml", [
-        "cluster.num_workers=2", "cluster.num_spares=2", "checkpoint.interval=0",
+        "cluster.num_workers=2", f"cluster.num_spares={spares}", "checkpoint.interval=0",
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", *overrides]), num_gpus=0)
 
 
@@ -32,7 +33,7 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2
             group.call("save_checkpoint", half_written_step)
         if after_step_2 is not None:
             after_step_2(trainer)
-        if kill_ranks:
+        if cfg.fault_tolerance.memory_snapshot_interval:  # step 2's snapshots are held before step 3
             wait_for_snapshots(group, 2)
         for r in [kill_rank] if kill_rank is not None else kill_ranks:
             ray.kill(group.workers[r].handle, no_restart=True)
@@ -47,8 +48,7 @@ def run(cfg, kill_rank=None, half_written_step=None, kill_ranks=(), after_step_2
 
 @pytest.fixture(scope="module")
 def reference(ray_session, tmp_path_factory):
-    trainer, digests, _ = run(make_cfg(tmp_path_factory.mktemp("ref")))
-    return trainer.losses, digests
+    return reference_run(make_cfg(tmp_path_factory.mktemp("ref")), 4)
 
 
 def _model_ids(group) -> list[int]:
@@ -58,7 +58,7 @@ def _model_ids(group) -> list[int]:
 
 def test_peer_restore_matches_bitwise(reference, tmp_path):
     ids = {}
-    trainer, digests, spares = run(make_cfg(tmp_path), kill_rank=1,
+    trainer, digests, spares = run(make_cfg(tmp_path, spares=2), kill_rank=1,
                                    after_step_2=lambda t: ids.setdefault("before", _model_ids(t.group)),
                                    at_end=lambda t: ids.setdefault("after", _model_ids(t.group)))
     assert trainer.losses == reference[0]
@@ -73,7 +73,7 @@ def test_peer_restore_matches_bitwise(reference, tmp_path):
 def test_memory_restore_when_every_rank_is_lost(reference, tmp_path):
     """Both ranks (every DP replica) are killed: no peer holds the state, the in-memory
     snapshots of step 2 held by the SnapshotHolder are restored: 0 steps lost, bitwise equal."""
-    trainer, digests, spares = run(make_cfg(tmp_path, "fault_tolerance.memory_snapshot_interval=1"),
+    trainer, digests, spares = run(make_cfg(tmp_path, "fault_tolerance.memory_snapshot_interval=1", spares=2),
                                    kill_ranks=(0, 1))
     (tl,) = trainer.recoveries
     assert (tl.failed_ranks, tl.restore_source, tl.restored_step, tl.steps_lost) == ([0, 1], "memory", 2, 0)
@@ -103,7 +103,7 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_an_older_one(reference, t
         ckpt.commit(2, m.layout, files, m.extra)
         assert ckpt.verify(2) == []
 
-    trainer, digests, spares = run(make_cfg(tmp_path, "fault_tolerance.restore=checkpoint"), kill_rank=0,
+    trainer, digests, spares = run(make_cfg(tmp_path, "fault_tolerance.restore=checkpoint", spares=2), kill_rank=0,
                                    after_step_2=commit_a_bad_step_2)
     (tl,) = trainer.recoveries
     assert (tl.failed_ranks, tl.restore_source, tl.attempts) == ([0], "checkpoint step 1", 1)
@@ -129,7 +129,7 @@ def test_checkpoint_restore_from_object_storage(reference, tmp_path, storage, re
 
 def test_storage_outage_skips_save_and_training_goes_on(reference, tmp_path, s3_server):
     cfg = make_cfg(tmp_path, "checkpoint.interval=1", "checkpoint.retry_budget_s=2",
-                   f"checkpoint.uri={s3_server.uri(tmp_path.name)}")
+                   f"checkpoint.uri={s3_server.uri(tmp_path.name)}", spares=0)
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)

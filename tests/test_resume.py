@@ -11,6 +11,7 @@ import pytest
 from actor_group import ActorGroup
 from checkpoint import CheckpointManager
 from config import ConfigError, load_config, resolve
+from conftest import reference_run
 from run_identity import plan_start
 from trainer import Trainer
 
@@ -42,7 +43,8 @@ def drive(cfg, until: int, on_resume=None):
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_session, tmp_path_factory):
-    return drive(make_cfg(tmp_path_factory.mktemp("full")), 4)
+    """(losses, each rank's final state digest) of the run to step 4 without a stop."""
+    return reference_run(make_cfg(tmp_path_factory.mktemp("full")), 4)
 
 
 def test_a_run_stopped_between_checkpoints_resumes_bitwise(uninterrupted, tmp_path):
@@ -51,8 +53,8 @@ def test_a_run_stopped_between_checkpoints_resumes_bitwise(uninterrupted, tmp_pa
     second, digests = drive(cfg, 4)
     full, full_digests = uninterrupted
     assert second.resumed_from == 2 and second.run.id == first.run.id
-    assert {s: second.losses[s] for s in (3, 4)} == {s: full.losses[s] for s in (3, 4)}
-    assert {s: first.losses[s] for s in range(1, 4)} == {s: full.losses[s] for s in range(1, 4)}
+    assert {s: second.losses[s] for s in (3, 4)} == {s: full[s] for s in (3, 4)}
+    assert {s: first.losses[s] for s in range(1, 4)} == {s: full[s] for s in range(1, 4)}
     assert digests == full_digests  # weights, optimizer state, LR schedule, step
 
 
@@ -87,7 +89,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_none_left_stops(uninterrupte
     finally:
         group.shutdown()
     full, full_digests = uninterrupted
-    assert {s: trainer.losses[s] for s in (3, 4)} == {s: full.losses[s] for s in (3, 4)}
+    assert {s: trainer.losses[s] for s in (3, 4)} == {s: full[s] for s in (3, 4)}
     assert digests == full_digests
 
 
@@ -115,5 +117,5 @@ def test_a_resume_at_another_dp_size_starts_from_the_saved_weights(uninterrupted
                        on_resume=lambda group: loaded.extend(group.state_digests()))
     assert resumed.resumed_from == 2 and set(loaded) == set(saved) and len(set(saved)) == 1
     dp2 = uninterrupted[0]
-    assert {s: resumed.losses[s] for s in (3, 4)} == pytest.approx({s: dp2.losses[s] for s in (3, 4)},
+    assert {s: resumed.losses[s] for s in (3, 4)} == pytest.approx({s: dp2[s] for s in (3, 4)},
                                                                     rel=1e-5, abs=1e-6)

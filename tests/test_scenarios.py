@@ -9,15 +9,15 @@ import threading
 import time
 
 import pytest
-import ray
 import torch
 import torch.distributed as dist
 
 from config import load_config, resolve
 from comms import recording_new_sockets, shutdown_sockets
-from actor_group import ActorGroup
 from ranks import spawn_ranks
-from trainer import Trainer
+
+# ray, actor_group and trainer are imported by the tests that use them: each spawned rank
+# below imports this module, ~1 s of CPU less each without them.
 
 
 def make_cfg(tmp_path, *overrides):
@@ -29,11 +29,18 @@ def make_cfg(tmp_path, *overrides):
 
 def _resources(handle) -> dict:
     """OS threads (native ones too: gloo/NCCL workers, Ray's pools) and open fds of an actor."""
+    import ray
+
     return ray.get(handle.__ray_call__.remote(lambda self: {
         "threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}))
 
 
 def test_twenty_generations_leak_no_threads_or_sockets(ray_session, tmp_path):
+    import ray
+
+    from actor_group import ActorGroup
+    from trainer import Trainer
+
     group = ActorGroup(make_cfg(tmp_path, "cluster.num_spares=0"))
     try:
         trainer = Trainer(group.cfg, group)
@@ -54,8 +61,14 @@ def test_twenty_generations_leak_no_threads_or_sockets(ray_session, tmp_path):
 
 
 def test_briefly_unreachable_actor_is_not_replaced(ray_session, tmp_path):
-    """SIGSTOP freezes rank 1 (control thread too) for 2 s, less than health_timeout_s."""
-    group = ActorGroup(make_cfg(tmp_path, "cluster.num_spares=1"))
+    """SIGSTOP freezes rank 1 (control thread too) for 2 s, less than health_timeout_s. No spare:
+    had rank 1 been judged dead, its replacement would stop the run (RecoveryError)."""
+    import ray
+
+    from actor_group import ActorGroup
+    from trainer import Trainer
+
+    group = ActorGroup(make_cfg(tmp_path, "cluster.num_spares=0"))
     try:
         trainer = Trainer(group.cfg, group)
         trainer.train(1)
@@ -63,7 +76,7 @@ def test_briefly_unreachable_actor_is_not_replaced(ray_session, tmp_path):
         os.kill(pid, signal.SIGSTOP)
         threading.Timer(2.0, os.kill, (pid, signal.SIGCONT)).start()
         trainer.train(3)
-        assert not trainer.recoveries and len(group.pool) == 1
+        assert not trainer.recoveries
     finally:
         group.shutdown()
 
@@ -73,8 +86,11 @@ def test_killed_mid_checkpoint_write_uses_previous_checkpoint(ray_session, tmp_p
     """Rank 0 (which writes the model shard) dies between writing files of step 2 and the commit
     (sync: after its first shard; async: after the background write, before the commit): step 2
     is never committed; recovery from checkpoint uses step 1 and replays step 2."""
+    from actor_group import ActorGroup
+    from trainer import Trainer
+
     # an async save of step 2 is finished (and would be committed) after step 3 has run
-    cfg = make_cfg(tmp_path, "cluster.num_spares=2", "fault_tolerance.restore=checkpoint",
+    cfg = make_cfg(tmp_path, "cluster.num_spares=1", "fault_tolerance.restore=checkpoint",
                    f"checkpoint.async_save={str(async_save).lower()}",
                    f"chaos.events=[{{step: {3 if async_save else 2}, rank: 0, kind: kill, point: mid_save}}]")
     group = ActorGroup(cfg)
@@ -96,7 +112,11 @@ def test_new_group_forms_while_old_store_port_is_in_time_wait_or_taken(ray_sessi
     forms its generation and trains at once."""
     import socket
 
-    cfg = make_cfg(tmp_path, "cluster.num_spares=0", "checkpoint.interval=0")
+    from actor_group import ActorGroup
+    from trainer import Trainer
+
+    # One rank a run: its connection to the store is what goes to TIME_WAIT.
+    cfg = make_cfg(tmp_path, "cluster.num_workers=1", "cluster.num_spares=0", "checkpoint.interval=0")
     first = ActorGroup(cfg)
     try:
         Trainer(cfg, first).train(1)
@@ -287,6 +307,11 @@ def test_a_survivor_still_in_a_collective_after_the_abort_is_replaced(ray_sessio
     """The abort round (`HealthMonitor.abort_survivors`) names a survivor whose abort reports its
     compute thread still inside a collective (the gloo case above), so recovery replaces it
     instead of waiting for its step."""
+    import ray
+
+    from actor_group import ActorGroup
+    from trainer import Trainer
+
     group = ActorGroup(make_cfg(tmp_path, "cluster.num_spares=0", "fault_tolerance.health_timeout_s=1"))
     try:
         Trainer(group.cfg, group).train(1)
