@@ -13,8 +13,9 @@ needs CUDA; its save hands Megatron the same objects), through `megatron_checkpo
 `--device cuda`: the state's tensors on CUDA device 0, as the engine's are (the save copies them
 to pinned host memory; the load reads into GPU memory); the raw I/O uses host copies of them.
 
-Per repeat, in this order (each write starts with the page cache of the earlier checkpoints
-dropped, so that none pays for reclaiming another's pages):
+Per repeat, in this order, with raw first in even repeats and last in odd ones (what runs before
+a write changes its speed on a shared disk: alternating evens that out), each write starting
+with the page cache of the earlier checkpoints dropped:
   raw      the state's bytes written into one file with open/write/fsync (bench.checkpoint_io's
            `raw_write`), then read back cold (`raw_read`); then deleted.
   save     `save_sharded(..., async_save=True)` (`stall_s`: planning + host copy), then
@@ -130,20 +131,28 @@ def phases(tensors: list[torch.Tensor]) -> dict:
     return out
 
 
-def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, template: dict, raw_root: str) -> dict:
-    """One repeat (see the module docstring): checkpoints `step` (async) and `step` + 1 (sync);
-    `host`: the state's tensors in host memory."""
-    from megatron_checkpoint import load_sharded, save_sharded
-
-    r = {"payload_bytes": sum(t.numel() * t.element_size() for t in host)}
+def raw_io(ckpt: CheckpointManager, host: list, raw_root: str) -> dict:
+    """The raw write (fsync'd) and cold read of the bytes of `host`, then the file deleted."""
     os.makedirs(raw_root, exist_ok=True)
-    drop_cache(ckpt.root)  # every write starts with none of the earlier checkpoints' pages cached
+    drop_cache(ckpt.root)
     cpu = time.process_time()
-    r["raw_write_s"] = raw_write(None, True, raw_root, {"state": host})
-    r["raw_write_cpu_s"] = time.process_time() - cpu
+    r = {"raw_write_s": raw_write(None, True, raw_root, {"state": host}), "raw_write_cpu_s": time.process_time() - cpu}
     r["raw_read_s"] = raw_read(None, True, raw_root, {"state": host})
     shutil.rmtree(raw_root)
+    return r
 
+
+def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, template: dict, raw_root: str,
+               raw_first: bool) -> dict:
+    """One repeat (see the module docstring): checkpoints `step` (async) and `step` + 1 (sync);
+    `host`: the state's tensors in host memory; `raw_first`: the raw I/O before the checkpoint
+    I/O, else after it."""
+    from megatron_checkpoint import load_sharded, save_sharded
+
+    r = {"payload_bytes": sum(t.numel() * t.element_size() for t in host), "raw_first": raw_first}
+    if raw_first:
+        r.update(raw_io(ckpt, host, raw_root))
+    drop_cache(ckpt.root)  # every write starts with none of the earlier checkpoints' pages cached
     t0 = time.perf_counter()
     (pending,) = save_sharded(ckpt, step, 0, sharded(state), async_save=True)
     r["stall_s"], cpu = time.perf_counter() - t0, time.process_time()
@@ -175,6 +184,8 @@ def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, temp
     t0 = time.perf_counter()
     ckpt.commit(step + 1, {"world_size": 1, "engine": "megatron"}, save_sharded(ckpt, step + 1, 0, sharded(state)))
     r["sync_save_s"] = time.perf_counter() - t0
+    if not raw_first:
+        r.update(raw_io(ckpt, host, raw_root))
     r["save_vs_raw"] = (r["bytes"] / r["background_s"]) / (r["payload_bytes"] / r["raw_write_s"])
     r["sync_vs_raw"] = (r["bytes"] / r["sync_save_s"]) / (r["payload_bytes"] / r["raw_write_s"])
     r["load_vs_raw"] = (r["payload_bytes"] / r["load_s"]) / (r["payload_bytes"] / r["raw_read_s"])
@@ -225,7 +236,8 @@ def main() -> None:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
         ckpt = CheckpointManager(os.path.join(tmp, "ckpt"), keep_last=1)
         for i in range(args.repeat):
-            runs.append(one_repeat(ckpt, 2 * i + 1, state, list(host.values()), template, os.path.join(tmp, "raw")))
+            runs.append(one_repeat(ckpt, 2 * i + 1, state, list(host.values()), template, os.path.join(tmp, "raw"),
+                                   raw_first=i % 2 == 0))
             print("  run: " + " ".join(f"{k}={v:.3f}" for k, v in runs[-1].items() if k.endswith(("_s", "_raw")))
                   + f" load_matches={runs[-1]['load_matches']}", flush=True)
         dist.destroy_process_group()
