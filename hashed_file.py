@@ -4,9 +4,9 @@
 (`megatron_compat._write_bucket`). Its bytes go through a few page-aligned buffers of `PIECE`
 bytes: each piece is hashed, copied into a buffer while still in the CPU cache, and a writer
 thread of the file writes full buffers with O_DIRECT, so the disk reads them by DMA while the
-next piece is hashed. Why not the page cache: copying into it, and the kernel's writeback and
-reclaim of it later, cost more CPU than the hash itself (bench/write_path.py), and a
-checkpoint of many GB would push the training process's memory out of the cache. Where the
+next piece is hashed. Why not the page cache: the kernel's copy into it, and its writeback and
+reclaim later, take CPU that the hash needs on a small host, and a checkpoint of many GB would
+push the training process's pages out of the cache. Where the
 file system refuses O_DIRECT (tmpfs, some network file systems), the same buffers are written
 through the page cache.
 """
