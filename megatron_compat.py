@@ -37,7 +37,7 @@ PATCHES = (
       "DistributedOptimizer.sharded_param_state_fully_reshardable",
       "DistributedOptimizer._get_main_param_and_optimizer_states"),
      "per-instance method swaps: the original load raises KeyError 'step' in a fully_reshardable "
-     "load; the save's model-space state with one DP rank is built from views (same keys, shapes, "
+     "load; the model-space state of a save or load with one DP rank is built from views (same keys, shapes, "
      "replica ids as the original's, which iterates gbuf_ranges / buffers[i].param_index_map)"),
     ("torch_dist_reader", "megatron.core.dist_checkpointing.strategies.torch",
      ("_get_filesystem_reader",),
@@ -90,10 +90,10 @@ def _set_main_param_and_state(opt, model_param, tensors: dict) -> None:
     'step' included, from `tensors`, which has none ('step' is restored per param group)."""
     gi, go = opt.model_param_group_index_map[model_param]
     main = opt.optimizer.param_groups[gi]["params"][go]
-    main.data.copy_(tensors["param"])
     for k, v in tensors.items():
-        if k != "param":
-            opt.optimizer.state[main][k].copy_(v)
+        dst = main.data if k == "param" else opt.optimizer.state[main][k]
+        if v.data_ptr() != dst.data_ptr():  # equal: loaded in place (`_model_space_views`)
+            dst.copy_(v)
 
 
 _MODEL_SPACE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # Megatron's world-tensor keys, in its order
@@ -101,21 +101,24 @@ _MODEL_SPACE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # Megatron's world-tenso
 
 def _model_space_views(opt, original, model_sharded_state_dict, is_loading: bool = False,
                        metadata: dict | None = None):
-    """`DistributedOptimizer.sharded_param_state_fully_reshardable` of a save whose DP group
-    has one rank: the same dict of ShardedTensors (index -> {"param", "exp_avg", "exp_avg_sq"};
-    keys `optimizer.state.<key>.<model key>`, the model parameter's shape and replica id, fp32),
-    whose data are views of the live main params and Adam moments on the device. Why: the
-    original gathers every shard into new pageable host tensors first, with a synchronous copy
-    per parameter (seconds per GB of state: most of an async save's stall), although with one DP
-    rank each parameter's optimizer state is already whole. The save copies the views itself
-    (`megatron_checkpoint.PendingSave`: to pinned memory, on a side stream). Loading, DP > 1,
-    the memory-efficient variant, or a state that is not whole per parameter: the original."""
+    """`DistributedOptimizer.sharded_param_state_fully_reshardable` of a save or load whose DP
+    group has one rank: the same dict of ShardedTensors (index -> {"param", "exp_avg",
+    "exp_avg_sq"}; keys `optimizer.state.<key>.<model key>`, the model parameter's shape and
+    replica id, fp32), whose data are views of the live main params and Adam moments on the
+    device. Why: with one DP rank each parameter's optimizer state is already whole, yet the
+    original gathers every shard into new pageable host tensors with a synchronous copy per
+    parameter to save (seconds per GB of state: most of an async save's stall), and to load
+    allocates host tensors for the whole state, reads into them and copies each to the device.
+    A save copies the views itself (`megatron_checkpoint.PendingSave`: to pinned memory, on a
+    side stream); a load reads into them, so `load_parameter_state_from_fully_reshardable`
+    finds the state in place (`_set_main_param_and_state` skips those copies). DP > 1, the
+    memory-efficient variant, or a state that is not whole per parameter: the original."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
     metadata = metadata or {}
-    if is_loading or opt.data_parallel_group.size() > 1 or metadata.get("distrib_optim_fully_reshardable_mem_efficient"):
+    if opt.data_parallel_group.size() > 1 or metadata.get("distrib_optim_fully_reshardable_mem_efficient"):
         return original(model_sharded_state_dict, is_loading, metadata)
     sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     by_param = {sh.data: sh for sh in nested_values(sharded)}

@@ -116,6 +116,16 @@ def _views_match_megatron(engine) -> bool:
     return True
 
 
+def _count_calls(engine, method: str):
+    """Count calls of `method` on every DistributedOptimizer of `engine` from now on; returns
+    a function that gives the count so far."""
+    calls = []
+    for o in engine.optimizer.chained_optimizers:
+        original = getattr(o, method)
+        setattr(o, method, lambda *a, _f=original, **k: (calls.append(1), _f(*a, **k))[1])
+    return lambda: len(calls)
+
+
 def _scenarios(rank, world, store, tmp, storage) -> dict:
     """Train / save / load (same layout: bitwise; resharded: within bf16 tolerance), reconnect,
     rollback, peer broadcast. Returns numbers for the test to check."""
@@ -146,7 +156,10 @@ def _scenarios(rank, world, store, tmp, storage) -> dict:
     # ... and the objects: only their process groups changed (megatron_groups.rebind)
     out["reconnect_keeps_objects"] = (all(a is b for a, b in zip(objects, (e.model, e.ddp, e.optimizer, e.scheduler)))
                                       and "rebind_s" in phases and "build_s" not in phases)
+    gathers = _count_calls(e, "get_parameter_state_dp_zero")
     e.load_checkpoint(ckpt, ckpt.latest_verified(), rank)
+    # one DP rank: the load reads into views of the live state, no host world tensors
+    out["load_gathers_as_expected"] = (gathers() == 0) == (dims.dp == 1)
     out["load_digest_equal"] = _digest(e) == saved_digest
     out["moments_equal"] = all(torch.equal(a, b) for a, b in zip(saved_moments, _moments(e)))
     out["moments_nonzero"] = any(a.abs().sum() > 0 for a in saved_moments)
@@ -218,6 +231,7 @@ def _check_common(res: dict, rank: int, world: int) -> None:
     assert res["step2_again"]["grad_norm"] == res["step2"]["grad_norm"]
     assert res["reset_is_initial"]
     assert res["views_match_megatron"]
+    assert res["load_gathers_as_expected"]
     assert res["async_holds_call_state"]
 
 
