@@ -53,8 +53,9 @@ Headline keys of the JSON (both engines, from the local disk row): `async_save_s
 `save_vs_raw` (checkpoint bytes / (async_total_s - async_stall_s), the background write + hash
 + commit, over the raw write speed), `state_gb` (the raw payload), `device`;
 `memory_snapshot_every_step_ratio` is null here (bench/train_speed.py measures it).
-Only one copy of the state is on disk at a time (the raw files are deleted before the save, the
-previous checkpoint before the next save). The JSON (--out) is rewritten after every repeat
+Only one copy of the state is on disk at a time: the raw files are deleted before the save, the
+previous checkpoint before the next save, outside the timed save (`delete_previous_s`; so the
+commit's retention has nothing to delete and the save is timed on free space, as the raw write). The JSON (--out) is rewritten after every repeat
 (`complete` false until the last), so a run cut short still leaves its finished repeats.
 """
 from __future__ import annotations
@@ -219,6 +220,7 @@ def bench_backend(backend: str, uri: str, storage_options: dict | None, repeat: 
             ckpt.fs.rm(raw_root, recursive=True)  # do not keep two copies in the server's memory
 
         step += 1
+        r["delete_previous_s"] = timed(ckpt.clear)[0]  # outside the save, like the raw files'
         gc.collect()
         t0 = time.perf_counter()
         files = engine.save_checkpoint(ckpt, step, dims, 0, async_save=False)
@@ -230,6 +232,7 @@ def bench_backend(backend: str, uri: str, storage_options: dict | None, repeat: 
         r["payload_bytes"] = sum(t.numel() * t.element_size() for ts in shards.values() for t in ts)
 
         step += 1
+        r["delete_previous_s"] += timed(ckpt.clear)[0]
         gc.collect()
         t0 = time.perf_counter()
         futures = engine.save_checkpoint(ckpt, step, dims, 0, async_save=True)
@@ -337,6 +340,7 @@ def bench_megatron(args, tmp: str, report) -> dict:
         (fingerprint and engine step at the call, {steady_step_s, async_call_s, step_after_save_s,
         async_stall_s, async_total_s}, files, manifest). The training stall is the call plus what
         the next step takes over a steady one (its update waits for the save's device-to-host copy)."""
+        deleted_s = timed(ckpt.clear)[0]  # the previous checkpoint, outside the timing (as the raw files)
         steady = train_step()
         gc.collect()
         torch.cuda.synchronize()
@@ -348,7 +352,8 @@ def bench_megatron(args, tmp: str, report) -> dict:
         files = [f for p in pending for f in p.result()]
         manifest = ckpt.commit(step, layout, files)
         times = {"steady_step_s": steady, "async_call_s": call, "step_after_save_s": after,
-                 "async_stall_s": call + max(0.0, after - steady), "async_total_s": time.perf_counter() - t0}
+                 "async_stall_s": call + max(0.0, after - steady), "async_total_s": time.perf_counter() - t0,
+                 "delete_previous_s": deleted_s}
         return saved, saved_step, times, files, manifest
 
     def train_step() -> float:  # seconds of one synchronized train step on the bench's batch
@@ -384,14 +389,14 @@ def bench_megatron(args, tmp: str, report) -> dict:
         r["raw_read_s"] = raw_read(None, True, raw_root, shards)
         del host, shards
         shutil.rmtree(raw_root)
-        if step:  # one copy of the state on disk at a time
-            shutil.rmtree(ckpt._step_path(step), ignore_errors=True)
+        ckpt.clear()  # one copy of the state on disk at a time
         step += 1
         r["sharded_state_s"], _ = timed(lambda: engine._sharded_state(False, True))
         _, _, first, _, _ = async_save(step)  # the layout's first save: plans made and validated
         r.update({f"first_{k}": v for k, v in first.items()})
 
         step += 1
+        r["sync_delete_previous_s"] = timed(ckpt.clear)[0]
         gc.collect()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
