@@ -195,8 +195,10 @@ class MegatronEngine:
         self._trained_since_connect = False
         self._interrupt.clear()
         self._connected = True
+        # Pinned host memory the first steps would otherwise wait for, pinned in the background.
+        self.reserve_host_memory(self.snapshot_nbytes())  # the rollback snapshot (none with dist-opt)
         if self.cfg.checkpoint.async_save:
-            reserve_save_arena(state_nbytes(self._train_state()))  # in the background
+            reserve_save_arena(state_nbytes(self._train_state()))
         return parts
 
     def _rebind(self, objects: list, old_groups: dict, parts: dict) -> bool:
@@ -551,9 +553,10 @@ class MegatronEngine:
     def reserve_host_memory(self, nbytes: int, headroom: float = 0.1) -> bool:
         """Pin `nbytes` of host memory in a background thread, for the rollback snapshot buffers
         this rank will need after it joins (`actor_group.ActorGroup` asks pre-warmed spares to do so
-        with the largest rank's `snapshot_nbytes`). Why ahead: pinning tens of GB takes seconds
-        and slows this process's kernel launches meanwhile, so it is done before any failure
-        instead of in the first steps after a recovery. Skipped (returns
+        with the largest rank's `snapshot_nbytes`; a rank that joins without them asks in
+        `connect`). Why ahead: pinning tens of GB takes seconds and slows this process's kernel
+        launches meanwhile, so it is done before training (and before any failure) instead of
+        in the first steps (after a recovery). Skipped (returns
         False, with a warning) when the host would keep less than `headroom` of its memory
         available: the spare then pins after it joins rather than take memory the ranks need."""
         import psutil
