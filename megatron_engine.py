@@ -726,12 +726,14 @@ class MegatronEngine:
     def _snapshot_to_host(self) -> None:
         """Copy the live state into the pinned snapshot buffers (~14 bytes per parameter) on a
         side stream (`_host_copy_async`). The buffers are views (`carve`) into one pinned arena:
-        the memory reserved before this rank joined (`reserve_host_memory`), else pinned at the
-        first copy. A rank that has not trained since it joined (a spare with a restored state)
-        and has no arena pins it in the background and keeps no snapshot until it is ready:
-        pinning takes seconds, which the first step after a recovery must not wait for. Until
-        then `rollback` answers False for this rank and recovery restores it from a peer, an
-        in-memory snapshot or a checkpoint."""
+        the memory reserved in the background before this rank joined or when it connected
+        (`reserve_host_memory`), else pinned at the first copy. A rank that has trained since
+        it joined waits for a pinning still in progress, so in steady training every step
+        keeps its snapshot. A rank that has not (a spare with a restored state, in the first
+        step after a recovery) does not wait: pinning takes seconds, which that step must not
+        pay; it keeps no snapshot until the arena is ready, so `rollback` answers False for
+        it meanwhile and recovery restores it from a peer, an in-memory snapshot or a
+        checkpoint."""
         state = self._train_state()
         if self._snapshot is not None and same_layout(self._snapshot, state):
             self._snapshot = self._host_copy_async(state, self._snapshot)
@@ -744,8 +746,8 @@ class MegatronEngine:
             self._arena = None  # pinning failed, or too small for this layout
         if self._arena is None:
             self._arena = pin_in_background(need)
-            if self._trained_since_connect:
-                self._arena.result()  # a rank in steady training pins now (raises if it cannot)
+        if self._trained_since_connect:
+            self._arena.result()  # a rank in steady training waits for its pinning (raises if it cannot)
         if self._arena.done():
             self._snapshot = self._host_copy_async(state, carve(state, self._arena.result()))
 
