@@ -7,9 +7,10 @@ Layout under the manager's URI (local path, ``file://``, ``s3://bucket/prefix``,
     {uri}/latest                       step number of the newest commit (a hint for people/tools)
 
 Protocol
-  1. Each shard owner (e.g. ``model_tp0_pp0_cp0``, ``rng_rank3``) calls ``save_shard`` or
-     ``async_save_shard`` for its own shard. DCP runs with ``no_dist=True``: no collective, so a
-     dead peer can never block a save. The call returns the files it wrote (size, sha256).
+  1. Each shard owner (e.g. ``model_tp0_pp0_cp0``, ``rng_rank3``) calls ``save_shard`` for its
+     own shard (or ``async_save_shards`` for all of them at once). DCP runs with ``no_dist=True``:
+     no collective, so a dead peer can never block a save. The call returns the files it wrote
+     (size, sha256).
   2. The driver gathers those ``FileEntry`` lists (over Ray) and calls ``commit``: every file must
      exist with its size, then ``manifest.json`` is written, then ``latest``, then retention.
   3. Restore: the newest committed step whose files all verify is picked (``latest_verified()``
@@ -308,17 +309,19 @@ class CheckpointManager:
         if problems:
             raise CheckpointError(f"{self.step_uri(step)} failed verification: " + "; ".join(problems))
 
-    def async_save_shard(self, step: int, name: str, state_dict: dict) -> concurrent.futures.Future:
-        """Like ``save_shard`` but writes in a background thread. First waits for this manager's
-        previous pending save (its error, if any, stays in its future and is logged here), then
-        copies every tensor to host memory before returning: later in-place changes to the
-        tensors are not in the checkpoint. The future's result is the ``list[FileEntry]``."""
+    def async_save_shards(self, step: int, shards: dict[str, dict]) -> concurrent.futures.Future:
+        """Like ``save_shard`` for each {name: state_dict} of ``shards``, written one after the
+        other in a background thread. First waits for this manager's previous pending save (its
+        error, if any, stays in its future and is logged here), then copies every tensor to
+        host memory before returning: later in-place changes to the tensors are not in the
+        checkpoint. The future's result is the ``list[FileEntry]`` of all the shards."""
         self._wait_previous()
-        snapshot = _snapshot(state_dict)
+        snapshots = {name: _snapshot(state) for name, state in shards.items()}
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
-        self._pending = self._executor.submit(self.save_shard, step, name, snapshot)
-        self._pending_what = f"async save of shard {name!r} of step {step}"
+        self._pending = self._executor.submit(
+            lambda: [f for name, state in snapshots.items() for f in self.save_shard(step, name, state)])
+        self._pending_what = f"async save of shards {sorted(shards)} of step {step}"
         return self._pending
 
     def wait(self) -> None:

@@ -273,6 +273,14 @@ class MegatronActor:
             return str(e)
         return None
 
+    @ray.method(concurrency_group=CONTROL)
+    def checkpoint_written(self, generation: int) -> bool:
+        """Whether the background part of the async save in flight, if any, has ended (written,
+        uploaded or failed), so that `finish_checkpoint` returns without waiting for it.
+        Answered beside training (control group)."""
+        self._check(generation)
+        return all(f.done() for f in self._pending_save or [])
+
     def finish_checkpoint(self, generation: int) -> list | str:
         """Wait for the background write started by `save_checkpoint(async_save=True)`; returns
         its files, or the message of its storage error."""

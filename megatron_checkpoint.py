@@ -30,11 +30,12 @@ def _is_rank_file(name: str, rank: int) -> bool:
     return int(m.group(1)) == rank if m else rank == 0
 
 
-def _put_rank_files(ckpt, step: int, stage: str, rank: int, hashed: dict | None = None) -> list:
-    """`ckpt.put_files` of the files of `rank` in `stage` (hash those not in `hashed`, {name:
-    (size, sha256)} of the files hashed as they were written; upload for object storage)."""
-    return ckpt.put_files(step, stage, MEGATRON_SHARD, [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank)],
-                          hashed)
+def _put_rank_files(ckpt, step: int, stage: str, rank: int, hashed: dict | None = None, skip=()) -> list:
+    """`ckpt.put_files` of the files of `rank` in `stage` but those in `skip` (hash those not in
+    `hashed`, {name: (size, sha256)} of the files hashed as they were written; upload for
+    object storage)."""
+    names = [n for n in sorted(os.listdir(stage)) if _is_rank_file(n, rank) and n not in skip]
+    return ckpt.put_files(step, stage, MEGATRON_SHARD, names, hashed)
 
 
 def reserve_save_arena(nbytes: int) -> None:
@@ -155,12 +156,14 @@ class PendingSave:
     (`dist_checkpointing.save(..., async_sharded_save=True)`) whose tensors are copied to host
     memory at construction; its write (`async_fn`: no collective) runs in a thread once the
     copies are done (`write_buckets`: the .distcp files in parallel, each hashed as it is
-    written). `copied`: the CUDA event that marks the copies done (None when the construction
-    waited for them, or without CUDA). `result()` must be called on every rank, from the thread
-    that runs the collectives (the actor's `finish_checkpoint`): it waits for the write, runs
-    the request's finalize functions (collective: the global metadata), then hashes the global
-    files (rank 0), uploads this rank's files for object storage and returns their FileEntry
-    list. Raises CheckpointError when the write or an upload failed."""
+    written), then, for object storage, uploads them (`CheckpointManager.put_files`).
+    `copied`: the CUDA event that marks the copies done (None when the construction waited for
+    them, or without CUDA). `done()`: whether that thread has ended (written and uploaded, or
+    failed), so `result()` will not wait for it. `result()` must be called on every rank, from
+    the thread that runs the collectives (the actor's `finish_checkpoint`): it waits for the
+    thread, runs the request's finalize functions (collective: the global metadata), then
+    hashes and puts the global files (rank 0) and returns this rank's FileEntry list. Raises
+    CheckpointError when the write or an upload failed."""
 
     def __init__(self, ckpt, step: int, rank: int, request, stage: str, owns_stage: bool,
                  copy_stream: torch.cuda.Stream | None = None):
@@ -192,13 +195,18 @@ class PendingSave:
 
     def _write(self, args) -> None:
         self.hashed = {}  # {file name: (size, sha256)} of the .distcp files, hashed as written
+        self.entries = []  # their FileEntry list, put (uploaded for object storage)
         try:
             if self.copied is not None:
                 self.copied.synchronize()
             if self.request.async_fn is not None:
                 self.hashed = write_buckets(self.request.async_fn, *args)
+            self.entries = self.ckpt.put_files(self.step, self.stage, MEGATRON_SHARD, sorted(self.hashed), self.hashed)
         except BaseException as exc:  # noqa: BLE001 (reported by result())
             self.error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def result(self) -> list:
         import shutil
@@ -214,7 +222,7 @@ class PendingSave:
                                       (f": {self.error!r}" if self.error is not None else ""))
             for finalize in self.request.finalize_fns:
                 as_checkpoint_error(what, finalize)
-            return _put_rank_files(self.ckpt, self.step, self.stage, self.rank, self.hashed)
+            return self.entries + _put_rank_files(self.ckpt, self.step, self.stage, self.rank, skip=self.hashed)
         finally:
             if not self._thread.is_alive():
                 _SAVE_ARENA[:] = [self._arena]

@@ -394,13 +394,13 @@ class TorchEngine:
         """Write this rank's shards of checkpoint `step` through `ckpt` (a CheckpointManager; no
         collective): the replicated model/optimizer/scheduler state from DP rank 0 only
         (`model`), and every rank's RNG state (`rng_rank{r}`). Returns the FileEntry list; with
-        `async_save`, a list of Futures of FileEntry lists: the state is copied to host memory
+        `async_save`, a list of one Future of that list: the state is copied to host memory
         before this returns and written in the background while training goes on."""
         shards = {f"rng_rank{rank}": {"torch_cpu": torch.get_rng_state()}}
         if dims.coords(rank).dp == 0:
             shards["model"] = self._train_state()
         if async_save:
-            return [ckpt.async_save_shard(step, name, state) for name, state in shards.items()]
+            return [ckpt.async_save_shards(step, shards)]  # one background write: the call never waits on storage
         files = []
         for name, state in shards.items():
             files += ckpt.save_shard(step, name, state)

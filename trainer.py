@@ -160,7 +160,7 @@ class Trainer:
                 step = self.committed_step + 1
                 loss = self._step(step)
                 self._commit_step(step, loss)
-                self.finish_save()
+                self.finish_save(wait=False)
                 interval = self.cfg.checkpoint.interval
                 if interval and step % interval == 0:
                     self.save(step)
@@ -192,8 +192,9 @@ class Trainer:
 
     def save(self, step: int) -> None:
         """Every rank writes its shards; the driver commits the manifest last. With
-        `checkpoint.async_save` the ranks only snapshot to host memory here (the training stall)
-        and the commit happens after the next step, or at the end of `train`."""
+        `checkpoint.async_save` the ranks only snapshot to host memory here and write in the
+        background; the commit follows once every rank's write has ended (`finish_save`). At
+        most one async save is in flight: a save waits for the previous one first."""
         self.finish_save()
         t0 = time.perf_counter()
         if self.cfg.checkpoint.async_save:
@@ -202,13 +203,25 @@ class Trainer:
         else:
             self._commit_save(step, self.group.call("save_checkpoint", step), t0)
         self.save_stalls.append(time.perf_counter() - t0)
-        self.metrics.on_save(step, self.save_stalls[-1])
+        if not self.cfg.checkpoint.async_save:
+            self.metrics.on_save(step, self.save_stalls[-1])
 
-    def finish_save(self) -> None:
-        """Commit the pending async save once every rank's files are written."""
-        if self._pending_save is not None:
-            (step, t0), self._pending_save = self._pending_save, None
-            self._commit_save(step, self.group.call("finish_checkpoint"), t0)
+    def finish_save(self, wait: bool = True) -> None:
+        """Commit the pending async save. `wait=False` (after each step): only when every rank's
+        background write has already ended (`checkpoint_written`, answered beside training), so
+        training goes on while a write takes longer than a step; `wait=True` (before the next
+        save, at the end of `train`): waits for the writes. The time spent here counts in that
+        save's stall (`save_stalls`, `event=checkpoint_save`)."""
+        if self._pending_save is None:
+            return
+        t0 = time.perf_counter()
+        if not wait and not all(self.group.call("checkpoint_written")):
+            self.save_stalls[-1] += time.perf_counter() - t0
+            return
+        (step, started), self._pending_save = self._pending_save, None
+        self._commit_save(step, self.group.call("finish_checkpoint"), started)
+        self.save_stalls[-1] += time.perf_counter() - t0
+        self.metrics.on_save(step, self.save_stalls[-1])
 
     def _commit_save(self, step: int, per_rank: list, t0: float) -> None:
         """Commit unless a rank's write or the commit hit a storage error: then the save is
@@ -228,7 +241,8 @@ class Trainer:
             self.failed_saves.append(step)
             return
         self.checkpoints.append(step)
-        log.info("checkpoint step %d committed %.2f s after the save started", step, time.perf_counter() - t0)
+        log.info("checkpoint step %d committed %.2f s after the save started, after step %d", step,
+                 time.perf_counter() - t0, self.committed_step)
 
     def report(self) -> str:
         """A table of every recovery's phases (seconds), source and steps lost; total = the

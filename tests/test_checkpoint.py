@@ -254,10 +254,10 @@ def test_retention_keep_last(make_manager):
 def test_async_save_snapshots_at_call(make_manager):
     m = make_manager()
     state = {"w": torch.zeros(1 << 20), "meta": {"step": 1, "seen": [1]}}
-    fut = m.async_save_shard(1, "model_tp0", state)
+    fut = m.async_save_shards(1, {"model_tp0": state, "rng": {"seed": 3}})
     state["w"].add_(1.0)  # training goes on while the write runs
     state["meta"]["seen"].append(2)
-    fut2 = m.async_save_shard(2, "model_tp0", state)  # waits for the first save
+    fut2 = m.async_save_shards(2, {"model_tp0": state})  # waits for the first save
     assert fut.done()
     m.wait()
     m.commit(1, {}, fut.result())
@@ -265,10 +265,11 @@ def test_async_save_snapshots_at_call(make_manager):
     out = {"w": torch.full((1 << 20,), 7.0), "meta": {"step": 0, "seen": []}}
     m.load_shard(1, "model_tp0", out, m.read_manifest(1))
     assert torch.count_nonzero(out["w"]) == 0 and out["meta"] == {"step": 1, "seen": [1]}
+    assert m.load_shard(1, "rng", {"seed": 0}, m.read_manifest(1)) == {"seed": 3}
     m.load_shard(2, "model_tp0", out, m.read_manifest(2))
     assert torch.all(out["w"] == 1.0) and out["meta"]["seen"] == [1, 2]
     # An error in the background save comes back from wait() / the future.
-    m.async_save_shard(3, "model_tp0", {"bad": lambda: None})  # not picklable
+    m.async_save_shards(3, {"model_tp0": {"bad": lambda: None}})  # not picklable
     with pytest.raises(CheckpointError, match="shard 'model_tp0'"):
         m.wait()
 

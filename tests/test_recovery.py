@@ -148,6 +148,37 @@ def test_storage_outage_skips_save_and_training_goes_on(reference, tmp_path, s3_
     assert trainer.losses == reference[0]
 
 
+def test_an_async_save_writes_beside_training_through_a_storage_outage(reference, tmp_path, s3_server, caplog):
+    """Storage is down when step 2's async save starts and comes back after 4 s: the write
+    retries in the background while step 3 trains (the driver does not wait for it after
+    step 3), and the checkpoint commits after step 4, before step 4's save (one async save in
+    flight). No rank failure; the same losses."""
+    import logging
+    import threading
+
+    cfg = make_cfg(tmp_path, "checkpoint.interval=2", "checkpoint.async_save=true",
+                   f"checkpoint.uri={s3_server.uri(tmp_path.name)}", spares=0)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(1)
+        s3_server.stop()
+        back = threading.Timer(4.0, s3_server.start)
+        back.start()
+        try:
+            with caplog.at_level(logging.INFO, logger="trainer"):
+                trainer.train(4)
+        finally:
+            back.join()
+    finally:
+        group.shutdown()
+    commits = [r.getMessage() for r in caplog.records if "committed" in r.getMessage()]
+    assert commits[0].startswith("checkpoint step 2 committed") and commits[0].endswith("after step 4"), commits
+    assert not trainer.recoveries and trainer.checkpoints == [2, 4] and not trainer.failed_saves
+    assert trainer.ckpt.latest_verified().step == 4
+    assert trainer.losses == reference[0]
+
+
 def test_a_snapshot_cut_short_by_a_kill_is_never_restored(reference, tmp_path):
     """Rank 0 is killed half-way through its host copy of step 3 (`mid_snapshot`), so its
     holder never gets step 3: the in-memory restore takes step 2, which every rank's holder
