@@ -5,6 +5,9 @@ replaced by a pre-warmed spare, groups rebuilt, state restored (from peers, or f
 committed checkpoint with replay), and the per-step losses equal a no-failure run bitwise.
 """
 
+import contextlib
+import threading
+
 import pytest
 import ray
 
@@ -127,6 +130,23 @@ def test_checkpoint_restore_from_object_storage(reference, tmp_path, storage, re
     assert trainer.losses == reference[0] and digests == reference[1]
 
 
+@contextlib.contextmanager
+def _s3_outage(server, seconds: float | None = None):
+    """The S3 server is down inside the block, or for `seconds` from its start (restarted by a
+    timer thread, while the block may still run); up again when the block ends."""
+    server.stop()
+    timer = threading.Timer(seconds, server.start) if seconds is not None else None
+    if timer is not None:
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is None:
+            server.start()
+        else:
+            timer.join()
+
+
 def test_storage_outage_skips_save_and_training_goes_on(reference, tmp_path, s3_server):
     cfg = make_cfg(tmp_path, "checkpoint.interval=1", "checkpoint.retry_budget_s=2",
                    f"checkpoint.uri={s3_server.uri(tmp_path.name)}", spares=0)
@@ -134,11 +154,8 @@ def test_storage_outage_skips_save_and_training_goes_on(reference, tmp_path, s3_
     try:
         trainer = Trainer(cfg, group)
         trainer.train(2)
-        s3_server.stop()
-        try:
+        with _s3_outage(s3_server):
             trainer.train(3)
-        finally:
-            s3_server.start()
         trainer.train(4)
     finally:
         group.shutdown()
@@ -154,7 +171,6 @@ def test_an_async_save_writes_beside_training_through_a_storage_outage(reference
     step 3), and the checkpoint commits after step 4, before step 4's save (one async save in
     flight). No rank failure; the same losses."""
     import logging
-    import threading
 
     cfg = make_cfg(tmp_path, "checkpoint.interval=2", "checkpoint.async_save=true",
                    f"checkpoint.uri={s3_server.uri(tmp_path.name)}", spares=0)
@@ -162,14 +178,8 @@ def test_an_async_save_writes_beside_training_through_a_storage_outage(reference
     try:
         trainer = Trainer(cfg, group)
         trainer.train(1)
-        s3_server.stop()
-        back = threading.Timer(4.0, s3_server.start)
-        back.start()
-        try:
-            with caplog.at_level(logging.INFO, logger="trainer"):
-                trainer.train(4)
-        finally:
-            back.join()
+        with _s3_outage(s3_server, 4.0), caplog.at_level(logging.INFO, logger="trainer"):
+            trainer.train(4)
     finally:
         group.shutdown()
     commits = [r.getMessage() for r in caplog.records if "committed" in r.getMessage()]
