@@ -19,6 +19,7 @@ import ray
 
 log = logging.getLogger(__name__)
 PART_BYTES = 256 << 20  # bytes per holder call: bounds one call's serialisation, not the total
+PARTS_IN_FLIGHT = 2  # holder calls a sender has outstanding: Ray's object store holds at most these
 
 
 class _WireTensor:
@@ -108,31 +109,54 @@ class SnapshotHolder:
     of that rank's training state (model + optimizer shard, engine `start_host_copy`) of the
     newest `keep` steps whose parts all arrived. Ranks send them in the background after a step
     (`SnapshotSender`); a replacement fetches its rank's copy (`get`) when no DP peer holds the
-    state. Host memory: up to `keep` + 1 x the sum of the state sizes of the ranks it serves
-    (the newest complete copies plus one arriving)."""
+    state.
+
+    Memory: every arriving part is copied out of Ray's object store into arrays the holder owns,
+    so the store holds only the parts in flight (Ray frees each once `put_part` returns); a
+    holder that kept zero-copy views pinned its snapshots in the store, which filled it at a few
+    GB of state and made Ray fall back to disk-backed allocations (docs/recovery.md, "Memory
+    snapshots, step by step"). Per (layout, rank): up to `keep` + 1 x that rank's state size
+    (the newest complete copies plus one arriving, or plus the spare buffers: the arrays of the
+    last dropped snapshot, which the next arrival copies into so that steady-state sends
+    touch no fresh pages). Calls run one at a time (a plain actor) and `get`'s result leaves
+    the actor serialised (a copy), so buffers are reused only once no visible snapshot uses
+    them."""
 
     def __init__(self, keep: int = 2):
         import torch  # noqa: F401 (the parts hold torch dtypes: imported now, not in the first put)
 
-        self.keep, self.snaps, self._partial = keep, {}, {}
+        self.keep, self.snaps, self._partial, self._spare = keep, {}, {}, {}
 
     def node_id(self) -> str:
         """The Ray node this holder runs on."""
         return ray.get_runtime_context().get_node_id()
 
     def put_part(self, key: tuple, step: int, index: int, count: int, meta, part: list) -> None:
-        """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0). The
-        snapshot becomes visible when all `count` parts are here; a newer complete one drops
-        the older partial ones of `key` (their senders died or gave up)."""
+        """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0), copied
+        into holder-owned arrays (the spare buffers of `key` where a slot's shape and dtype
+        match, else fresh ones) before returning. The snapshot becomes visible when all `count`
+        parts are here; it then drops the oldest beyond `keep` (their arrays become `key`'s
+        spare buffers) and the older partial ones of `key` (their senders died or gave up)."""
+        import numpy as np
+
+        spare = self._spare.get(key, {})
+        for slot, wire in part:
+            buf = spare.pop(slot, None)
+            if buf is None or buf.shape != wire.array.shape or buf.dtype != wire.array.dtype:
+                buf = np.empty_like(wire.array)
+            np.copyto(buf, wire.array)
+            wire.array = buf  # the view of Ray's buffer goes: the store frees the part
         got = self._partial.setdefault((key, step), {})
         got[index] = (meta, part)
         if len(got) < count:
             return
         del self._partial[(key, step)]
         steps = self.snaps.setdefault(key, {})
+        retired = [steps.pop(step)] if step in steps else []  # the same step sent again
         steps[step] = join_parts(got[0][0], [got[i][1] for i in range(count)])
-        for old in sorted(steps)[:-self.keep]:
-            del steps[old]
+        retired += [steps.pop(old) for old in sorted(steps)[:-self.keep]]
+        if retired:
+            self._spare[key] = _arrays(retired[-1])
         for k, s in list(self._partial):
             if k == key and s <= step:
                 del self._partial[(k, s)]
@@ -145,6 +169,21 @@ class SnapshotHolder:
         """(layout, rank) -> complete steps held, oldest first."""
         return {k: sorted(v) for k, v in self.snaps.items()}
 
+    def clear(self) -> None:
+        """Drop every snapshot, partial one and spare buffer (frees the holder's memory)."""
+        self.snaps.clear()
+        self._partial.clear()
+        self._spare.clear()
+
+
+def _arrays(snapshot) -> dict:
+    """slot index -> numpy array of a joined snapshot's `_WireTensor` leaves (the i-th in tree
+    order is slot i: `wire_parts` numbers them in that order)."""
+    import torch
+
+    wires = [x for x in torch.utils._pytree.tree_leaves(snapshot) if isinstance(x, _WireTensor)]
+    return {i: x.array for i, x in enumerate(wires)}
+
 
 class SnapshotSender:
     """A rank's background sends of its snapshots to a `SnapshotHolder`, at most one in flight.
@@ -153,8 +192,8 @@ class SnapshotSender:
     fails (holder gone, copy interrupted) is logged and counted in `failed`; the holder then
     keeps no part of that step (see `SnapshotHolder.put_part`)."""
 
-    def __init__(self, part_bytes: int = PART_BYTES):
-        self.part_bytes = part_bytes
+    def __init__(self, part_bytes: int = PART_BYTES, parts_in_flight: int = PARTS_IN_FLIGHT):
+        self.part_bytes, self.parts_in_flight = part_bytes, parts_in_flight
         self.sent = self.skipped = self.failed = 0
         self._thread: threading.Thread | None = None
 
@@ -180,9 +219,11 @@ class SnapshotSender:
     def send(self, holder, key: tuple, step: int, copy, before_last_part: Callable[[], None] = lambda: None) -> None:
         """Send `copy` (a `host_memory.HostCopy` of the state after `step`, possibly still being
         copied) to `holder` under (`key`, `step`) from a background thread: wait for the copy,
-        then put its parts one at a time; `before_last_part()` runs once the copy is done and
-        all parts but the last have been put (fault injection: a send cut short). Call only
-        when not `busy()`."""
+        then put its parts in order, at most `parts_in_flight` calls outstanding (the next
+        part's serialisation overlaps the holder's copy of the previous one; parts of only this
+        one snapshot are in flight); `before_last_part()` runs once the copy is done and all
+        parts but the last have been put (fault injection: a send cut short). Call only when not
+        `busy()`."""
         if self.busy():
             raise RuntimeError("SnapshotSender.send while a send is in flight: check busy() first")
 
@@ -190,10 +231,15 @@ class SnapshotSender:
             try:
                 copy.wait()
                 meta, parts = wire_parts(copy.state, self.part_bytes)
+                pending = []
                 for i, part in enumerate(parts):
                     if i == len(parts) - 1:
+                        ray.get(pending)  # every part but the last is put when the fault point runs
                         before_last_part()
-                    ray.get(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part))
+                    if len(pending) >= self.parts_in_flight:
+                        ray.get(pending.pop(0))
+                    pending.append(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part))
+                ray.get(pending)
                 self.sent += 1
             except Exception as exc:  # noqa: BLE001 (a lost snapshot is not a failure of the rank)
                 self.failed += 1
