@@ -1,8 +1,10 @@
 """In-memory snapshots kept off the rank's node: the wire format of a host training state (numpy
 arrays that Ray moves zero-copy, in parts of about `PART_BYTES`), `SnapshotHolder`, the actor
-that keeps the newest complete copies of the ranks it serves, and `SnapshotSender`, a rank's
-background sender (at most one send in flight; a snapshot due while one is in flight is skipped
-and counted, so a slow holder never stalls training and host memory stays bounded).
+that keeps the newest complete copies of the ranks it serves in memory of its own (each part
+copied out of Ray's object store on arrival, so the store holds only the parts in flight), and
+`SnapshotSender`, a rank's background sender (at most one snapshot in flight, up to
+`PARTS_IN_FLIGHT` of its parts; a snapshot due while one is in flight is skipped and counted,
+so a slow holder never stalls training and host memory stays bounded).
 
 Consistency: the holder makes a snapshot visible only when every part of it has arrived, so a
 send cut short (the rank died, the holder's node went away) leaves nothing `get` returns; the
