@@ -2,9 +2,9 @@
 arrays that Ray moves zero-copy, in parts of about `PART_BYTES`), `SnapshotHolder`, the actor
 that keeps the newest complete copies of the ranks it serves in memory of its own (each part
 copied out of Ray's object store on arrival, so the store holds only the parts in flight), and
-`SnapshotSender`, a rank's background sender (at most one snapshot in flight, up to
-`PARTS_IN_FLIGHT` of its parts; a snapshot due while one is in flight is skipped and counted,
-so a slow holder never stalls training and host memory stays bounded).
+`SnapshotSender`, a rank's background sender (at most one send in flight, one part at a time;
+a snapshot due while one is in flight is skipped and counted, so a slow holder never stalls
+training and host memory stays bounded).
 
 Consistency: the holder makes a snapshot visible only when every part of it has arrived, so a
 send cut short (the rank died, the holder's node went away) leaves nothing `get` returns; the
@@ -21,7 +21,6 @@ import ray
 
 log = logging.getLogger(__name__)
 PART_BYTES = 256 << 20  # bytes per holder call: bounds one call's serialisation, not the total
-PARTS_IN_FLIGHT = 2  # holder calls a sender has outstanding: Ray's object store holds at most these
 
 
 class _WireTensor:
@@ -194,8 +193,8 @@ class SnapshotSender:
     fails (holder gone, copy interrupted) is logged and counted in `failed`; the holder then
     keeps no part of that step (see `SnapshotHolder.put_part`)."""
 
-    def __init__(self, part_bytes: int = PART_BYTES, parts_in_flight: int = PARTS_IN_FLIGHT):
-        self.part_bytes, self.parts_in_flight = part_bytes, parts_in_flight
+    def __init__(self, part_bytes: int = PART_BYTES):
+        self.part_bytes = part_bytes
         self.sent = self.skipped = self.failed = 0
         self._thread: threading.Thread | None = None
 
@@ -221,11 +220,9 @@ class SnapshotSender:
     def send(self, holder, key: tuple, step: int, copy, before_last_part: Callable[[], None] = lambda: None) -> None:
         """Send `copy` (a `host_memory.HostCopy` of the state after `step`, possibly still being
         copied) to `holder` under (`key`, `step`) from a background thread: wait for the copy,
-        then put its parts in order, at most `parts_in_flight` calls outstanding (the next
-        part's serialisation overlaps the holder's copy of the previous one; parts of only this
-        one snapshot are in flight); `before_last_part()` runs once the copy is done and all
-        parts but the last have been put (fault injection: a send cut short). Call only when not
-        `busy()`."""
+        then put its parts one at a time; `before_last_part()` runs once the copy is done and
+        all parts but the last have been put (fault injection: a send cut short). Call only
+        when not `busy()`."""
         if self.busy():
             raise RuntimeError("SnapshotSender.send while a send is in flight: check busy() first")
 
@@ -233,15 +230,10 @@ class SnapshotSender:
             try:
                 copy.wait()
                 meta, parts = wire_parts(copy.state, self.part_bytes)
-                pending = []
                 for i, part in enumerate(parts):
                     if i == len(parts) - 1:
-                        ray.get(pending)  # every part but the last is put when the fault point runs
                         before_last_part()
-                    if len(pending) >= self.parts_in_flight:
-                        ray.get(pending.pop(0))
-                    pending.append(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part))
-                ray.get(pending)
+                    ray.get(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part))
                 self.sent += 1
             except Exception as exc:  # noqa: BLE001 (a lost snapshot is not a failure of the rank)
                 self.failed += 1

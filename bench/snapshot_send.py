@@ -10,14 +10,13 @@ in all, one state per size in --gb, sent --sends times in a row (step 1, 2, ...)
 `send` until the sender is no longer `busy()` (every part put and acknowledged by the holder)
 and the state's GB/s over them. Modes, each with a fresh holder (keep=2), in this order:
   zero_copy  the reference: the previous holder, which keeps zero-copy numpy views of the parts
-             (so Ray's object store pins every snapshot it keeps), one part in flight.
+             (so Ray's object store pins every snapshot it keeps).
   copy       `SnapshotHolder` (copies each part into memory it owns, reuses the buffers of the
-             snapshot it drops), one part in flight.
-  pipelined  `SnapshotHolder` with the sender's default `PARTS_IN_FLIGHT`.
+             snapshot it drops).
 After the sends: `pinned_mib`, the object-store memory that references pin (Ray's memory
 summary, "Pinned": the holder's zero-copy views), and whether the holder holds the last two
-steps. `fallback_allocations`: how
-many times the raylet logged that the full store fell back to disk-backed allocations.
+steps; `fallback_allocations`, how many times the raylet logged that the full store fell back
+to disk-backed allocations.
 With the reference, keep + 1 snapshots pinned in the store fill it once 3 x --gb is over
 --object-store-gb (Ray's default: 30 % of RAM); a first touch of fresh memory costs too, so the
 steady state is the sends after the first three. Writes bench/results/snapshot_send_cpu.json
@@ -103,7 +102,7 @@ def run_mode(mode: str, state: dict, sends: int) -> dict:
     """`sends` consecutive sends of `state` through a SnapshotSender to a fresh holder of `mode`."""
     holder = (ZeroCopyHolder if mode == "zero_copy" else SnapshotHolder).remote(keep=2)
     ray.get(holder.node_id.remote())  # the connection, outside the timing (as `connect` does)
-    sender = SnapshotSender() if mode == "pipelined" else SnapshotSender(parts_in_flight=1)
+    sender = SnapshotSender()
     gb = sum(t.numel() * t.element_size() for t in state["model"]) / 1e9
     fallback0, times = fallback_allocations(), []
     for step in range(1, sends + 1):
@@ -136,7 +135,7 @@ def main() -> None:
     for gb in args.gb:
         n = max(1, round(gb * 1e9 / TENSOR_BYTES))
         state = {"model": [torch.rand(TENSOR_BYTES // 4) for _ in range(n)]}
-        for mode in ("zero_copy", "copy", "pipelined"):
+        for mode in ("zero_copy", "copy"):
             r = {"state_gb": n * TENSOR_BYTES / 1e9, "mode": mode, **run_mode(mode, state, args.sends)}
             r["steady_gbps"] = statistics.median(r["gbps"][3:]) if len(r["gbps"]) > 3 else None
             results.append(r)
