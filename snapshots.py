@@ -1,8 +1,10 @@
 """In-memory snapshots kept off the rank's node: the wire format of a host training state (numpy
 arrays that Ray moves zero-copy, in parts of about `PART_BYTES`), `SnapshotHolder`, the actor
-that keeps the newest complete copies of the ranks it serves, and `SnapshotSender`, a rank's
-background sender (at most one send in flight; a snapshot due while one is in flight is skipped
-and counted, so a slow holder never stalls training and host memory stays bounded).
+that keeps the newest complete copies of the ranks it serves in memory of its own (each part
+copied out of Ray's object store on arrival, so the store holds only the parts in flight), and
+`SnapshotSender`, a rank's background sender (at most one send in flight, one part at a time;
+a snapshot due while one is in flight is skipped and counted, so a slow holder never stalls
+training and host memory stays bounded).
 
 Consistency: the holder makes a snapshot visible only when every part of it has arrived, so a
 send cut short (the rank died, the holder's node went away) leaves nothing `get` returns; the
@@ -108,31 +110,54 @@ class SnapshotHolder:
     of that rank's training state (model + optimizer shard, engine `start_host_copy`) of the
     newest `keep` steps whose parts all arrived. Ranks send them in the background after a step
     (`SnapshotSender`); a replacement fetches its rank's copy (`get`) when no DP peer holds the
-    state. Host memory: up to `keep` + 1 x the sum of the state sizes of the ranks it serves
-    (the newest complete copies plus one arriving)."""
+    state.
+
+    Memory: every arriving part is copied out of Ray's object store into arrays the holder owns,
+    so the store holds only the parts in flight (Ray frees each once `put_part` returns); a
+    holder that kept zero-copy views pinned its snapshots in the store, which filled it at a few
+    GB of state and made Ray fall back to disk-backed allocations (docs/recovery.md, "Memory
+    snapshots, step by step"). Per (layout, rank): up to `keep` + 1 x that rank's state size
+    (the newest complete copies plus one arriving, or plus the spare buffers: the arrays of the
+    last dropped snapshot, which the next arrival copies into so that steady-state sends
+    touch no fresh pages). Calls run one at a time (a plain actor) and `get`'s result leaves
+    the actor serialised (a copy), so buffers are reused only once no visible snapshot uses
+    them."""
 
     def __init__(self, keep: int = 2):
         import torch  # noqa: F401 (the parts hold torch dtypes: imported now, not in the first put)
 
-        self.keep, self.snaps, self._partial = keep, {}, {}
+        self.keep, self.snaps, self._partial, self._spare = keep, {}, {}, {}
 
     def node_id(self) -> str:
         """The Ray node this holder runs on."""
         return ray.get_runtime_context().get_node_id()
 
     def put_part(self, key: tuple, step: int, index: int, count: int, meta, part: list) -> None:
-        """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0). The
-        snapshot becomes visible when all `count` parts are here; a newer complete one drops
-        the older partial ones of `key` (their senders died or gave up)."""
+        """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0), copied
+        into holder-owned arrays (the spare buffers of `key` where a slot's shape and dtype
+        match, else fresh ones) before returning. The snapshot becomes visible when all `count`
+        parts are here; it then drops the oldest beyond `keep` (their arrays become `key`'s
+        spare buffers) and the older partial ones of `key` (their senders died or gave up)."""
+        import numpy as np
+
+        spare = self._spare.get(key, {})
+        for slot, wire in part:
+            buf = spare.pop(slot, None)
+            if buf is None or buf.shape != wire.array.shape or buf.dtype != wire.array.dtype:
+                buf = np.empty_like(wire.array)
+            np.copyto(buf, wire.array)
+            wire.array = buf  # the view of Ray's buffer goes: the store frees the part
         got = self._partial.setdefault((key, step), {})
         got[index] = (meta, part)
         if len(got) < count:
             return
         del self._partial[(key, step)]
         steps = self.snaps.setdefault(key, {})
+        retired = [steps.pop(step)] if step in steps else []  # the same step sent again
         steps[step] = join_parts(got[0][0], [got[i][1] for i in range(count)])
-        for old in sorted(steps)[:-self.keep]:
-            del steps[old]
+        retired += [steps.pop(old) for old in sorted(steps)[:-self.keep]]
+        if retired:
+            self._spare[key] = _arrays(retired[-1])
         for k, s in list(self._partial):
             if k == key and s <= step:
                 del self._partial[(k, s)]
@@ -144,6 +169,21 @@ class SnapshotHolder:
     def steps(self) -> dict:
         """(layout, rank) -> complete steps held, oldest first."""
         return {k: sorted(v) for k, v in self.snaps.items()}
+
+    def clear(self) -> None:
+        """Drop every snapshot, partial one and spare buffer (frees the holder's memory)."""
+        self.snaps.clear()
+        self._partial.clear()
+        self._spare.clear()
+
+
+def _arrays(snapshot) -> dict:
+    """slot index -> numpy array of a joined snapshot's `_WireTensor` leaves (the i-th in tree
+    order is slot i: `wire_parts` numbers them in that order)."""
+    import torch
+
+    wires = [x for x in torch.utils._pytree.tree_leaves(snapshot) if isinstance(x, _WireTensor)]
+    return {i: x.array for i, x in enumerate(wires)}
 
 
 class SnapshotSender:

@@ -226,7 +226,7 @@ def set_holders(group, enabled: bool) -> None:
     refs = [s.handle.__ray_call__.remote(lambda actor, h: setattr(actor, "_holder", h),
                                          group.holder_for(s.node_id) if enabled else None)
             for s in group.workers]
-    refs += [h.__ray_call__.remote(lambda holder: holder.snaps.clear()) for h in group.holders.values()]
+    refs += [h.clear.remote() for h in group.holders.values()]
     ray.get(refs)
 
 

@@ -118,3 +118,73 @@ def test_a_snapshot_due_while_one_is_in_flight_is_skipped_not_waited_for(ray_ses
     assert sender.counts() == {"sent": 1, "skipped": 2, "failed": 0}
     assert ray.get(holder.steps.remote()) == {("dims", 0): [1]}
     ray.kill(holder)
+
+
+def _send(holder, key, step, state, part_bytes):
+    """Every part of `state` to `holder` as (`key`, `step`), one call at a time."""
+    meta, parts = wire_parts(state, part_bytes=part_bytes)
+    for i, part in enumerate(parts):
+        ray.get(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part))
+    return len(parts)
+
+
+def _equal(wire_state, state) -> bool:
+    back = from_wire(wire_state)
+    return back["step"] == state["step"] and all(torch.equal(a, b) for a, b in zip(back["model"], state["model"]))
+
+
+def test_a_holder_pins_nothing_in_the_object_store_once_a_part_is_put(ray_session):
+    """Parts of 2 MB go through Ray's object store; the holder copies each into memory of its
+    own, so once its snapshots are complete no object of its process is pinned (a holder that
+    kept zero-copy views pinned every part it kept: the store filled, docs/recovery.md)."""
+    from ray._private.internal_api import memory_summary
+
+    holder = SnapshotHolder.remote(keep=2)
+    key, sender = ("dims", 0), SnapshotSender(part_bytes=2 << 20)
+    states = {s: {"model": [torch.full((1 << 18,), float(s + i)) for i in range(4)], "step": s} for s in (1, 2, 3)}
+    for step, state in states.items():
+        sender.send(holder, key, step, HostCopy(state, lambda: None))
+        deadline = time.monotonic() + 30
+        while sender.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert sender.counts() == {"sent": 3, "skipped": 0, "failed": 0}
+    assert ray.get(holder.steps.remote()) == {key: [2, 3]}
+    pid = ray.get(holder.__ray_call__.remote(lambda h: __import__("os").getpid()))
+    rows = memory_summary(ray.get_runtime_context().gcs_address, units="MB").splitlines()
+    assert [r for r in rows if f"| {pid} " in r and "PINNED_IN_MEMORY" in r] == []
+    assert all(_equal(ray.get(holder.get.remote(key, s)), states[s]) for s in (2, 3))
+    ray.kill(holder)
+
+
+def test_a_holder_reuses_the_dropped_snapshots_buffers_and_never_those_it_holds(ray_session):
+    """Steps 1-4, then part 1 of 2 of step 5 (its sender died): step 4 is copied into the very
+    arrays step 1 had (dropped when step 3 completed), step 5's part into step 2's; the steps
+    held (3, 4) stay bitwise theirs, step 5 stays invisible, and a result `get` returned before
+    its buffers were reused (step 1) is unchanged."""
+    key, part_bytes = ("dims", 0), 2 * 64 * 4
+    g = torch.Generator().manual_seed(0)
+    states = {s: {"model": [torch.randn(64, generator=g) for _ in range(4)], "step": s} for s in range(1, 6)}
+    holder = SnapshotHolder.remote(keep=2)
+    for step in (1, 2, 3):
+        assert _send(holder, key, step, states[step], part_bytes) == 2
+        if step == 1:
+            got1 = ray.get(holder.get.remote(key, 1))
+
+    def probe(h):  # keep the spare arrays alive: an identity check, not an address that can recur
+        h.probe = list(h._spare[key].values())
+        return len(h.probe)
+
+    assert ray.get(holder.__ray_call__.remote(probe)) == 4  # step 1's arrays
+    _send(holder, key, 4, states[4], part_bytes)
+    reused = ray.get(holder.__ray_call__.remote(
+        lambda h: sorted(i for i, p in enumerate(h.probe) for w in h.snaps[key][4]["model"] if w.array is p)))
+    assert reused == [0, 1, 2, 3]
+    ray.get(holder.__ray_call__.remote(probe))  # step 2's arrays
+    meta, parts = wire_parts(states[5], part_bytes=part_bytes)
+    ray.get(holder.put_part.remote(key, 5, 0, 2, meta, parts[0]))
+    assert ray.get(holder.__ray_call__.remote(
+        lambda h: sum(w.array is p for p in h.probe for _, w in h._partial[(key, 5)][0][1]))) == 2
+    assert ray.get(holder.steps.remote()) == {key: [3, 4]} and ray.get(holder.get.remote(key, 5)) is None
+    assert all(_equal(ray.get(holder.get.remote(key, s)), states[s]) for s in (3, 4))
+    assert _equal(got1, states[1])
+    ray.kill(holder)
