@@ -34,13 +34,12 @@ def reference(ray_session, tmp_path_factory):
 
 
 def command(mode: str, run_dir: Path, name: str, *sets: str) -> list[str]:
-    argv = [sys.executable, "main.py", mode]
-    for s in [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", *sets]:
-        argv += ["--set", s]
+    """`main.py MODE` of run `name` on this test's Ray; `sets` come last (they override SETS)."""
+    argv = [sys.executable, "main.py", mode, "--set", f"cluster.ray_address={ray.get_runtime_context().gcs_address}"]
     if mode == "stop":
-        return argv + ["--run", name]
+        return argv + [a for s in sets for a in ("--set", s)] + ["--run", name]
     for s in [*SETS, f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt", f"run_name={name}",
-              "fault_tolerance.driver_failover=true"]:
+              "fault_tolerance.driver_failover=true", *sets]:
         argv += ["--set", s]
     return argv
 
@@ -86,20 +85,49 @@ def wait_clean(timeout_s: float) -> None:
     assert leftovers() == ([], []), "detached actors or placement group of the run left"
 
 
+def held_steps(name: str) -> dict[int, set[int]]:
+    """rank -> steps of its in-memory snapshots that the run's holders (named in its record) hold."""
+    held: dict[int, set[int]] = {}
+    for holder in record_of(name).get("holders", {}).values():
+        try:
+            steps = ray.get(ray.get_actor(holder, namespace=driver_failover.namespace(name)).steps.remote(), timeout=5)
+        except (ValueError, ray.exceptions.RayError):
+            continue
+        for (_, rank), s in steps.items():
+            held.setdefault(rank, set()).update(s)
+    return held
+
+
+# In-memory snapshots every step; step 4 slow too, so the snapshot of step 3 (sent in the
+# background during step 4) can be seen in the holders before the run ends and removes them.
+SNAPSHOTS = ["fault_tolerance.memory_snapshot_interval=1",
+             "chaos.events=[{step: 3, rank: 0, kind: slow, point: step_start}, "
+             "{step: 4, rank: 0, kind: slow, point: step_start}]"]
+
+
 @pytest.mark.parametrize("lost_rank", [None, pytest.param(1, marks=pytest.mark.slow)],
                          ids=["all_alive", "rank_1_lost_too"])
 def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp_path, lost_rank):
     """With `lost_rank`, that rank's actor is killed too while no driver runs: the new driver
-    replaces it from the spare and restores it from its DP peer, still at the committed step."""
+    replaces it from the spare and restores it from its DP peer, still at the committed step.
+    The snapshot holder is taken over too: every rank's snapshot of step 3, a step only the new
+    driver runs, reaches it."""
     run_dir, name = tmp_path / "run", f"failover-{lost_rank}"
-    argv = command("train", run_dir, name)
+    argv = command("train", run_dir, name, *SNAPSHOTS)
     kill_mid_step_3(argv, name, tmp_path / "first.log")
-    assert len(leftovers()[0]) == 4 and leftovers()[1], "the actors must outlive their driver"
+    assert len(leftovers()[0]) == 5 and leftovers()[1], "the actors (3, a holder, the record) must outlive their driver"
+    assert 3 not in set().union(*held_steps(name).values())
     if lost_rank is not None:
         actor = record_of(name)["workers"][lost_rank]
         ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
     second = start(argv, tmp_path / "second.log")
     try:
+        deadline = time.monotonic() + 120
+        while not all(3 in held_steps(name).get(r, ()) for r in (0, 1)):
+            assert second.poll() is None, f"ended before the holder had step 3: {held_steps(name)}\n" + \
+                (tmp_path / "second.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no snapshot of step 3 within 120 s: {held_steps(name)}"
+            time.sleep(0.05)
         assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
     finally:
         if second.poll() is None:
