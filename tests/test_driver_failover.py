@@ -142,6 +142,32 @@ def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp
     wait_clean(10)
 
 
+def test_too_few_survivors_are_removed_and_the_run_resumes_from_its_checkpoint(reference, tmp_path):
+    """Both ranks killed while no driver runs, one spare left: no reattach (CannotReattach);
+    the new driver removes what is left, places new actors and resumes from the checkpoint of
+    step 2 with the losses of the uninterrupted run; nothing of either driver is left."""
+    run_dir, name = tmp_path / "run", "too-few"
+    kill_mid_step_3(command("train", run_dir, name), name, tmp_path / "first.log")
+    old = record_of(name)
+    for actor in old["workers"]:
+        ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
+    # No slow step 3 this time (nothing to kill in it); chaos is not part of the run's math.
+    second = start(command("train", run_dir, name, "chaos.events=[]"), tmp_path / "second.log")
+    try:
+        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    log = (tmp_path / "second.log").read_text()
+    assert "cannot reattach (2 rank(s) of the run did not survive its driver and 1 spare(s) did): " \
+           "removing what is left, starting as a new driver" in log, log[-3000:]
+    assert "event=reattach" not in log and "event=resume" in log, log[-3000:]
+    out = json.loads((run_dir / "train.json").read_text())
+    assert out["run"] == old["run"]["id"] and out["resumed_from"] == 2
+    assert {int(s): x for s, x in out["losses"].items()} == {s: reference[s] for s in (3, 4)}
+    wait_clean(10)
+
+
 def test_detached_actors_without_a_driver_remove_themselves_and_stop_removes_them(ray_session, tmp_path):
     run_dir, name = tmp_path / "run", "orphan"
     argv = command("train", run_dir, name, "fault_tolerance.driver_failover_timeout_s=4")
