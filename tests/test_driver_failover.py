@@ -168,6 +168,43 @@ def test_too_few_survivors_are_removed_and_the_run_resumes_from_its_checkpoint(r
     wait_clean(10)
 
 
+@pytest.mark.slow
+def test_a_driver_dead_before_its_first_record_leaves_nothing_to_the_next(reference, tmp_path):
+    """The driver SIGKILLed once its record actor and some of its detached actors exist but it
+    has recorded nothing yet: the next driver says so in one line, removes them and starts the
+    run as a new driver, with the losses of the uninterrupted run; nothing is left after it."""
+    run_dir, name = tmp_path / "run", "unrecorded"
+    argv = command("train", run_dir, name, "chaos.events=[]")  # no step to slow down: the kill is before step 1
+    first = start(argv, tmp_path / "first.log")
+    ns, deadline = driver_failover.namespace(name), time.monotonic() + 120
+
+    def unrecorded() -> bool:
+        try:
+            ray.get_actor(driver_failover.RECORD, namespace=ns)
+        except ValueError:
+            return False
+        return not record_of(name) and len(leftovers()[0]) > 1
+
+    while not unrecorded():
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no detached actor within 120 s"
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert record_of(name) == {}, "killed too late: the driver recorded its actors"
+    second = start(argv, tmp_path / "second.log")
+    try:
+        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    log = (tmp_path / "second.log").read_text()
+    assert "its driver died before it recorded its actors" in log and "event=start" in log, log[-3000:]
+    out = json.loads((run_dir / "train.json").read_text())
+    assert out["resumed_from"] is None and {int(s): x for s, x in out["losses"].items()} == reference
+    wait_clean(10)
+
+
 def test_detached_actors_without_a_driver_remove_themselves_and_stop_removes_them(ray_session, tmp_path):
     run_dir, name = tmp_path / "run", "orphan"
     argv = command("train", run_dir, name, "fault_tolerance.driver_failover_timeout_s=4")
@@ -205,3 +242,25 @@ def test_detached_actors_of_another_run_stop_the_driver_in_one_line_and_are_left
         assert ray.get(record.get.remote())["committed_step"] == 3  # left alone
     finally:
         ray.kill(record, no_restart=True)
+
+
+def test_a_record_is_reattached_to_only_when_it_names_this_runs_actors(tmp_path):
+    """`check_record` (no cluster): an empty record (its driver died before its first save) means
+    start as a new driver; a record of this run (even one written before step 1) means reattach;
+    another run id than the checkpoints', or another layout, stops the driver."""
+    from config import ConfigError
+    from run_identity import RunIdentity
+
+    cfg = resolve(load_config("config.yaml", [*SETS[:-1], f"run_dir={tmp_path}", "run_name=decide",
+                                              "fault_tolerance.driver_failover=true"]), num_gpus=0)
+    run = RunIdentity.new(cfg)
+    first = {"run": run.to_dict(), "committed_step": 0, "generation": 1, "num_workers": 2, "num_spares": 1,
+             "workers": ["actor-0-a", "actor-1-b"], "spares": ["actor-2-c"], "slots": {}, "holders": {}, "actors": {}}
+    assert driver_failover.check_record({}, cfg, run, resuming=False) is False
+    assert driver_failover.check_record({}, cfg, run, resuming=True) is False
+    assert driver_failover.check_record(first, cfg, run, resuming=False) is True
+    assert driver_failover.check_record(first, cfg, run, resuming=True) is True
+    with pytest.raises(ConfigError, match=r"the checkpoints in checkpoint.uri are of run decide-"):
+        driver_failover.check_record(first, cfg, RunIdentity.new(cfg), resuming=True)
+    with pytest.raises(ConfigError, match=r"\(2 workers \+ 2 spares there, 2 \+ 1 here\)"):
+        driver_failover.check_record({**first, "num_spares": 2}, cfg, run, resuming=False)
