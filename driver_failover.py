@@ -11,8 +11,11 @@ A new `main.py train` with the same config, attached to the same cluster, finds 
 layout), takes the actors by name (`ActorGroup(cfg, attach=record)`), makes its own rendezvous
 store and a new generation, and every surviving rank rolls back to the committed step from its
 own live state (`reattach`: zero steps lost, no checkpoint read); ranks that did not survive
-are replaced from spares and restored from a DP peer as in any recovery. The record of another
-run under the same name stops the driver with one line (`main.py stop --run NAME` removes it).
+are replaced from spares and restored from a DP peer as in any recovery. More dead ranks than
+live spares (`CannotReattach`), or an empty record (its driver died before its first `save`,
+`check_record`): the new driver removes what is left and starts as one without failover would,
+from the checkpoints. The record of another run under the same name stops the driver with one
+line (`main.py stop --run NAME` removes it).
 
 The record is also the run's janitor: the driver touches it every second; when no driver has
 touched it for `fault_tolerance.driver_failover_timeout_s` it kills every named actor of the
