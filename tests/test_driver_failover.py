@@ -98,8 +98,18 @@ def held_steps(name: str) -> dict[int, set[int]]:
     return held
 
 
+def wait_held(name: str, step: int, proc: subprocess.Popen | None = None, timeout_s: float = 120) -> None:
+    """Until the holders hold both ranks' snapshots of `step` (sent in the background after it);
+    fails should `proc` (a driver) exit first."""
+    deadline = time.monotonic() + timeout_s
+    while not all(step in held_steps(name).get(r, ()) for r in (0, 1)):
+        assert proc is None or proc.poll() is None, f"driver ended, holders: {held_steps(name)}"
+        assert time.monotonic() < deadline, f"no snapshots of step {step} within {timeout_s} s: {held_steps(name)}"
+        time.sleep(0.05)
+
+
 # In-memory snapshots every step; step 4 slow too, so the snapshot of step 3 (sent in the
-# background during step 4) can be seen in the holders before the run ends and removes them.
+# background during step 4) can be seen in the holder before the run ends and removes it.
 SNAPSHOTS = ["fault_tolerance.memory_snapshot_interval=1",
              "chaos.events=[{step: 3, rank: 0, kind: slow, point: step_start}, "
              "{step: 4, rank: 0, kind: slow, point: step_start}]"]
@@ -110,24 +120,24 @@ SNAPSHOTS = ["fault_tolerance.memory_snapshot_interval=1",
 def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp_path, lost_rank):
     """With `lost_rank`, that rank's actor is killed too while no driver runs: the new driver
     replaces it from the spare and restores it from its DP peer, still at the committed step.
-    The snapshot holder is taken over too: every rank's snapshot of step 3, a step only the new
-    driver runs, reaches it."""
+    The snapshot holder is taken over too: the ranks' snapshots of step 3 reach it again once
+    the new driver has run that step."""
     run_dir, name = tmp_path / "run", f"failover-{lost_rank}"
     argv = command("train", run_dir, name, *SNAPSHOTS)
     kill_mid_step_3(argv, name, tmp_path / "first.log")
     assert len(leftovers()[0]) == 5 and leftovers()[1], "the actors (3, a holder, the record) must outlive their driver"
-    assert 3 not in set().union(*held_steps(name).values())
+    # The ranks finish the step in flight without a driver and send its snapshot: once it is
+    # there, empty the holder, so a snapshot of step 3 there later came after the reattach.
+    wait_held(name, 3)
+    for holder in record_of(name)["holders"].values():
+        ray.get(ray.get_actor(holder, namespace=driver_failover.namespace(name)).clear.remote())
+    assert held_steps(name) == {}
     if lost_rank is not None:
         actor = record_of(name)["workers"][lost_rank]
         ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
     second = start(argv, tmp_path / "second.log")
     try:
-        deadline = time.monotonic() + 120
-        while not all(3 in held_steps(name).get(r, ()) for r in (0, 1)):
-            assert second.poll() is None, f"ended before the holder had step 3: {held_steps(name)}\n" + \
-                (tmp_path / "second.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"no snapshot of step 3 within 120 s: {held_steps(name)}"
-            time.sleep(0.05)
+        wait_held(name, 3, second)
         assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
     finally:
         if second.poll() is None:
