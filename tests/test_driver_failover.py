@@ -2,8 +2,10 @@
 run attached to a cluster (this test's Ray) mid-step; the same command again reattaches to the
 run's live detached actors: no checkpoint load, no committed step lost, the losses of the
 uninterrupted run bitwise; once the run ends no detached actor or placement group of it is
-left. Detached actors whose driver does not come back remove themselves
-(`driver_failover_timeout_s`), and `main.py stop --run NAME` removes them at once."""
+left; the snapshot holders are taken over too. Too few survivors to reattach to, or an empty
+record (the driver killed before its first one): what is left is removed and the run resumes
+or starts as without failover. Detached actors whose driver does not come back remove
+themselves (`driver_failover_timeout_s`), and `main.py stop --run NAME` removes them at once."""
 import json
 import os
 import signal
