@@ -11,8 +11,11 @@ A new `main.py train` with the same config, attached to the same cluster, finds 
 layout), takes the actors by name (`ActorGroup(cfg, attach=record)`), makes its own rendezvous
 store and a new generation, and every surviving rank rolls back to the committed step from its
 own live state (`reattach`: zero steps lost, no checkpoint read); ranks that did not survive
-are replaced from spares and restored from a DP peer as in any recovery. The record of another
-run under the same name stops the driver with one line (`main.py stop --run NAME` removes it).
+are replaced from spares and restored from a DP peer as in any recovery. More dead ranks than
+live spares (`CannotReattach`), or an empty record (its driver died before its first `save`,
+`check_record`): the new driver removes what is left and starts as one without failover would,
+from the checkpoints. The record of another run under the same name stops the driver with one
+line (`main.py stop --run NAME` removes it).
 
 The record is also the run's janitor: the driver touches it every second; when no driver has
 touched it for `fault_tolerance.driver_failover_timeout_s` it kills every named actor of the
@@ -108,18 +111,31 @@ class RunRecord:
 
 
 def find(cfg: Config, run, resuming: bool) -> dict | None:
-    """The record of this run's detached actors in the cluster, None when there is none (or it
-    holds no state yet). `run`: this driver's RunIdentity (from `plan_start`); `resuming`: its
-    id is that of the run's checkpoints, which must be the record's. Raises ConfigError
-    when the record is of another run or layout: nothing is touched."""
+    """The record of this run's detached actors in the cluster, None when there is none. An
+    empty one (`check_record`) is logged in one line and its placement group removed (every
+    actor of the run is in it, so they go too): the caller starts as a new driver. `run`,
+    `resuming`: as for `check_record`, whose ConfigError (another run or layout) touches nothing."""
     try:
         record = ray.get_actor(RECORD, namespace=namespace(cfg.run_name))
     except ValueError:
         return None
     state = ray.get(record.get.remote(), timeout=cfg.fault_tolerance.health_timeout_s)
-    if not state:  # a driver died before it recorded its actors: its placement group takes them along
+    if not check_record(state, cfg, run, resuming):
+        log.warning("driver failover: the record of run %s is empty (its driver died before it recorded "
+                    "its actors): removing its placement group, starting as a new driver", cfg.run_name)
         remove([], namespace(cfg.run_name))
         return None
+    return state
+
+
+def check_record(state: dict, cfg: Config, run, resuming: bool) -> bool:
+    """Whether a new driver reattaches with the record `state` (`DriverFailover.save`): True
+    when it is this run's with this layout, False when it is empty (the driver died before its
+    first `save`: nothing says who is who). `run`: this driver's RunIdentity (from
+    `plan_start`); `resuming`: its id is that of the run's checkpoints, which must be the
+    record's. Raises ConfigError when the record is of another run or layout."""
+    if not state:
+        return False
     theirs = state["run"]
     c = cfg.cluster
     why = []
@@ -134,7 +150,7 @@ def find(cfg: Config, run, resuming: bool) -> dict | None:
         raise ConfigError(f"fault_tolerance.driver_failover: the cluster holds detached actors of run "
                           f"{theirs['id']} in namespace {namespace(cfg.run_name)} ({'; '.join(why)}); "
                           f"`main.py stop --run {cfg.run_name}` removes them, or choose another run_name")
-    return state
+    return True
 
 
 class DriverFailover:

@@ -2,8 +2,10 @@
 run attached to a cluster (this test's Ray) mid-step; the same command again reattaches to the
 run's live detached actors: no checkpoint load, no committed step lost, the losses of the
 uninterrupted run bitwise; once the run ends no detached actor or placement group of it is
-left. Detached actors whose driver does not come back remove themselves
-(`driver_failover_timeout_s`), and `main.py stop --run NAME` removes them at once."""
+left; the snapshot holders are taken over too. Too few survivors to reattach to, or an empty
+record (the driver killed before its first one): what is left is removed and the run resumes
+or starts as without failover. Detached actors whose driver does not come back remove
+themselves (`driver_failover_timeout_s`), and `main.py stop --run NAME` removes them at once."""
 import json
 import os
 import signal
@@ -34,13 +36,12 @@ def reference(ray_session, tmp_path_factory):
 
 
 def command(mode: str, run_dir: Path, name: str, *sets: str) -> list[str]:
-    argv = [sys.executable, "main.py", mode]
-    for s in [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", *sets]:
-        argv += ["--set", s]
+    """`main.py MODE` of run `name` on this test's Ray; `sets` come last (they override SETS)."""
+    argv = [sys.executable, "main.py", mode, "--set", f"cluster.ray_address={ray.get_runtime_context().gcs_address}"]
     if mode == "stop":
-        return argv + ["--run", name]
+        return argv + [a for s in sets for a in ("--set", s)] + ["--run", name]
     for s in [*SETS, f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt", f"run_name={name}",
-              "fault_tolerance.driver_failover=true"]:
+              "fault_tolerance.driver_failover=true", *sets]:
         argv += ["--set", s]
     return argv
 
@@ -86,20 +87,59 @@ def wait_clean(timeout_s: float) -> None:
     assert leftovers() == ([], []), "detached actors or placement group of the run left"
 
 
+def held_steps(name: str) -> dict[int, set[int]]:
+    """rank -> steps of its in-memory snapshots that the run's holders (named in its record) hold."""
+    held: dict[int, set[int]] = {}
+    for holder in record_of(name).get("holders", {}).values():
+        try:
+            steps = ray.get(ray.get_actor(holder, namespace=driver_failover.namespace(name)).steps.remote(), timeout=5)
+        except (ValueError, ray.exceptions.RayError):
+            continue
+        for (_, rank), s in steps.items():
+            held.setdefault(rank, set()).update(s)
+    return held
+
+
+def wait_held(name: str, step: int, proc: subprocess.Popen | None = None, timeout_s: float = 120) -> None:
+    """Until the holders hold both ranks' snapshots of `step` (sent in the background after it);
+    fails should `proc` (a driver) exit first."""
+    deadline = time.monotonic() + timeout_s
+    while not all(step in held_steps(name).get(r, ()) for r in (0, 1)):
+        assert proc is None or proc.poll() is None, f"driver ended, holders: {held_steps(name)}"
+        assert time.monotonic() < deadline, f"no snapshots of step {step} within {timeout_s} s: {held_steps(name)}"
+        time.sleep(0.05)
+
+
+# In-memory snapshots every step; step 4 slow too, so the snapshot of step 3 (sent in the
+# background during step 4) can be seen in the holder before the run ends and removes it.
+SNAPSHOTS = ["fault_tolerance.memory_snapshot_interval=1",
+             "chaos.events=[{step: 3, rank: 0, kind: slow, point: step_start}, "
+             "{step: 4, rank: 0, kind: slow, point: step_start}]"]
+
+
 @pytest.mark.parametrize("lost_rank", [None, pytest.param(1, marks=pytest.mark.slow)],
                          ids=["all_alive", "rank_1_lost_too"])
 def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp_path, lost_rank):
     """With `lost_rank`, that rank's actor is killed too while no driver runs: the new driver
-    replaces it from the spare and restores it from its DP peer, still at the committed step."""
+    replaces it from the spare and restores it from its DP peer, still at the committed step.
+    The snapshot holder is taken over too: the ranks' snapshots of step 3 reach it again once
+    the new driver has run that step."""
     run_dir, name = tmp_path / "run", f"failover-{lost_rank}"
-    argv = command("train", run_dir, name)
+    argv = command("train", run_dir, name, *SNAPSHOTS)
     kill_mid_step_3(argv, name, tmp_path / "first.log")
-    assert len(leftovers()[0]) == 4 and leftovers()[1], "the actors must outlive their driver"
+    assert len(leftovers()[0]) == 5 and leftovers()[1], "the actors (3, a holder, the record) must outlive their driver"
+    # The ranks finish the step in flight without a driver and send its snapshot: once it is
+    # there, empty the holder, so a snapshot of step 3 there later came after the reattach.
+    wait_held(name, 3)
+    for holder in record_of(name)["holders"].values():
+        ray.get(ray.get_actor(holder, namespace=driver_failover.namespace(name)).clear.remote())
+    assert held_steps(name) == {}
     if lost_rank is not None:
         actor = record_of(name)["workers"][lost_rank]
         ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
     second = start(argv, tmp_path / "second.log")
     try:
+        wait_held(name, 3, second)
         assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
     finally:
         if second.poll() is None:
@@ -111,6 +151,69 @@ def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp
     out = json.loads((run_dir / "train.json").read_text())
     assert out["resumed_from"] == 2 and out["replayed"] == {}
     assert {int(s): x for s, x in out["losses"].items()} == {s: reference[s] for s in (3, 4)}
+    wait_clean(10)
+
+
+def test_too_few_survivors_are_removed_and_the_run_resumes_from_its_checkpoint(reference, tmp_path):
+    """Both ranks killed while no driver runs, one spare left: no reattach (CannotReattach);
+    the new driver removes what is left, places new actors and resumes from the checkpoint of
+    step 2 with the losses of the uninterrupted run; nothing of either driver is left."""
+    run_dir, name = tmp_path / "run", "too-few"
+    kill_mid_step_3(command("train", run_dir, name), name, tmp_path / "first.log")
+    old = record_of(name)
+    for actor in old["workers"]:
+        ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
+    # No slow step 3 this time (nothing to kill in it); chaos is not part of the run's math.
+    second = start(command("train", run_dir, name, "chaos.events=[]"), tmp_path / "second.log")
+    try:
+        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    log = (tmp_path / "second.log").read_text()
+    assert "cannot reattach (2 rank(s) of the run did not survive its driver and 1 spare(s) did): " \
+           "removing what is left, starting as a new driver" in log, log[-3000:]
+    assert "event=reattach" not in log and "event=resume" in log, log[-3000:]
+    out = json.loads((run_dir / "train.json").read_text())
+    assert out["run"] == old["run"]["id"] and out["resumed_from"] == 2
+    assert {int(s): x for s, x in out["losses"].items()} == {s: reference[s] for s in (3, 4)}
+    wait_clean(10)
+
+
+@pytest.mark.slow
+def test_a_driver_dead_before_its_first_record_leaves_nothing_to_the_next(reference, tmp_path):
+    """The driver SIGKILLed once its record actor and some of its detached actors exist but it
+    has recorded nothing yet: the next driver says so in one line, removes them and starts the
+    run as a new driver, with the losses of the uninterrupted run; nothing is left after it."""
+    run_dir, name = tmp_path / "run", "unrecorded"
+    argv = command("train", run_dir, name, "chaos.events=[]")  # no step to slow down: the kill is before step 1
+    first = start(argv, tmp_path / "first.log")
+    ns, deadline = driver_failover.namespace(name), time.monotonic() + 120
+
+    def unrecorded() -> bool:
+        try:
+            ray.get_actor(driver_failover.RECORD, namespace=ns)
+        except ValueError:
+            return False
+        return not record_of(name) and len(leftovers()[0]) > 1
+
+    while not unrecorded():
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no detached actor within 120 s"
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert record_of(name) == {}, "killed too late: the driver recorded its actors"
+    second = start(argv, tmp_path / "second.log")
+    try:
+        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    log = (tmp_path / "second.log").read_text()
+    assert "its driver died before it recorded its actors" in log and "event=start" in log, log[-3000:]
+    out = json.loads((run_dir / "train.json").read_text())
+    assert out["resumed_from"] is None and {int(s): x for s, x in out["losses"].items()} == reference
     wait_clean(10)
 
 
@@ -151,3 +254,25 @@ def test_detached_actors_of_another_run_stop_the_driver_in_one_line_and_are_left
         assert ray.get(record.get.remote())["committed_step"] == 3  # left alone
     finally:
         ray.kill(record, no_restart=True)
+
+
+def test_a_record_is_reattached_to_only_when_it_names_this_runs_actors(tmp_path):
+    """`check_record` (no cluster): an empty record (its driver died before its first save) means
+    start as a new driver; a record of this run (even one written before step 1) means reattach;
+    another run id than the checkpoints', or another layout, stops the driver."""
+    from config import ConfigError
+    from run_identity import RunIdentity
+
+    cfg = resolve(load_config("config.yaml", [*SETS[:-1], f"run_dir={tmp_path}", "run_name=decide",
+                                              "fault_tolerance.driver_failover=true"]), num_gpus=0)
+    run = RunIdentity.new(cfg)
+    first = {"run": run.to_dict(), "committed_step": 0, "generation": 1, "num_workers": 2, "num_spares": 1,
+             "workers": ["actor-0-a", "actor-1-b"], "spares": ["actor-2-c"], "slots": {}, "holders": {}, "actors": {}}
+    assert driver_failover.check_record({}, cfg, run, resuming=False) is False
+    assert driver_failover.check_record({}, cfg, run, resuming=True) is False
+    assert driver_failover.check_record(first, cfg, run, resuming=False) is True
+    assert driver_failover.check_record(first, cfg, run, resuming=True) is True
+    with pytest.raises(ConfigError, match=r"the checkpoints in checkpoint.uri are of run decide-"):
+        driver_failover.check_record(first, cfg, RunIdentity.new(cfg), resuming=True)
+    with pytest.raises(ConfigError, match=r"\(2 workers \+ 2 spares there, 2 \+ 1 here\)"):
+        driver_failover.check_record({**first, "num_spares": 2}, cfg, run, resuming=False)
