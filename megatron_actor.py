@@ -55,19 +55,23 @@ class MegatronActor:
         self._sender = SnapshotSender()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         use_node_interface(ray.util.get_node_ip_address())  # before any process group is made
-        self._last_ping = time.monotonic()
+        self._last_ping, self._pinged = time.monotonic(), False
         if cfg.fault_tolerance.driver_failover:  # detached: gone with no driver for too long
             threading.Thread(target=self._driver_watchdog, name="driver-watchdog", daemon=True).start()
 
     def _driver_watchdog(self) -> None:
         """With driver_failover: once no driver has pinged this actor for
         `driver_failover_timeout_s`, remove the run's placement group (every actor of the run in
-        it goes too, so no GPU stays reserved) and exit (`driver_failover.py`)."""
+        it goes too, so no GPU stays reserved) and exit (`driver_failover.py`). An actor no
+        driver ever pinged exits alone: e.g. a spare still being built when its driver died is
+        in no record, so the driver that reattached to the run never pings it, and its silence
+        says nothing about that run."""
         timeout = self.cfg.fault_tolerance.driver_failover_timeout_s
         while time.monotonic() - self._last_ping < timeout:
             time.sleep(min(1.0, timeout / 4))
-        from driver_failover import remove
-        remove([])
+        if self._pinged:
+            from driver_failover import remove
+            remove([])
         os._exit(0)
 
     def fault_point(self, point: str) -> None:
@@ -96,7 +100,7 @@ class MegatronActor:
     def ping(self) -> dict:
         """Liveness + progress, answered even while the compute thread is in a collective.
         Also feeds the driver watchdog (`_driver_watchdog`)."""
-        self._last_ping = time.monotonic()
+        self._last_ping, self._pinged = time.monotonic(), True
         e = self.engine
         return {"generation": self.generation, "rank": self.rank,
                 "progress": e.progress if e else 0,

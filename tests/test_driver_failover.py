@@ -276,3 +276,42 @@ def test_a_record_is_reattached_to_only_when_it_names_this_runs_actors(tmp_path)
         driver_failover.check_record(first, cfg, RunIdentity.new(cfg), resuming=True)
     with pytest.raises(ConfigError, match=r"\(2 workers \+ 2 spares there, 2 \+ 1 here\)"):
         driver_failover.check_record({**first, "num_spares": 2}, cfg, run, resuming=False)
+
+
+def test_an_actor_no_driver_ever_pinged_leaves_its_run_alone(ray_session, tmp_path):
+    """A spare still being built when its driver died is in no record, so the driver that
+    reattached never pings it: when its watchdog fires it exits alone and the run's placement
+    group stays. An actor a driver did ping removes the placement group (no GPU kept)."""
+    from ray.util.placement_group import placement_group, placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from megatron_actor import MegatronActor
+
+    cfg = resolve(load_config(ROOT / "config.yaml", ["fault_tolerance.driver_failover=true",
+                                                      "fault_tolerance.driver_failover_timeout_s=2",
+                                                      f"run_dir={tmp_path}"]), num_gpus=0)
+    pg = placement_group([{"CPU": 0.01}] * 2, name=driver_failover.PLACEMENT_GROUP)
+    ray.get(pg.ready())
+
+    def actor(bundle: int):
+        return MegatronActor.options(num_cpus=0.01, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle)
+                                     ).remote(cfg, bundle)
+
+    def state() -> str:
+        return placement_group_table(pg)["state"]
+
+    try:
+        orphan = actor(0)
+        ray.get(orphan.info.remote())  # started (its watchdog runs), never pinged
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(orphan.__ray_call__.remote(lambda a: time.sleep(30)), timeout=30)
+        assert state() == "CREATED"
+        pinged = actor(1)
+        ray.get(pinged.ping.remote())
+        deadline = time.monotonic() + 30
+        while state() != "REMOVED":
+            assert time.monotonic() < deadline, "the pinged actor's watchdog did not remove the placement group"
+            time.sleep(0.1)
+    finally:
+        if state() != "REMOVED":
+            ray.util.remove_placement_group(pg)
