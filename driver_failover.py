@@ -42,6 +42,7 @@ from config import Config, ConfigError
 log = logging.getLogger(__name__)
 
 RECORD = "run-record"
+LIVE_S = 2.5  # s: a record touched within this is a live driver's (it touches every 1 s)
 PLACEMENT_GROUP = "placement-group"
 
 
@@ -87,18 +88,23 @@ class RunRecord:
     def __init__(self, timeout_s: float, ns: str):
         self.state: dict = {}
         self.timeout_s, self.ns = timeout_s, ns
-        self.last = time.monotonic()
+        self.last = self.touched = time.monotonic()  # last call of any kind / of a running driver
         threading.Thread(target=self._watch, daemon=True).start()
 
     def touch(self) -> None:
-        self.last = time.monotonic()
+        self.last = self.touched = time.monotonic()
 
     def update(self, state: dict) -> None:
         self.state, self.last = state, time.monotonic()
+        self.touched = self.last
 
     def get(self) -> dict:
-        self.last = time.monotonic()
+        self.last = time.monotonic()  # a driver taking over: the janitor waits, but no running driver
         return self.state
+
+    def silence_s(self) -> float:
+        """Seconds since a running driver last touched or updated this record."""
+        return time.monotonic() - self.touched
 
     def _watch(self) -> None:
         while time.monotonic() - self.last < self.timeout_s:
@@ -111,15 +117,28 @@ class RunRecord:
 
 
 def find(cfg: Config, run, resuming: bool) -> dict | None:
-    """The record of this run's detached actors in the cluster, None when there is none. An
-    empty one (`check_record`) is logged in one line and its placement group removed (every
-    actor of the run is in it, so they go too): the caller starts as a new driver. `run`,
-    `resuming`: as for `check_record`, whose ConfigError (another run or layout) touches nothing."""
+    """The record of this run's detached actors in the cluster, None when there is none (or it
+    went away meanwhile). An empty one (`check_record`) is logged in one line and its placement
+    group removed (every actor of the run is in it, so they go too): the caller starts as a new
+    driver. Raises ConfigError, touching nothing, when another driver of the run still touches
+    the record (within `LIVE_S`, checked twice), and as `check_record` (another run or
+    layout). `run`, `resuming`: as for `check_record`."""
     try:
         record = ray.get_actor(RECORD, namespace=namespace(cfg.run_name))
     except ValueError:
         return None
-    state = ray.get(record.get.remote(), timeout=cfg.fault_tolerance.health_timeout_s)
+    timeout = cfg.fault_tolerance.health_timeout_s
+    try:
+        if ray.get(record.silence_s.remote(), timeout=timeout) < LIVE_S:
+            time.sleep(LIVE_S)  # touched just now: by a driver that still runs, or that just died?
+            if ray.get(record.silence_s.remote(), timeout=timeout) < LIVE_S:
+                raise ConfigError(f"run_name={cfg.run_name}: another driver of this run is still running (it "
+                                  f"touches the run's record every second); stop it first, or use another run_name")
+        state = ray.get(record.get.remote(), timeout=timeout)
+    except ray.exceptions.RayActorError:
+        log.warning("driver failover: the record of run %s went away (no driver for "
+                    "fault_tolerance.driver_failover_timeout_s): starting as a new driver", cfg.run_name)
+        return None
     if not check_record(state, cfg, run, resuming):
         log.warning("driver failover: the record of run %s is empty (its driver died before it recorded "
                     "its actors): removing its placement group, starting as a new driver", cfg.run_name)

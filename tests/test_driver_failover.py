@@ -315,3 +315,33 @@ def test_an_actor_no_driver_ever_pinged_leaves_its_run_alone(ray_session, tmp_pa
     finally:
         if state() != "REMOVED":
             ray.util.remove_placement_group(pg)
+
+
+def test_a_second_driver_of_a_running_run_stops_in_one_line(ray_session, tmp_path):
+    """A record still touched every second belongs to a driver that runs: the next driver of
+    that run stops with one line before taking anything. A record no driver touches (its
+    driver died) is taken: here an empty one, so the new driver starts afresh."""
+    from config import ConfigError
+
+    cfg = resolve(load_config(ROOT / "config.yaml", ["fault_tolerance.driver_failover=true", "run_name=live-driver",
+                                                      f"run_dir={tmp_path}"]), num_gpus=0)
+    ns = driver_failover.namespace(cfg.run_name)
+    first = driver_failover.DriverFailover(cfg)
+    try:
+        with pytest.raises(ConfigError, match="run_name=live-driver: another driver of this run is still running"):
+            driver_failover.find(cfg, None, False)
+    finally:
+        first.shutdown()
+    deadline = time.monotonic() + 30
+    while True:  # the name is free once the first record is gone
+        try:
+            ray.get_actor(driver_failover.RECORD, namespace=ns)
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the first record did not go"
+        time.sleep(0.1)
+    silent = driver_failover.RunRecord.options(name=driver_failover.RECORD, namespace=ns, lifetime="detached").remote(60, ns)
+    try:
+        assert driver_failover.find(cfg, None, False) is None
+    finally:
+        ray.kill(silent, no_restart=True)
