@@ -62,8 +62,10 @@ def new_name(kind: str, index: int) -> str:
 
 
 def remove(names: list[str], ns: str | None = None) -> int:
-    """Kill the named actors (those that exist) and remove the run's placement group; returns
-    how many actors were killed. Works from the driver and from inside the record actor."""
+    """Kill the named actors (those that exist, in namespace `ns`) and remove the run's
+    placement group; returns how many actors were killed. Works from the driver and from inside
+    the run's actors: Ray looks placement groups up in the caller's namespace, which for every
+    caller here is the run's."""
     killed = 0
     for name in names:
         try:
