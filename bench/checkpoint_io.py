@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import platform
 import resource
@@ -76,6 +75,7 @@ import uuid
 
 import torch
 
+from bench import write_json
 from checkpoint import CheckpointManager
 from config import Config
 from local_storage import GCSServer, S3Server, free_port  # sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT before gcsfs loads
@@ -472,9 +472,7 @@ def write_out(args, rows: list[dict], info: dict, complete: bool) -> dict:
     out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     out.update({k: v for k, v in info.items() if k not in out})
     out["rows"] = rows
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out)
     return out
 
 

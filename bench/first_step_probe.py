@@ -20,10 +20,11 @@ Usage (repository root, GPU machine): python3 -m bench.first_step_probe [--varia
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time
+
+from bench import write_json
 
 MODEL = ["model.distributed_optimizer=false", "model.num_layers=24", "model.hidden_size=2048",
          "model.num_heads=16", "model.ffn_hidden_size=5632", "model.vocab_size=32000",
@@ -108,9 +109,7 @@ def main() -> None:
                   + f" {r['reconnect_step_s']:>10}")
     out = {"variants": results, "device": torch.cuda.get_device_name(0),
            "date": datetime.date.today().isoformat()}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

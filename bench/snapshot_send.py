@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import platform
 import re
@@ -36,6 +35,7 @@ import time
 import ray
 import torch
 
+from bench import write_json
 from host_memory import HostCopy
 from snapshots import SnapshotHolder, SnapshotSender, join_parts
 
@@ -154,9 +154,7 @@ def main() -> None:
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "ray": ray.__version__,
                        "torch": torch.__version__, "load_avg_1m": os.getloadavg()[0]}}
     ray.shutdown()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import json
 import os
 import platform
 import shutil
@@ -54,6 +53,7 @@ import time
 
 import torch
 
+from bench import write_json
 from bench.checkpoint_io import ROOT, _mount_of, drop_cache, raw_read, raw_write
 from checkpoint import CheckpointManager, no_zip_crc32
 
@@ -258,9 +258,7 @@ def main() -> None:
                        "megatron_core": megatron.core.__version__, "load_avg_1m": os.getloadavg()[0],
                        "dir": args.dir or tempfile.gettempdir(), **_mount_of(args.dir or tempfile.gettempdir())},
            "runs": runs}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -58,6 +58,19 @@ def record_of(name: str) -> dict:
         return {}
 
 
+def run_to_end(argv: list[str], log: Path, meanwhile=lambda proc: None) -> str:
+    """Start the driver (`start`), call `meanwhile(proc)`, and return its log once it exited 0
+    within 120 s (fails with the log's tail otherwise; killed if still running)."""
+    proc = start(argv, log)
+    try:
+        meanwhile(proc)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log.read_text()
+
+
 def kill_mid_step_3(argv: list[str], name: str, log: Path) -> None:
     """Start the driver; SIGKILL it once step 2 is committed and recorded, inside step 3."""
     first = start(argv, log)
@@ -137,14 +150,7 @@ def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp
     if lost_rank is not None:
         actor = record_of(name)["workers"][lost_rank]
         ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
-    second = start(argv, tmp_path / "second.log")
-    try:
-        wait_held(name, 3, second)
-        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    finally:
-        if second.poll() is None:
-            second.kill()
-    log = (tmp_path / "second.log").read_text()
+    log = run_to_end(argv, tmp_path / "second.log", lambda second: wait_held(name, 3, second))
     replaced = [] if lost_rank is None else [lost_rank]
     assert "event=reattach" in log and f"step=2 committed=2 replaced={replaced} source=peer" in log, log[-3000:]
     assert "event=resume" not in log and "event=start" not in log  # no checkpoint loaded
@@ -164,13 +170,7 @@ def test_too_few_survivors_are_removed_and_the_run_resumes_from_its_checkpoint(r
     for actor in old["workers"]:
         ray.kill(ray.get_actor(actor, namespace=driver_failover.namespace(name)), no_restart=True)
     # No slow step 3 this time (nothing to kill in it); chaos is not part of the run's math.
-    second = start(command("train", run_dir, name, "chaos.events=[]"), tmp_path / "second.log")
-    try:
-        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    finally:
-        if second.poll() is None:
-            second.kill()
-    log = (tmp_path / "second.log").read_text()
+    log = run_to_end(command("train", run_dir, name, "chaos.events=[]"), tmp_path / "second.log")
     assert "cannot reattach (2 rank(s) of the run did not survive its driver and 1 spare(s) did): " \
            "removing what is left, starting as a new driver" in log, log[-3000:]
     assert "event=reattach" not in log and "event=resume" in log, log[-3000:]
@@ -204,13 +204,7 @@ def test_a_driver_dead_before_its_first_record_leaves_nothing_to_the_next(refere
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     assert record_of(name) == {}, "killed too late: the driver recorded its actors"
-    second = start(argv, tmp_path / "second.log")
-    try:
-        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    finally:
-        if second.poll() is None:
-            second.kill()
-    log = (tmp_path / "second.log").read_text()
+    log = run_to_end(argv, tmp_path / "second.log")
     assert "its driver died before it recorded its actors" in log and "event=start" in log, log[-3000:]
     out = json.loads((run_dir / "train.json").read_text())
     assert out["resumed_from"] is None and {int(s): x for s, x in out["losses"].items()} == reference
