@@ -155,7 +155,8 @@ def host_mem_frac() -> float:
 def run_phase(name: str, step_fn, trainer, warmup: int, steps: int, max_mem: float) -> dict:
     """Run steps 1..warmup+steps with `step_fn(trainer, step)`; time the last `steps` (s).
     Stops early when host memory use passes `max_mem` (fraction), or would after one more step
-    that grows it as much as the last one did. Returns {"step_s_all" (s per timed step),
+    that grows it as much as the last timed one did (a warm-up step's growth is one-time:
+    compilation, buffers pinned in the background since the ranks joined). Returns {"step_s_all" (s per timed step),
     "losses" (step -> loss), "host_mem_peak_frac", "stopped_early" (why, or None)}."""
     times, losses, stopped = [], {}, None
     mem = peak = host_mem_frac()
@@ -169,7 +170,8 @@ def run_phase(name: str, step_fn, trainer, warmup: int, steps: int, max_mem: flo
         peak = max(peak, mem)
         print(f"{name:>12} step {step:>3}{'' if step > warmup else ' (warm-up)':<10} {dt:9.3f} s  "
               f"loss {losses[step]:.6f}  host memory {100 * mem:.0f}%", flush=True)
-        if step < warmup + steps and mem + max(0.0, mem - prev) > max_mem:
+        growth = max(0.0, mem - prev) if step > warmup else 0.0
+        if step < warmup + steps and mem + growth > max_mem:
             stopped = (f"host memory {100 * mem:.0f}% (+{100 * (mem - prev):.0f}% in the last step), "
                        f"limit --max-host-mem {100 * max_mem:.0f}%, after step {step}")
             print(f"{name}: stopped early: {stopped}", flush=True)
@@ -422,7 +424,7 @@ def main(argv=None) -> dict:
                                 mode == "compiled", args.steps, args.warmup, args.peak_tflops)
             for mode in {"both": ("eager", "compiled"), "eager": ("eager",), "none": ()}[args.reference]}
     ref = runs["off"][0]["losses"]
-    diffs = [abs(ref[s] - r["losses"][s]) for name in names for r in runs[name] for s in r["losses"]]
+    diffs = [abs(ref[s] - r["losses"][s]) for name in names for r in runs[name] for s in r["losses"] if s in ref]
     ph = {name: summarize(merge(runs[name]), fl, peak, gpus) for name in names}
     ft, d, m, t = cfg.fault_tolerance, ParallelDims.from_config(cfg), cfg.model, cfg.train
     snap = ("no-op: distributed optimizer" if m.engine == "megatron" and m.distributed_optimizer
