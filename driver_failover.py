@@ -61,13 +61,14 @@ def new_name(kind: str, index: int) -> str:
     return f"{kind}-{index}-{uuid.uuid4().hex[:6]}"
 
 
-def remove(names: list[str], ns: str | None = None) -> int:
-    """Kill the named actors (those that exist, in namespace `ns`) and the run's lease
-    (`run_lease`), and remove the run's placement group; returns how many actors were killed. Works from the driver and from inside
+def remove(names: list[str], ns: str | None = None, keep_lease: bool = False) -> int:
+    """Kill the named actors (those that exist, in namespace `ns`) and, unless `keep_lease` (the
+    caller is a driver holding it), the run's lease (`run_lease`), and remove the run's
+    placement group; returns how many actors were killed. Works from the driver and from inside
     the run's actors: Ray looks placement groups up in the caller's namespace, which for every
     caller here is the run's."""
     killed = 0
-    for name in [*names, LEASE]:
+    for name in names if keep_lease else [*names, LEASE]:
         try:
             ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
             killed += name != LEASE
@@ -139,7 +140,7 @@ def find(cfg: Config, run, resuming: bool) -> dict | None:
     if not check_record(state, cfg, run, resuming):
         log.warning("driver failover: the record of run %s is empty (its driver died before it recorded "
                     "its actors): removing its placement group, starting as a new driver", cfg.run_name)
-        remove([], namespace(cfg.run_name))
+        remove([], namespace(cfg.run_name), keep_lease=True)
         return None
     return state
 

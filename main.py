@@ -301,7 +301,7 @@ def cmd_train(cfg: Config, args, start=None) -> int:
         group = ActorGroup(cfg, attach=record, first_generation=first_generation(epoch))
     except driver_failover.CannotReattach as e:
         log.warning("driver failover: cannot reattach (%s): removing what is left, starting as a new driver", e)
-        driver_failover.remove(list(record["actors"]), ns)
+        driver_failover.remove(list(record["actors"]), ns, keep_lease=True)
         record, group = None, ActorGroup(cfg, first_generation=first_generation(epoch))
     ended = superseded = False
     try:
