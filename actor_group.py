@@ -193,11 +193,13 @@ class ActorGroup:
 
     REFILL_ATTEMPTS = 3  # starts of a spare on a freed bundle (one that dies, e.g. on a lost node, is retried)
 
-    def __init__(self, cfg: Config, placement_timeout_s: float = 60.0, attach: dict | None = None):
+    def __init__(self, cfg: Config, placement_timeout_s: float = 60.0, attach: dict | None = None,
+                 first_generation: int = 0):
         """`attach`: the record of a run whose driver died (`driver_failover.find`): its named
         actors and placement group are taken over (none is started or built); the caller then
         forms a generation and restores (`driver_failover.reattach`). `self.dead`: the ranks
-        of that record whose actor is gone."""
+        of that record whose actor is gone. `first_generation`: generations are numbered from
+        the one after it (`run_lease.first_generation`: a later driver's are above an earlier one's)."""
         import torch.distributed as dist
 
         self.cfg, self.dims = cfg, ParallelDims.from_config(cfg)
@@ -208,6 +210,7 @@ class ActorGroup:
         if c.device == "cuda":
             bundle["GPU"] = c.gpus_per_actor
         self.detached = cfg.fault_tolerance.driver_failover
+        self.generation = first_generation
         self.names: dict[str, str] = {}  # actor id -> name, of the named (detached) actors
         self.dead: set[int] = set()
         if attach is not None:
@@ -228,7 +231,8 @@ class ActorGroup:
         self._warming: dict[int, object] = {}  # id(spare slot) -> its prepare_spare ObjectRef
         self.workers: list[ActorSlot] = []
         self.pool = BackupPool([])
-        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares)
+        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
+                                    lambda: self.generation)
         self.injected_at: float | None = None  # wall-clock time of the last injected fault (`kill`)
         handles = [self._new_actor(i) for i in range(n)]
         infos = ray.get([h.info.remote() for h in handles])
@@ -247,7 +251,6 @@ class ActorGroup:
         self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=cfg.fault_tolerance.step_timeout_s))
         self.store_port = self.store.port
-        self.generation = 0
         # In-memory snapshots: one holder per node of the placement group; each rank sends its
         # copies to the holder of another node, so they outlive the rank's node.
         self.holders: dict[str, object] = {}
@@ -318,13 +321,14 @@ class ActorGroup:
                 self.names[self.holders[node]._actor_id.hex()] = name
             except ValueError:
                 pass
-        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares)
+        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
+                                    lambda: self.generation)
         self.build_s = 0.0  # health starts once no rank is None (driver_failover.reattach)
         self.store_host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=cfg.fault_tolerance.step_timeout_s))
         self.store_port = self.store.port
-        self.generation = record["generation"]
+        self.generation = max(self.generation, record["generation"])
         self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers
                                             if s.handle is not None]))
         self._prepare(self.pool.spares)

@@ -241,6 +241,11 @@ class FaultToleranceConfig:
     driver_failover_timeout_s: float = 300.0
     """With driver_failover: detached actors whose driver has not come back within this many
     seconds remove themselves and the placement group; > 0."""
+    driver_lease_s: float = 10.0
+    """On a cluster (`cluster.ray_address`), one driver per run: a driver holds the run's lease
+    and renews it every second; another driver of the run waits once for an unrenewed lease to
+    lapse after this many seconds, then takes the run over, or stops with one line
+    (run_lease.py); >= 3 (three renewals, so a busy driver does not lose it)."""
     memory_snapshot_interval: int = 0
     """Every k committed steps each rank sends a host-memory copy of its model + optimizer
     shard to a holder actor on another node (async), which restores a whole lost DP replica or
@@ -448,6 +453,8 @@ def validate(cfg: Config) -> None:
     require(f.min_dp is None or 1 <= f.min_dp <= dp, "fault_tolerance.min_dp",
             f"must be null (never shrink) or in [1, dp={dp}]")
     require(f.driver_failover_timeout_s > 0, "fault_tolerance.driver_failover_timeout_s", "must be > 0")
+    require(f.driver_lease_s >= 3, "fault_tolerance.driver_lease_s",
+            "must be >= 3 seconds (the lease is renewed every second)")
     require(isinstance(f.memory_snapshot_interval, int) and f.memory_snapshot_interval >= 0,
             "fault_tolerance.memory_snapshot_interval", "must be an integer >= 0 (0: off)")
     require(f.restore != "memory" or f.memory_snapshot_interval > 0, "fault_tolerance.restore",

@@ -38,11 +38,11 @@ import uuid
 import ray
 
 from config import Config, ConfigError
+from run_lease import LEASE
 
 log = logging.getLogger(__name__)
 
 RECORD = "run-record"
-LIVE_S = 2.5  # s: a record touched within this is a live driver's (it touches every 1 s)
 PLACEMENT_GROUP = "placement-group"
 
 
@@ -61,16 +61,17 @@ def new_name(kind: str, index: int) -> str:
     return f"{kind}-{index}-{uuid.uuid4().hex[:6]}"
 
 
-def remove(names: list[str], ns: str | None = None) -> int:
-    """Kill the named actors (those that exist, in namespace `ns`) and remove the run's
+def remove(names: list[str], ns: str | None = None, keep_lease: bool = False) -> int:
+    """Kill the named actors (those that exist, in namespace `ns`) and, unless `keep_lease` (the
+    caller is a driver holding it), the run's lease (`run_lease`), and remove the run's
     placement group; returns how many actors were killed. Works from the driver and from inside
     the run's actors: Ray looks placement groups up in the caller's namespace, which for every
     caller here is the run's."""
     killed = 0
-    for name in names:
+    for name in names if keep_lease else [*names, LEASE]:
         try:
             ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
-            killed += 1
+            killed += name != LEASE
         except ValueError:
             pass
     try:
@@ -89,24 +90,25 @@ class RunRecord:
 
     def __init__(self, timeout_s: float, ns: str):
         self.state: dict = {}
+        self.epoch = 0  # lease epoch of the driver that wrote `state` (`run_lease`)
         self.timeout_s, self.ns = timeout_s, ns
-        self.last = self.touched = time.monotonic()  # last call of any kind / of a running driver
+        self.last = time.monotonic()  # last call of any kind
         threading.Thread(target=self._watch, daemon=True).start()
 
     def touch(self) -> None:
-        self.last = self.touched = time.monotonic()
+        self.last = time.monotonic()
 
-    def update(self, state: dict) -> None:
-        self.state, self.last = state, time.monotonic()
-        self.touched = self.last
+    def update(self, state: dict, epoch: int) -> bool:
+        """Record `state` of the driver of lease epoch `epoch`; refused (False) for a driver
+        superseded by a later epoch."""
+        if epoch < self.epoch:
+            return False
+        self.state, self.epoch, self.last = state, epoch, time.monotonic()
+        return True
 
     def get(self) -> dict:
-        self.last = time.monotonic()  # a driver taking over: the janitor waits, but no running driver
+        self.last = time.monotonic()  # a driver taking over: the janitor waits
         return self.state
-
-    def silence_s(self) -> float:
-        """Seconds since a running driver last touched or updated this record."""
-        return time.monotonic() - self.touched
 
     def _watch(self) -> None:
         while time.monotonic() - self.last < self.timeout_s:
@@ -122,21 +124,15 @@ def find(cfg: Config, run, resuming: bool) -> dict | None:
     """The record of this run's detached actors in the cluster, None when there is none (or it
     went away meanwhile). An empty one (`check_record`) is logged in one line and its placement
     group removed (every actor of the run is in it, so they go too): the caller starts as a new
-    driver. Raises ConfigError, touching nothing, when another driver of the run still touches
-    the record (within `LIVE_S`, checked twice), and as `check_record` (another run or
-    layout). `run`, `resuming`: as for `check_record`."""
+    driver. Call it holding the run's lease (`run_lease`): no other driver runs the run then.
+    Raises ConfigError as `check_record` (another run or layout). `run`, `resuming`: as for
+    `check_record`."""
     try:
         record = ray.get_actor(RECORD, namespace=namespace(cfg.run_name))
     except ValueError:
         return None
-    timeout = cfg.fault_tolerance.health_timeout_s
     try:
-        if ray.get(record.silence_s.remote(), timeout=timeout) < LIVE_S:
-            time.sleep(LIVE_S)  # touched just now: by a driver that still runs, or that just died?
-            if ray.get(record.silence_s.remote(), timeout=timeout) < LIVE_S:
-                raise ConfigError(f"run_name={cfg.run_name}: another driver of this run is still running (it "
-                                  f"touches the run's record every second); stop it first, or use another run_name")
-        state = ray.get(record.get.remote(), timeout=timeout)
+        state = ray.get(record.get.remote(), timeout=cfg.fault_tolerance.health_timeout_s)
     except ray.exceptions.RayActorError:
         log.warning("driver failover: the record of run %s went away (no driver for "
                     "fault_tolerance.driver_failover_timeout_s): starting as a new driver", cfg.run_name)
@@ -144,7 +140,7 @@ def find(cfg: Config, run, resuming: bool) -> dict | None:
     if not check_record(state, cfg, run, resuming):
         log.warning("driver failover: the record of run %s is empty (its driver died before it recorded "
                     "its actors): removing its placement group, starting as a new driver", cfg.run_name)
-        remove([], namespace(cfg.run_name))
+        remove([], namespace(cfg.run_name), keep_lease=True)
         return None
     return state
 
@@ -175,10 +171,12 @@ def check_record(state: dict, cfg: Config, run, resuming: bool) -> bool:
 
 
 class DriverFailover:
-    """The driver's side: the record actor, kept up to date and touched every second."""
+    """The driver's side: the record actor, kept up to date and touched every second.
+    `epoch`: this driver's lease epoch (`run_lease`); a record written by a later one refuses
+    this driver's updates."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, epoch: int):
+        self.cfg, self.epoch = cfg, epoch
         self.ns = namespace(cfg.run_name)
         ft = cfg.fault_tolerance
         self.record = RunRecord.options(name=RECORD, namespace=self.ns, lifetime="detached",
@@ -204,7 +202,7 @@ class DriverFailover:
             "slots": {g.name_of(s): [s.node_ip, s.node_id, s.gpu_ids, s.bundle_index]
                       for s in g.workers + g.pool.spares},
             "holders": {node: g.name_of(h) for node, h in g.holders.items()},
-            "actors": {name: True for name in g.names.values()}})
+            "actors": {name: True for name in g.names.values()}}, self.epoch)
 
     def shutdown(self) -> None:
         """The run ended or failed for good: remove the record too (the group removes the rest)."""

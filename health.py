@@ -152,11 +152,12 @@ class Heartbeats:
 class HealthMonitor:
     """Detection over the workers `workers()` returns (index = rank; the actor group owns the
     list and may change it between calls), with the timeouts of `ft`. Its heartbeats
-    (`Heartbeats`) track the workers and the spares `spares()` returns; `start` / `stop` them."""
+    (`Heartbeats`) track the workers and the spares `spares()` returns; `start` / `stop` them.
+    `generation()`: the group's current generation, sent with each abort (`MegatronActor.abort`)."""
 
     def __init__(self, ft: FaultToleranceConfig, workers: Callable[[], list[ActorSlot]],
-                 spares: Callable[[], list[ActorSlot]] = list):
-        self.ft, self._workers = ft, workers
+                 spares: Callable[[], list[ActorSlot]] = list, generation: Callable[[], int] = lambda: 0):
+        self.ft, self._workers, self._generation = ft, workers, generation
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (host, port)
         self.beats = Heartbeats(lambda: [s.handle for s in [*workers(), *spares()]],
                                 ft.health_interval_s, ft.health_timeout_s)
@@ -345,7 +346,7 @@ class HealthMonitor:
         `health_timeout_s`, or whose abort raised (compute thread still in a collective:
         `MegatronActor.abort`): they are failed too."""
         workers = self._workers()
-        refs = {r: s.handle.abort.remote() for r, s in enumerate(workers) if r not in failed}
+        refs = {r: s.handle.abort.remote(self._generation()) for r, s in enumerate(workers) if r not in failed}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ft.health_timeout_s)
         unanswered = set()
         for r, ref in refs.items():

@@ -278,23 +278,32 @@ def cmd_train(cfg: Config, args, start=None) -> int:
     import driver_failover
     from actor_group import ActorGroup
     from metrics import RunMetrics
+    from run_lease import DriverLease, LeaseHeld, LeaseLost, first_generation
     from trainer import Trainer
 
     start = start or plan_train_start(cfg, fresh=False)
-    failover = record = None
-    if cfg.fault_tolerance.driver_failover:
+    ft, ns = cfg.fault_tolerance, driver_failover.namespace(cfg.run_name)
+    failover = record = lease = None
+    if cfg.cluster.ray_address:  # a shared cluster: one driver per run (a local Ray is this driver's own)
+        lease = DriverLease(ns, ft.driver_lease_s, detached=ft.driver_failover)
+        try:
+            lease.claim()
+        except LeaseHeld as e:
+            raise ConfigError(f"run_name={cfg.run_name}: {e}") from None
+    epoch = lease.epoch if lease else 0
+    if ft.driver_failover:
         if not cfg.cluster.ray_address:
             log.warning("fault_tolerance.driver_failover without cluster.ray_address: the driver's own "
                         "local Ray dies with it, detached actors included; nothing to reattach to")
         record = driver_failover.find(cfg, start.run, start.resume_step is not None)  # ConfigError: another run's actors
-        failover = driver_failover.DriverFailover(cfg)
+        failover = driver_failover.DriverFailover(cfg, epoch)
     try:
-        group = ActorGroup(cfg, attach=record)
+        group = ActorGroup(cfg, attach=record, first_generation=first_generation(epoch))
     except driver_failover.CannotReattach as e:
         log.warning("driver failover: cannot reattach (%s): removing what is left, starting as a new driver", e)
-        driver_failover.remove(list(record["actors"]), driver_failover.namespace(cfg.run_name))
-        record, group = None, ActorGroup(cfg)
-    ended = False
+        driver_failover.remove(list(record["actors"]), ns, keep_lease=True)
+        record, group = None, ActorGroup(cfg, first_generation=first_generation(epoch))
+    ended = superseded = False
     try:
         log_placement(group)
         with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
@@ -308,9 +317,11 @@ def cmd_train(cfg: Config, args, start=None) -> int:
                 trainer.resume(start.resume_step)
             else:
                 log.info("event=start run=%s step=0", trainer.run.id)
+            if lease is not None:
+                trainer.fence = lease.check
             if failover is not None:
                 failover.save(trainer)  # who is who, before the first step
-            trainer.train(cfg.train.steps, after_step=failover and (lambda t, _: failover.save(t)))
+            trainer.train(cfg.train.steps, after_step=lambda t, _: after_step(t, lease, failover))
         ended = True
         if trainer.resumed_from is not None:
             print(f"run {trainer.run.id} resumed from its checkpoint of step {trainer.resumed_from}")
@@ -329,14 +340,30 @@ def cmd_train(cfg: Config, args, start=None) -> int:
         (Path(cfg.run_dir) / "train.json").write_text(json.dumps(
             {"run": trainer.run.id, "resumed_from": trainer.resumed_from, "losses": trainer.losses,
              "rewards": trainer.rewards, "replayed": trainer.replayed}, indent=1))
+    except LeaseLost as e:  # the run is another driver's now: leave its actors alone
+        superseded = True
+        print(f"driver superseded: {e}", file=sys.stderr)
+        return 2
     finally:
         # With driver_failover, only a run that ended or failed for good removes its actors;
         # KeyboardInterrupt / SIGTERM of the driver leaves them for the next one.
-        if failover is None or ended or not isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)):
+        if not superseded and (failover is None or ended or
+                               not isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit))):
             group.shutdown()
             if failover is not None:
                 failover.shutdown()
+            if lease is not None:
+                lease.release(remove=failover is not None)
     return 0
+
+
+def after_step(trainer, lease, failover) -> None:
+    """After each committed step: stop a driver whose lease another one took (`run_lease`),
+    then record the step for a next driver (`driver_failover`)."""
+    if lease is not None and lease.lost.is_set():
+        lease.check()  # raises LeaseLost
+    if failover is not None:
+        failover.save(trainer)
 
 
 def cmd_stop(cfg: Config) -> int:

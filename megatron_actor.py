@@ -44,6 +44,7 @@ class MegatronActor:
         self.cfg, self.bundle_index = cfg, bundle_index
         self.engine = None
         self.generation: int | None = None
+        self.joined = 0                   # highest generation joined: lower ones are a superseded driver's
         self.rank: int | None = None
         self.dims: ParallelDims | None = None
         self.ckpt = CheckpointManager.from_config(cfg.checkpoint)
@@ -116,12 +117,15 @@ class MegatronActor:
         self.faults[point] = kind
 
     @ray.method(concurrency_group=CONTROL)
-    def abort(self) -> float:
+    def abort(self, generation: int) -> float:
         """Leave the current generation and abort (not destroy) the engine's communicators,
         which frees a compute thread stuck in a collective whose peer died (`Engine.abort`).
-        Returns seconds taken. Raises RuntimeError when the compute thread is still inside a
+        `generation`: the caller's current generation. Returns seconds taken. Raises
+        StaleGenerationError, aborting nothing, when the actor has joined a later driver's
+        generation (`run_lease`), and RuntimeError when the compute thread is still inside a
         collective `health_timeout_s / 2` seconds later: the caller must replace this actor."""
         t0 = time.perf_counter()
+        self._check_driver(generation)
         self.generation = None
         self._abort_epoch += 1
         if self.engine is not None:
@@ -172,10 +176,13 @@ class MegatronActor:
         """Join process-group generation `generation` as `rank` of `dims.world_size` through the
         driver's store at host:port (prefix `gen{generation}`); `holder`: the SnapshotHolder to
         send in-memory snapshots to (None: off). Returns seconds by part: `rendezvous_s` (until
-        every member arrived), then the engine's (`Engine.connect`: `process_group_s`, ...)."""
+        every member arrived), then the engine's (`Engine.connect`: `process_group_s`, ...).
+        Raises StaleGenerationError for a generation below one joined before (`run_lease`)."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
+        self._check_driver(generation)
+        self.joined = generation
         epoch = self._abort_epoch
         self.fault_point("during_recovery")
         self.engine.disconnect()
@@ -213,6 +220,12 @@ class MegatronActor:
             timeout = datetime.timedelta(seconds=self.cfg.fault_tolerance.rendezvous_timeout_s)
             self._store = ((host, port), dist.TCPStore(host, port, is_master=False, timeout=timeout))
         return self._store[1]
+
+    def _check_driver(self, generation: int) -> None:
+        """Refuse a superseded driver: one whose generations lie below one this actor joined."""
+        if generation < self.joined:
+            raise StaleGenerationError(f"rank {self.rank}: generation {generation} is of a superseded driver; "
+                                       f"this actor joined generation {self.joined}")
 
     def _check(self, generation: int) -> None:
         if generation != self.generation:

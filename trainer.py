@@ -43,7 +43,9 @@ class Trainer:
     `replayed` (step -> loss of each re-run of a step that had been committed before),
     `recoveries` (list of RecoveryTimeline), `committed_step`, `checkpoints` (committed steps),
     `run` (the RunIdentity its checkpoints record; a new run unless given), `resumed_from`
-    (the step `resume` continued from, else None).
+    (the step `resume` continued from, else None), `fence` (called before each checkpoint
+    commit and each recovery; raises to stop a driver superseded by another one:
+    `run_lease.DriverLease.check`).
     """
 
     def __init__(self, cfg: Config, group: ActorGroup, metrics: RunMetrics | None = None,
@@ -76,6 +78,7 @@ class Trainer:
         self.save_stalls: list[float] = []   # seconds training waited for each save
         self._pending_save: tuple[int, float] | None = None  # (step, start) of an async save
         self._chaos_fired: set[int] = set()
+        self.fence = lambda: None
 
     def batch(self, step: int):
         t, m = self.cfg.train, self.cfg.model
@@ -231,6 +234,7 @@ class Trainer:
         try:
             if errors:
                 raise CheckpointError(errors[0])
+            self.fence()
             self.ckpt.commit(step, {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp,
                                     "dp": d.dp, "engine": self.cfg.model.engine},
                              [f for rank_files in per_rank for f in rank_files],
@@ -258,6 +262,7 @@ class Trainer:
     def handle_failure(self, failure: WorkerFailure) -> RecoveryTimeline:
         """Recover from `failure` and move `committed_step` back to the restored step."""
         log.warning("failure detected: %s", failure)
+        self.fence()  # a superseded driver's calls fail: it stops instead of recovering
         self._pending_save = None  # its shards stay uncommitted: never loaded, later deleted
         tl = recover(self.group, failure, self.ckpt, self.committed_step, self.cfg.fault_tolerance,
                      lambda manifest: check_compatible(self.cfg, manifest), run_id=self.run.id)

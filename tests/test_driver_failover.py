@@ -26,6 +26,7 @@ STEPS = 4
 # Step 3 is slow (+1 s per micro-batch on rank 0: alive, never replaced), so the kill lands
 # while step 3 is in flight; the math is untouched.
 SETS = ["cluster.num_workers=2", "cluster.num_spares=1", f"train.steps={STEPS}", "checkpoint.interval=2",
+        "fault_tolerance.driver_lease_s=3",
         "train.micro_batch_size=4", "chaos.events=[{step: 3, rank: 0, kind: slow, point: step_start}]"]
 
 
@@ -140,7 +141,8 @@ def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp
     run_dir, name = tmp_path / "run", f"failover-{lost_rank}"
     argv = command("train", run_dir, name, *SNAPSHOTS)
     kill_mid_step_3(argv, name, tmp_path / "first.log")
-    assert len(leftovers()[0]) == 5 and leftovers()[1], "the actors (3, a holder, the record) must outlive their driver"
+    assert len(leftovers()[0]) == 6 and leftovers()[1], \
+        "the actors (3, a holder, the record, the lease) must outlive their driver"
     # The ranks finish the step in flight without a driver and send its snapshot: once it is
     # there, empty the holder, so a snapshot of step 3 there later came after the reattach.
     wait_held(name, 3)
@@ -157,6 +159,59 @@ def test_a_new_driver_reattaches_to_live_actors_and_loses_no_step(reference, tmp
     out = json.loads((run_dir / "train.json").read_text())
     assert out["resumed_from"] == 2 and out["replayed"] == {}
     assert {int(s): x for s, x in out["losses"].items()} == {s: reference[s] for s in (3, 4)}
+    wait_clean(10)
+
+
+def losses_of(run_dir: Path) -> dict[int, float]:
+    return {int(s): x for s, x in json.loads((run_dir / "train.json").read_text())["losses"].items()}
+
+
+def test_two_drivers_started_at_once_exactly_one_drives_the_run(reference, tmp_path):
+    """The driver SIGKILLed mid-step, then the same command started twice at once: the run's
+    lease (`run_lease`) goes to one of them, which reattaches and ends the run with the
+    uninterrupted run's losses; the other exits 2 with one line, touching nothing."""
+    run_dir, name = tmp_path / "run", "twice"
+    argv = command("train", run_dir, name)
+    kill_mid_step_3(argv, name, tmp_path / "first.log")
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = [start(argv, log) for log in logs]
+    codes = [p.wait(timeout=120) for p in procs]
+    assert sorted(codes) == [0, 2], [log.read_text()[-2000:] for log in logs]
+    winner, loser = (logs[0], logs[1]) if codes[0] == 0 else (logs[1], logs[0])
+    lines = [line for line in loser.read_text().splitlines() if "another driver of this run" in line]
+    assert len(lines) == 1 and lines[0].startswith("config error: run_name=twice: "), loser.read_text()[-2000:]
+    assert "Traceback" not in loser.read_text() and "event=reattach" not in loser.read_text()
+    assert "event=reattach" in winner.read_text(), winner.read_text()[-3000:]
+    assert losses_of(run_dir) == {s: reference[s] for s in (3, 4)}
+    wait_clean(10)
+
+
+def test_a_stalled_driver_taken_over_stops_and_leaves_the_run_to_the_new_one(reference, tmp_path):
+    """The driver SIGSTOPped mid-step for longer than its lease: a second driver takes the run
+    over (a later lease epoch, so later generations), and once the first runs again its calls
+    are refused (the actors joined the later generation), its record updates and commits too:
+    it exits 2 with one line, leaving the actors alone; the second ends the run with the
+    uninterrupted run's losses."""
+    run_dir, name = tmp_path / "run", "stalled"
+    argv = command("train", run_dir, name)
+    first = start(argv, tmp_path / "first.log")
+    deadline = time.monotonic() + 120
+    while record_of(name).get("committed_step", 0) < 2:
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the slow step 3
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = start(argv, tmp_path / "second.log")
+        while "event=reattach" not in (tmp_path / "second.log").read_text():
+            assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "second.log").read_text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=60) == 2, (tmp_path / "first.log").read_text()[-3000:]
+    assert "driver superseded: " in (tmp_path / "first.log").read_text()
+    assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert losses_of(run_dir) == {s: reference[s] for s in (3, 4)}
     wait_clean(10)
 
 
@@ -216,13 +271,13 @@ def test_detached_actors_without_a_driver_remove_themselves_and_stop_removes_the
     argv = command("train", run_dir, name, "fault_tolerance.driver_failover_timeout_s=4")
     kill_mid_step_3(argv, name, tmp_path / "first.log")
     t0 = time.monotonic()
-    assert len(leftovers()[0]) == 4
+    assert len(leftovers()[0]) == 5
     wait_clean(20)
     assert time.monotonic() - t0 > 1.0  # not at once: they wait for a driver first
     # `stop` removes them at once (the timeout would be 300 s).
     argv = command("train", tmp_path / "run2", "stopped")
     kill_mid_step_3(argv, "stopped", tmp_path / "again.log")
-    assert len(leftovers()[0]) == 4
+    assert len(leftovers()[0]) == 5
     stop = subprocess.run(command("stop", run_dir, "stopped"), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and "removed 3 detached actor(s)" in stop.stdout, stop.stdout + stop.stderr
     wait_clean(10)
@@ -241,7 +296,7 @@ def test_detached_actors_of_another_run_stop_the_driver_in_one_line_and_are_left
                                                lifetime="detached").remote(60.0, driver_failover.namespace("clash"))
     try:
         ray.get(record.update.remote({"run": RunIdentity.new(other).to_dict(), "committed_step": 3,
-                                      "num_workers": 2, "num_spares": 1}))
+                                      "num_workers": 2, "num_spares": 1}, 1))
         with pytest.raises(ConfigError, match=r"^fault_tolerance.driver_failover: .* run clash-.* "
                                               r"\(config fingerprint .*\); `main.py stop --run clash` removes them"):
             driver_failover.find(cfg, RunIdentity.new(cfg), resuming=False)
@@ -311,31 +366,39 @@ def test_an_actor_no_driver_ever_pinged_leaves_its_run_alone(ray_session, tmp_pa
             ray.util.remove_placement_group(pg)
 
 
-def test_a_second_driver_of_a_running_run_stops_in_one_line(ray_session, tmp_path):
-    """A record still touched every second belongs to a driver that runs: the next driver of
-    that run stops with one line before taking anything. A record no driver touches (its
-    driver died) is taken: here an empty one, so the new driver starts afresh."""
-    from config import ConfigError
+def test_one_driver_holds_a_runs_lease_a_lapsed_one_goes_to_the_next_with_a_later_epoch(ray_session):
+    """`run_lease` against a real lease actor: a second driver of a run whose driver renews its
+    lease waits once, then stops (LeaseHeld); once the holder stops renewing, the lease lapses
+    and the next driver takes it with the next epoch, whose generations lie above the first's;
+    the first's renewal and its check before a commit are refused from then on (LeaseLost)."""
+    from run_lease import DriverLease, LeaseHeld, LeaseLost, first_generation
 
-    cfg = resolve(load_config(ROOT / "config.yaml", ["fault_tolerance.driver_failover=true", "run_name=live-driver",
+    ns = driver_failover.namespace("lease-unit")
+    first, second = DriverLease(ns, 3.0, detached=True), DriverLease(ns, 3.0, detached=True)
+    try:
+        assert first.claim() == 1
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeld, match=r"another driver of this run \(.*\) still renews it: one driver per run"):
+            second.claim()
+        assert time.monotonic() - t0 >= 3.0  # it waited for the lease to lapse first
+        first._stop.set()  # the first driver stalls: no renewal
+        assert second.claim() == 2 and first_generation(2) > first_generation(1) + 1000
+        with pytest.raises(LeaseLost, match="lapsed and another driver took the run over"):
+            first.check()
+        second.check()  # the holder's check passes
+    finally:
+        second.release(remove=True)
+
+
+def test_an_empty_record_is_not_reattached_to(ray_session, tmp_path):
+    """A record no driver wrote into (its driver died before its first `save`): the new driver
+    starts afresh."""
+    cfg = resolve(load_config(ROOT / "config.yaml", ["fault_tolerance.driver_failover=true", "run_name=empty-record",
                                                       f"run_dir={tmp_path}"]), num_gpus=0)
     ns = driver_failover.namespace(cfg.run_name)
-    first = driver_failover.DriverFailover(cfg)
-    try:
-        with pytest.raises(ConfigError, match="run_name=live-driver: another driver of this run is still running"):
-            driver_failover.find(cfg, None, False)
-    finally:
-        first.shutdown()
-    deadline = time.monotonic() + 30
-    while True:  # the name is free once the first record is gone
-        try:
-            ray.get_actor(driver_failover.RECORD, namespace=ns)
-        except ValueError:
-            break
-        assert time.monotonic() < deadline, "the first record did not go"
-        time.sleep(0.1)
     silent = driver_failover.RunRecord.options(name=driver_failover.RECORD, namespace=ns, lifetime="detached").remote(60, ns)
     try:
+        assert ray.get(silent.get.remote(), timeout=60) == {}  # started
         assert driver_failover.find(cfg, None, False) is None
     finally:
         ray.kill(silent, no_restart=True)

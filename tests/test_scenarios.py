@@ -49,7 +49,7 @@ def test_twenty_generations_leak_no_threads_or_sockets(ray_session, tmp_path):
         before = [_resources(s.handle) for s in group.workers]
         for i in range(20):  # half clean re-forms, half after an abort (the failure path)
             if i % 2:
-                ray.get([s.handle.abort.remote() for s in group.workers])
+                ray.get([s.handle.abort.remote(group.generation) for s in group.workers])
             group.form_generation()
         trainer.train(2)     # the 22nd generation still trains
         after = [_resources(s.handle) for s in group.workers]
