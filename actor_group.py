@@ -59,19 +59,22 @@ def _slot_key(s: ActorSlot) -> tuple:
     return (s.node_ip, s.node_id, s.device[1] if s.gpu_ids else 0, s.bundle_index)
 
 
-def assign_roles(slots: list[ActorSlot], num_workers: int) -> tuple[list[ActorSlot], list[ActorSlot]]:
+def assign_roles(slots: list[ActorSlot], num_workers: int, tp: int = 1) -> tuple[list[ActorSlot], list[ActorSlot]]:
     """Split placed actors into workers (index = rank) and spares, spreading spares over nodes
-    (failure domains).
+    (failure domains) and keeping each tensor-parallel group inside one node.
 
     Losing node n loses its w_n workers and its s_n spares; the spares left elsewhere cover its
     ranks when S - s_n >= w_n, i.e. when the pool S is at least the node's slot count. Given
     that, the split maximises the pool left after the worst node loss: spares are handed out one
     at a time to the node holding the fewest so far (ties: the node with more slots, then the
     later node), never leaving a node more workers than devices while free devices exist.
-    Within a node, workers take one slot per device round-robin, so no two ranks share a GPU
-    while there are free GPUs. Ranks follow (node IP, node id, GPU id, bundle index): Ray does
-    not return bundles in node order, and tp neighbours share a node.
-    `placement_report(workers, spares)` explains the result, one line per node.
+    With `tp` > 1 each node's worker count is then made a multiple of `tp` (`_whole_tp_groups`),
+    so that the TP groups (consecutive ranks) never span nodes and their all-reduce stays on
+    the node's links. Within a node, workers take one slot per device round-robin, so no two
+    ranks share a GPU while there are free GPUs. Ranks follow (node IP, node id, GPU id, bundle
+    index): Ray does not return bundles in node order, and tp neighbours share a node.
+    `placement_report(workers, spares)` explains the result, one line per node. Raises
+    ValueError when the TP groups cannot all stay inside a node.
     """
     if not 0 <= num_workers <= len(slots):
         raise ValueError(f"{num_workers} workers asked for {len(slots)} placed actors")
@@ -90,12 +93,33 @@ def assign_roles(slots: list[ActorSlot], num_workers: int) -> tuple[list[ActorSl
         n = min((n for n in nodes if spares_on[n] < len(nodes[n])),
                 key=lambda n: (spares_on[n], -len(nodes[n]), -order.index(n)))
         spares_on[n] += 1
+    if tp > 1:
+        spares_on = _whole_tp_groups(spares_on, {n: len(v) for n, v in nodes.items()}, devices, tp)
     workers, spares = [], []
     for n, v in ordered.items():
         k = len(v) - spares_on[n]
         workers += v[:k]
         spares += v[k:]
     return sorted(workers, key=_slot_key), spares
+
+
+def _whole_tp_groups(spares_on: dict[str, int], slots_on: dict[str, int], devices: dict[str, int],
+                     tp: int) -> dict[str, int]:
+    """Spares per node such that every node's worker count is a multiple of `tp`: each node's
+    workers are rounded down to whole TP groups, and the groups taken away go, one at a time,
+    to the node with the most spares that has room for a group (on free devices first).
+    Raises ValueError when they do not fit."""
+    workers = {n: (slots_on[n] - k) // tp * tp for n, k in spares_on.items()}
+    missing = sum(slots_on[n] - k for n, k in spares_on.items()) - sum(workers.values())
+    while missing > 0:
+        room = [n for n in workers if slots_on[n] - workers[n] >= tp]
+        if not room:
+            raise ValueError(f"the tensor-parallel groups of {tp} ranks cannot all stay inside one node: "
+                             f"nodes hold {sorted(slots_on.values())} actor(s)")
+        n = max(room, key=lambda n: (workers[n] + tp <= devices[n], slots_on[n] - workers[n]))
+        workers[n] += tp
+        missing -= tp
+    return {n: slots_on[n] - w for n, w in workers.items()}
 
 
 def placement_report(workers: list[ActorSlot], spares: list[ActorSlot]) -> list[str]:
@@ -127,15 +151,17 @@ class BackupPool:
     def __len__(self) -> int:
         return len(self.spares)
 
-    def take(self, avoid_nodes: set[str], busy_devices: set[tuple]) -> ActorSlot | None:
-        """Remove and return the best spare: first one on another node than `avoid_nodes` and on
-        a device not in `busy_devices`, then any on a free device, then any; among equals, one from
-        the node holding the most spares (the pool stays spread over failure domains). None if
-        empty."""
+    def take(self, avoid_nodes: set[str], busy_devices: set[tuple], home: str | None = None) -> ActorSlot | None:
+        """Remove and return the best spare: with a `home` node (where the rank's TP peers run),
+        one there on a device not in `busy_devices`; then one on another node than
+        `avoid_nodes` and on a free device, then any on a free device, then any; among equals,
+        one from the node holding the most spares (the pool stays spread over failure domains).
+        None if empty."""
         per_node: dict[str, int] = {}
         for s in self.spares:
             per_node[s.node_id] = per_node.get(s.node_id, 0) + 1
-        for ok in (lambda s: s.node_id not in avoid_nodes and s.device not in busy_devices,
+        for ok in (lambda s: s.node_id == home and s.device not in busy_devices,
+                   lambda s: s.node_id not in avoid_nodes and s.device not in busy_devices,
                    lambda s: s.device not in busy_devices, lambda s: True):
             fits = [s for s in self.spares if ok(s)]
             if fits:  # from the node with the most spares: the pool stays spread over nodes
@@ -144,19 +170,33 @@ class BackupPool:
                 return s
         return None
 
-    def take_for(self, failed: set[int], workers: list[ActorSlot]) -> dict[int, ActorSlot]:
+    def take_for(self, failed: set[int], workers: list[ActorSlot],
+                 dims: ParallelDims | None = None) -> dict[int, ActorSlot]:
         """A spare for each rank of `failed` (rank -> spare, removed from the pool), chosen by
-        `take` rank by rank in order: away from the failed ranks' nodes and on a device that
-        no surviving rank (nor an earlier choice) uses. `workers`: the slots by rank. Raises
-        ValueError, taking nothing, when the pool holds fewer spares than `failed` ranks."""
+        `take` rank by rank in order: with tp > 1 (`dims`), on the node of the rank's TP
+        group (its surviving peers, or the spare already chosen for a peer), so the group's
+        all-reduce stays inside a node; otherwise away from the failed ranks' nodes; always on
+        a device that no surviving rank (nor an earlier choice) uses. A replacement that must
+        put a TP group across nodes is logged as a warning with the reason. `workers`: the
+        slots by rank. Raises ValueError, taking nothing, when the pool holds fewer spares than
+        `failed` ranks."""
         if len(self.spares) < len(failed):
             raise ValueError(f"{len(failed)} rank(s) failed and {len(self.spares)} spare(s) are left")
         failed_nodes = {workers[r].node_id for r in failed}
         busy = {s.device for r, s in enumerate(workers) if r not in failed}
-        chosen = {}
+        chosen: dict[int, ActorSlot] = {}
+        tp_groups = dims.group_ranks("tp") if dims is not None and dims.tp > 1 else []
         for r in sorted(failed):
-            chosen[r] = self.take(failed_nodes, busy)
+            peers = next((g for g in tp_groups if r in g), [])
+            homes = {(chosen[p] if p in chosen else workers[p]).node_id for p in peers
+                     if p != r and (p in chosen or p not in failed)}
+            home = homes.pop() if len(homes) == 1 else None
+            chosen[r] = self.take(failed_nodes, busy, home)
             busy.add(chosen[r].device)
+            if home is not None and chosen[r].node_id != home:
+                log.warning("rank %d replaced on node %s but its TP group %s runs on node %s (no spare on a free "
+                            "device there): the group's all-reduce crosses nodes from now on; more spares per node "
+                            "(cluster.num_spares) avoid it", r, chosen[r].node_id[:8], peers, home[:8])
         return chosen
 
 
@@ -213,6 +253,7 @@ class ActorGroup:
         self.generation = first_generation
         self.names: dict[str, str] = {}  # actor id -> name, of the named (detached) actors
         self.dead: set[int] = set()
+        self.quarantined: dict[tuple, str] = {}  # device -> why: no rank goes there before a probe passes
         if attach is not None:
             self._attach(attach)
             return
@@ -238,7 +279,11 @@ class ActorGroup:
         infos = ray.get([h.info.remote() for h in handles])
         slots = [ActorSlot(h, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"])
                  for h, i in zip(handles, infos)]
-        self.workers, spares = assign_roles(slots, c.num_workers)
+        try:
+            self.workers, spares = assign_roles(slots, c.num_workers, self.dims.tp)
+        except ValueError as e:
+            raise ClusterError(f"placement: {e}; give every node a multiple of parallel.tp={self.dims.tp} "
+                               f"actors (cluster.num_workers, cluster.num_spares) or lower parallel.tp") from None
         self.placement_report = placement_report(self.workers, spares)
         for line in self.placement_report:
             log.info("placement: %s", line)
@@ -455,7 +500,10 @@ class ActorGroup:
                     ray.kill(handle, no_restart=True)
                     self.refill([bundle], attempt + 1)
                 continue
-            self.pool.spares.append(ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"]))
+            slot = ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"])
+            if not self._probe_quarantined([slot]):
+                continue
+            self.pool.spares.append(slot)
             self._prepare(self.pool.spares[-1:])
             added += 1
         if added:
@@ -479,11 +527,45 @@ class ActorGroup:
         if dead:
             log.warning("spare pool: dropping %d dead or unreachable spare(s) on %s", len(dead),
                         sorted({s.node_ip for s in dead}))
-        self.pool.spares = alive
+        self.pool.spares = self._probe_quarantined(alive)
         if dead and ft.refill_spares:
             for s in dead:
                 ray.kill(s.handle, no_restart=True)  # an unanswering one may still hold its bundle
             self.refill([s.bundle_index for s in dead])
+
+    def quarantine(self, ranks) -> None:
+        """Quarantine the devices of failed `ranks`: no spare there is taken, and no refill
+        there joins the pool, until it passes a health probe (`_probe_quarantined`)."""
+        for r in ranks:
+            s = self.workers[r]
+            self.quarantined[s.device] = f"rank {r} failed on it"
+            log.info("device %s of node %s quarantined until a probe passes (rank %d failed on it)",
+                     s.device[1], s.node_ip, r)
+
+    def _probe_quarantined(self, spares: list[ActorSlot]) -> list[ActorSlot]:
+        """`spares` without those on a quarantined device that fail its health probe
+        (`MegatronActor.probe`) or do not answer it within `health_timeout_s`: they are killed,
+        and the device stays quarantined. A passed probe lifts the device's quarantine."""
+        suspects = [s for s in spares if s.device in self.quarantined]
+        if not suspects:
+            return spares
+        refs = [s.handle.probe.remote() for s in suspects]
+        ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+        failed = []
+        for s, ref in zip(suspects, refs):
+            try:
+                why = ray.get(ref, timeout=0)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                why = f"no answer to the probe ({type(e).__name__})"
+            if why is None:
+                self.quarantined.pop(s.device, None)
+                log.info("device %s of node %s passed its probe: quarantine lifted", s.device[1], s.node_ip)
+            else:
+                failed.append(s)
+                log.warning("device %s of node %s stays quarantined, its actor is dropped: %s",
+                            s.device[1], s.node_ip, why)
+                ray.kill(s.handle, no_restart=True)
+        return [s for s in spares if not any(s is f for f in failed)]
 
     def kill(self, ranks, injected: bool = True) -> None:
         """Kill the actors of `ranks` (SIGKILL through Ray; they stay in the worker list until
@@ -525,7 +607,7 @@ class ActorGroup:
     def replace(self, failed: set[int]) -> None:
         """Put a spare at each rank of `failed` (`BackupPool.take_for`). Raises ValueError when
         the pool holds fewer spares than `failed` ranks."""
-        for r, spare in self.pool.take_for(failed, self.workers).items():
+        for r, spare in self.pool.take_for(failed, self.workers, self.dims).items():
             self.workers[r] = spare
 
     def shrink(self, failed: set[int]) -> None:

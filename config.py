@@ -581,6 +581,10 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
     if c.gpus_per_actor == "auto":  # a whole GPU each, or 1/k of one when there are too few
         gpus = c.gpus_per_node * c.num_nodes if c.gpus_per_node else num_gpus if c.ray_address is None else 0
         c.gpus_per_actor = 1.0 / (math.ceil((c.num_workers + c.num_spares) / gpus) if cuda and gpus else 1)
+    tp = cfg.parallel.tp
+    require(not cuda or not c.gpus_per_node or tp <= c.gpus_per_node, "parallel.tp",
+            f"{tp} ranks of a tensor-parallel group cannot stay inside one node of cluster.gpus_per_node="
+            f"{c.gpus_per_node} GPUs (their all-reduce would cross the network every layer); lower parallel.tp")
     validate(cfg)
     return cfg
 

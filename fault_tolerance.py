@@ -119,7 +119,9 @@ def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivor
 # -- the protocol --------------------------------------------------------------------------------
 def _replace(group: ActorGroup, failed: set[int], ft: FaultToleranceConfig) -> None:
     """Put a spare at each failed rank; with too few spares, shrink DP if
-    `fault_tolerance.min_dp` allows, else RecoveryError."""
+    `fault_tolerance.min_dp` allows, else RecoveryError. The failed ranks' devices are
+    quarantined first: a spare or refill there is used only once it passes a health probe."""
+    group.quarantine(failed)
     group.prune_pool()
     if len(group.pool) >= len(failed):
         group.replace(failed)

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from config import Config, ConfigError, load_config, resolve
+from config import Config, ConfigError, gpus_visible, load_config, resolve
 from parallel_dims import ParallelDims
 
 log = logging.getLogger("main")
@@ -48,9 +48,14 @@ def start_ray(cfg: Config, log_to_driver: bool = False) -> None:
         ns = namespace(cfg.run_name) if cfg.fault_tolerance.driver_failover else None
         ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=log_to_driver, namespace=ns)
         return
-    needed = math.ceil((c.num_workers + c.num_spares) * c.cpus_per_actor)
-    ray.init(address="local", num_cpus=c.ray_num_cpus or max(needed, 1), include_dashboard=False,
-             log_to_driver=log_to_driver)
+    ray.init(address="local", num_cpus=local_ray_cpus(cfg), include_dashboard=False, log_to_driver=log_to_driver)
+
+
+def local_ray_cpus(cfg: Config) -> int:
+    """Logical CPUs of the local Ray `start_ray` starts: `cluster.ray_num_cpus`, by default
+    enough for every actor."""
+    c = cfg.cluster
+    return c.ray_num_cpus or max(math.ceil((c.num_workers + c.num_spares) * c.cpus_per_actor), 1)
 
 
 def log_placement(group) -> None:
@@ -495,6 +500,9 @@ def main(argv=None) -> int:
             check_uri(cfg.checkpoint)  # storage needs no cluster: checked before Ray starts
             if cfg.cluster.ray_address is None:
                 import local_ray
+                from actor_group import preflight
+                # A local Ray's size is known before it starts: refuse a layout that cannot fit now.
+                preflight(cfg, {"CPU": local_ray_cpus(cfg), "GPU": gpus_visible()})
                 local_ray.reap(cfg.run_dir)  # what a killed driver of this run left running
             if args.mode == "train":
                 start = plan_train_start(cfg, args.fresh)

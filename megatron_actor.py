@@ -167,6 +167,16 @@ class MegatronActor:
         self.engine.reserve_host_memory(snapshot_nbytes)
         self.engine.warm_up()
 
+    @ray.method(concurrency_group=CONTROL)
+    def probe(self) -> str | None:
+        """Health probe of this actor's device (`device_probe.probe_device`): None when it is
+        healthy, else the reason in one line."""
+        import torch
+
+        from device_probe import probe_device
+        # Ray's CUDA_VISIBLE_DEVICES leaves an actor its own GPU(s) only: device 0 is its own.
+        return probe_device(torch.device("cuda", 0) if self.cfg.cluster.device == "cuda" else torch.device("cpu"))
+
     def noop(self) -> bool:
         """A compute-thread call that returns at once: answers only if that thread is free."""
         return True

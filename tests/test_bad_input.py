@@ -36,9 +36,9 @@ def test_unreachable_checkpoint_uri(tmp_path, monkeypatch):
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-def main_fails(*sets: str, env: dict | None = None) -> str:
-    """Run `main.py train --set ...` as a user would; assert it exits 2 with no traceback; return
-    its last stderr line."""
+def main_fails(*sets: str, env: dict | None = None, ray_starts: bool = True) -> str:
+    """Run `main.py train --set ...` as a user would; assert it exits 2 with no traceback (and,
+    unless `ray_starts`, before a local Ray started); return its last stderr line."""
     import os
     import subprocess
     import sys
@@ -46,6 +46,7 @@ def main_fails(*sets: str, env: dict | None = None) -> str:
     out = subprocess.run([sys.executable, "main.py", "train", *(a for s in sets for a in ("--set", s))],
                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert ray_starts or "Started a local Ray instance" not in out.stderr, out.stderr[-2000:]
     return out.stderr.strip().splitlines()[-1]
 
 
@@ -58,8 +59,17 @@ def test_the_cli_reports_unreachable_storage_in_one_line_before_ray_starts(tmp_p
 
 def test_the_cli_reports_a_cluster_too_small_in_one_line(tmp_path):
     line = main_fails(f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", "cluster.num_spares=20",
-                      "cluster.cpus_per_actor=1", "cluster.ray_num_cpus=2")
+                      "cluster.cpus_per_actor=1", "cluster.ray_num_cpus=2", ray_starts=False)
     assert line.startswith("config error: cluster.num_workers: 4 workers + 20 spares need 24 CPU"), line
+
+
+def test_a_tp_group_wider_than_a_node_is_refused_in_one_line(tmp_path):
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^parallel.tp: 16 ranks of a tensor-parallel group cannot stay inside "
+                                          r"one node of cluster.gpus_per_node=8 GPUs"):
+        resolve(load_config("config.yaml", [f"run_dir={tmp_path}", "cluster.gpus_per_node=8", "cluster.num_nodes=4",
+                                            "parallel.tp=16", "cluster.num_workers=32"]), num_gpus=8)
 
 
 def test_a_placement_that_cannot_be_placed_is_a_cluster_error(ray_session, tmp_path):

@@ -199,3 +199,34 @@ def test_a_snapshot_cut_short_by_a_kill_is_never_restored(reference, tmp_path):
     (tl,) = trainer.recoveries
     assert (tl.failed_ranks, tl.restored_step) == ([0], 2) and tl.restore_source.startswith("memory")
     assert trainer.losses == reference[0] and digests == reference[1]
+
+
+def test_a_spare_on_the_failed_device_is_taken_only_after_its_probe_passes(ray_session, tmp_path, caplog):
+    """Rank 0 killed; the only spare shares rank 0's device (as with cluster.gpus_per_actor=0.5:
+    here the slots are made to name one GPU). The device is quarantined by the recovery; the
+    spare is probed (`MegatronActor.probe`: a real matmul on its device), passes, the
+    quarantine is lifted and the spare takes rank 0. A spare there that cannot be probed (its
+    actor dead) is dropped and the device stays quarantined."""
+    import logging
+
+    cfg = make_cfg(tmp_path, "fault_tolerance.refill_spares=false", spares=1)
+    group = ActorGroup(cfg)
+    try:
+        spare, failed = group.pool.spares[0], group.workers[0]
+        spare.node_id, spare.gpu_ids, failed.gpu_ids = failed.node_id, [0], [0]
+        trainer = Trainer(cfg, group)
+        trainer.train(1)
+        ray.kill(failed.handle, no_restart=True)
+        with caplog.at_level(logging.INFO, logger="actor_group"):
+            trainer.train(2)
+        assert group.workers[0] is spare and group.quarantined == {}
+        assert "device 0 of node" in caplog.text and "quarantined until a probe passes (rank 0 failed on it)" in caplog.text
+        assert "passed its probe: quarantine lifted" in caplog.text
+        # Again, with a spare there that cannot answer the probe (that actor killed, put in the pool).
+        group.quarantine([0])
+        ray.kill(spare.handle, no_restart=True)
+        group.pool.spares = [spare]
+        group.prune_pool()
+        assert group.pool.spares == [] and spare.device in group.quarantined
+    finally:
+        group.shutdown()

@@ -136,3 +136,49 @@ def test_merge_fits_runs_of_one_host_together_and_refuses_two_hosts(tmp_path):
     refused = run_bench("scale", "--merge", a, scale_run(tmp_path / "c.json", 2, [(64, "actor", 0.3)]),
                         "--out", str(out), check=False)
     assert refused.returncode != 0 and "different hosts" in refused.stderr
+
+
+def tp_groups_inside_nodes(workers, tp: int) -> bool:
+    """Every TP group (ranks tp*k .. tp*k + tp - 1, tp fastest in Megatron's order) on one node."""
+    return all(len({s.node_id for s in workers[k:k + tp]}) == 1 for k in range(0, len(workers), tp))
+
+
+@pytest.mark.parametrize("nodes,gpus,per_gpu,workers,tp", [
+    (2, 8, 1, 8, 2), (2, 8, 1, 8, 4), (2, 8, 1, 8, 8), (2, 8, 1, 12, 4), (2, 8, 1, 4, 2),
+    (2, 8, 2, 16, 8), (3, 3, 1, 6, 2), (4, 8, 1, 24, 4), (2, 8, 1, 8, 2)])
+def test_tp_groups_stay_inside_a_node(nodes, gpus, per_gpu, workers, tp):
+    """2 x 8 GPUs and others, tp 2/4/8 (pp = 2 when workers = 2 x tp x dp: the same rule, since
+    TP groups are consecutive ranks): every node holds whole TP groups, no two ranks share a
+    GPU while one is free, and the spares stay spread over nodes as far as whole groups allow."""
+    w, s = assign_roles(slots(nodes, gpus, per_gpu), workers, tp)
+    assert len(w) == workers and tp_groups_inside_nodes(w, tp)
+    assert all(n % tp == 0 for n in per_node(w).values())
+    assert len({x.device for x in w}) == workers  # a GPU each
+    counts = [per_node(s).get(f"node{n:02d}", 0) for n in range(nodes)]
+    assert max(counts) - min(counts) <= tp, counts  # spread as evenly as whole TP groups allow
+
+
+def test_tp_group_too_big_for_a_node_is_refused():
+    with pytest.raises(ValueError, match="tensor-parallel groups of 4 ranks cannot all stay inside one node"):
+        assign_roles(slots(2, 3), 4, tp=4)
+
+
+def test_a_tp_rank_is_replaced_on_its_groups_node_or_with_a_warning(caplog):
+    """tp=2 over 2 nodes x 4 GPUs: rank 1 (TP peer: rank 0 on node A) takes the spare on A,
+    not the one on B, though today's DP rule prefers another node; with no spare on A it takes
+    B's and says that the group's all-reduce now crosses nodes."""
+    from parallel_dims import ParallelDims
+
+    dims = ParallelDims(tp=2, pp=1, cp=1, dp=2)
+    workers = [ActorSlot(None, "a", "A", [g], g) for g in range(2)] + [ActorSlot(None, "b", "B", [g], 4 + g) for g in range(2)]
+    on_a, on_b = ActorSlot(None, "a", "A", [2], 2), ActorSlot(None, "b", "B", [2], 6)
+    assert BackupPool([on_a, on_b]).take_for({1}, workers, dims) == {1: on_a}
+    assert BackupPool([on_b, on_a]).take_for({1}, workers, dims) == {1: on_a}
+    caplog.clear()
+    assert BackupPool([on_b]).take_for({1}, workers, dims) == {1: on_b}
+    assert "its TP group [0, 1] runs on node A" in caplog.text and "crosses nodes" in caplog.text
+    # The whole group lost (node A): both replacements on one node.
+    pool = BackupPool([ActorSlot(None, "c", "C", [0], 8), ActorSlot(None, "b", "B", [3], 7),
+                       ActorSlot(None, "c", "C", [1], 9)])
+    chosen = pool.take_for({0, 1}, workers, dims)
+    assert chosen[0].node_id == chosen[1].node_id == "C"
