@@ -101,12 +101,17 @@ class Heartbeats:
             self._record(in_flight[ready[0]], ready[0])
 
     def _record(self, key: str, ref) -> None:
+        """Record the answer of `ref`, the ping of actor `key`, and clear its ping in flight
+        whatever the answer was, so that one bad answer costs no other actor its round."""
         try:
             info, dead = ray.get(ref), ""
         except ray.exceptions.ActorUnavailableError:
             info, dead = None, ""     # no answer this time (e.g. its node's agent restarting)
         except ray.exceptions.RayActorError as e:
             info, dead = None, str(e)[:300]
+        except Exception as e:  # noqa: BLE001 - e.g. the ping raised: no answer this time
+            log.warning("ping of actor %s failed: %s", key[:12], str(e)[:300])
+            info, dead = None, ""
         with self._lock:
             b = self._beats.get(key)
             if b is None:
@@ -209,6 +214,12 @@ class HealthMonitor:
                 i = index[done[0].hex()]
                 try:
                     results[i] = ray.get(done[0])
+                except ray.exceptions.ActorUnavailableError as e:
+                    # Silent, not dead (e.g. its node's agent restarting): the call's answer is
+                    # lost, the rank is judged by its heartbeats; a transient re-forms without blame.
+                    log.warning("rank %d: call lost, actor unavailable: %s", rank_of[i], str(e)[:300])
+                    results[i] = e
+                    deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
                 except ray.exceptions.RayActorError as e:
                     # No ping round, and only this rank's node is checked (a lost node takes all
                     # its ranks): the abort round that follows calls every other rank anyway and
@@ -244,9 +255,13 @@ class HealthMonitor:
             if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({rank_of[index[r.hex()]] for r in pending}, timeout, moved_at)
-        gave_up = [rank_of[i] for i, r in enumerate(results) if isinstance(r, ray.exceptions.RayTaskError)]
-        if gave_up:  # everyone arrived late but did arrive: a transient; re-form without blame
-            raise WorkerFailure(set(), "exception", f"rank(s) {gave_up} timed out waiting for peers")
+        lost = [rank_of[i] for i, r in enumerate(results) if isinstance(r, ray.exceptions.ActorUnavailableError)]
+        gave_up = [rank_of[i] for i, r in enumerate(results)
+                   if isinstance(r, ray.exceptions.RayTaskError) and rank_of[i] not in lost]
+        if gave_up or lost:  # everyone arrived late but did arrive: a transient; re-form without blame
+            raise WorkerFailure(set(), "exception", "; ".join(
+                ([f"rank(s) {gave_up} timed out waiting for peers"] if gave_up else []) +
+                ([f"rank(s) {lost} briefly unavailable (call lost)"] if lost else [])))
         return results
 
     def _silence_detail(self, silent: set[int]) -> str:
@@ -343,20 +358,35 @@ class HealthMonitor:
         control group (this also frees a rank stuck in a collective). Returns the ranks that
         died too (detection names the first death only), did not answer within
         `health_timeout_s`, or whose abort raised (compute thread still in a collective:
-        `MegatronActor.abort`): they are failed too."""
+        `MegatronActor.abort`): they are failed too. A rank whose actor is briefly unavailable
+        (`ActorUnavailableError`: silent, not dead) is asked again every `health_interval_s`
+        until `health_timeout_s` has passed."""
         workers = self._workers()
-        refs = {r: s.handle.abort.remote() for r, s in enumerate(workers) if r not in failed}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ft.health_timeout_s)
-        unanswered = set()
-        for r, ref in refs.items():
-            try:
-                if ref not in ready:
-                    raise TimeoutError
-                ray.get(ref)
-            except (TimeoutError, ray.exceptions.RayError) as e:
-                why = ("its abort timed out" if isinstance(e, TimeoutError) else
-                       "its actor died or is unreachable" if isinstance(e, ray.exceptions.RayActorError) else
-                       "its abort failed")
-                log.warning("rank %d is replaced: %s %s", r, why, str(e)[-300:])
-                unanswered.add(r)
+        deadline = time.monotonic() + self.ft.health_timeout_s
+        todo, unanswered = [r for r in range(len(workers)) if r not in failed], set()
+        while todo:
+            refs = {r: workers[r].handle.abort.remote() for r in todo}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
+                                timeout=max(0.0, deadline - time.monotonic()))
+            todo = []
+            for r, ref in refs.items():
+                try:
+                    if ref not in ready:
+                        raise TimeoutError
+                    ray.get(ref)
+                except ray.exceptions.ActorUnavailableError as e:
+                    if time.monotonic() + self.ft.health_interval_s < deadline:
+                        todo.append(r)
+                        continue
+                    log.warning("rank %d is replaced: unavailable for %.1f s %s", r,
+                                self.ft.health_timeout_s, str(e)[-300:])
+                    unanswered.add(r)
+                except (TimeoutError, ray.exceptions.RayError) as e:
+                    why = ("its abort timed out" if isinstance(e, TimeoutError) else
+                           "its actor died" if isinstance(e, ray.exceptions.RayActorError) else
+                           "its abort failed")
+                    log.warning("rank %d is replaced: %s %s", r, why, str(e)[-300:])
+                    unanswered.add(r)
+            if todo:
+                time.sleep(self.ft.health_interval_s)
         return unanswered
