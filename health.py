@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BLAMELESS_HANGS = 3
+"""Hangs with no culprit (every rank freed by the abort: a stalled link, not a hung rank) after
+which the node they point at is excluded (`suspected_node`), rather than the same membership
+being formed again forever."""
+
 
 def actor_key(handle) -> str:
     """A stable key of an actor handle (its actor id)."""
@@ -45,6 +50,47 @@ class Beat:
     dead: str = ""                # Ray said its actor died (the error), else ""
     ref: object = None            # the ping in flight
     sent: float = 0.0
+
+
+def hang_culprits(counts: dict[int, dict[str, int]]) -> set[int]:
+    """The ranks a stuck call waits for, from each rank's collectives entered per process group.
+
+    `counts`: rank -> {group key: collectives entered in that group} (`comms.collective_counts`:
+    the key names the group's members, so the members of one group report the same key).
+    In a group whose members' counts differ, those at its highest count entered a collective
+    that the others have not: they wait inside it; the others are behind. A rank behind in some
+    group and waiting in none stopped outside any collective (a hung compute thread, a frozen
+    process, storage that does not answer): it is a culprit. The others are its victims: its
+    TP peers inside their all-reduce, DP peers in the gradient reduce, a downstream pipeline
+    stage in its receive (where p2p is counted: gloo), a spare in its first broadcast. Groups
+    whose members agree say nothing (a fresh generation, a save, a collective every member
+    entered). Returns the empty set when no group differs or every laggard also waits."""
+    groups: dict[str, dict[int, int]] = {}
+    for r, per_group in counts.items():
+        for key, n in per_group.items():
+            groups.setdefault(key, {})[r] = n
+    behind, waiting = set(), set()
+    for members in groups.values():
+        top = max(members.values())
+        if min(members.values()) < top:
+            waiting |= {r for r, n in members.items() if n == top}
+            behind |= {r for r, n in members.items() if n < top}
+    return behind - waiting
+
+
+def suspected_node(hangs: list[dict[str, int]], bound: int = BLAMELESS_HANGS) -> str | None:
+    """The node to exclude after hangs that named no rank, or None while fewer than `bound`.
+    `hangs`: per such hang, node id -> how many of its ranks the stuck call still waited for.
+    The node in the most of them; ties: the one with the most stuck ranks over all of them,
+    then the smallest id (the same answer on every run)."""
+    if len(hangs) < bound:
+        return None
+    score: dict[str, tuple[int, int]] = {}
+    for hang in hangs:
+        for node, n in hang.items():
+            times, ranks = score.get(node, (0, 0))
+            score[node] = (times + 1, ranks + n)
+    return min(score, key=lambda node: (-score[node][0], -score[node][1], node)) if score else None
 
 
 class Heartbeats:
@@ -163,6 +209,7 @@ class HealthMonitor:
                  spares: Callable[[], list[ActorSlot]] = list):
         self.ft, self._workers = ft, workers
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (host, port)
+        self._blameless: list[dict[str, int]] = []      # hangs that named no rank (`suspected_node`)
         self.beats = Heartbeats(lambda: [s.handle for s in [*workers(), *spares()]],
                                 ft.health_interval_s, ft.health_timeout_s)
 
@@ -279,28 +326,55 @@ class HealthMonitor:
                 out[r] = b.info[key]
         return out
 
+    def _collectives(self) -> dict[int, dict[str, int]]:
+        """rank -> collectives entered per process group (`comms.collective_counts`) from each
+        rank's last heartbeat answer, for the ranks in the newest generation any rank reports
+        (a rank still answering from an older one, or from none, is left out)."""
+        infos = {r: b.info for r, s in enumerate(self._workers())
+                 if (b := self.beats.beat(s.handle)) is not None and "collectives" in b.info}
+        newest = max((i["generation"] for i in infos.values() if i.get("generation") is not None), default=None)
+        return {r: i["collectives"] for r, i in infos.items() if i.get("generation") == newest}
+
     def _hang_failure(self, pending: set[int], timeout: float, moved_at: float) -> WorkerFailure:
         """Name the hung ranks of a call that made no progress since `moved_at` (wall clock).
-        Ranks whose progress counter lags the others are stuck before a collective their peers
-        wait in: those are hung. With no laggard, every rank is aborted (freeing ranks blocked
-        in a collective, as NCCL does) and the ranks whose abort fails or whose compute thread
-        still does not answer are hung; the failure is then marked `aborted`, so recovery does
-        not abort the survivors again."""
+        A rank that did not enter a collective the other members of its group wait in is hung
+        (`hang_culprits`, from the heartbeats' fresh answers); its peers are not. With no such
+        rank, every rank is aborted (freeing ranks blocked in a collective, as NCCL does) and
+        the ranks whose abort fails or whose compute thread still does not answer are hung; the
+        failure is then marked `aborted`, so recovery does not abort the survivors again. When
+        that names nobody either (a stalled link), the hang is remembered; after
+        `BLAMELESS_HANGS` of them, the ranks of the node they point at are replaced
+        (`suspected_node`), with one warning line."""
         crashed, silent = self._probe()
         if crashed | silent:
             return self._failure(crashed | silent, "crash" if crashed else "unreachable",
                                  "actor(s) died" if crashed else self._silence_detail(silent))
         why = f"no progress for {timeout:.1f} s on rank(s) {sorted(pending)}"
-        progress = self._progress("step_progress")
-        top = max(progress.values(), default=0)
-        lagging = {r for r in pending if progress.get(r, -1) < top}
-        if lagging:
-            return WorkerFailure(lagging, "hang", f"{why}; progress {progress}", last_seen=moved_at)
+        counts = self._collectives()
+        culprits = hang_culprits(counts)
+        if culprits:
+            return WorkerFailure(culprits, "hang", f"{why}; rank(s) {sorted(culprits)} did not enter a "
+                                 f"collective their group's other members wait in; collectives {counts}",
+                                 last_seen=moved_at)
         workers = self._workers()
         unanswered = self.abort_survivors(set())
         refs = {r: s.handle.noop.remote() for r, s in enumerate(workers) if r not in unanswered}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ft.health_timeout_s)
         stuck = unanswered | {r for r, ref in refs.items() if ref not in ready}
+        if not stuck:
+            hang: dict[str, int] = {}
+            for r in pending:
+                hang[workers[r].node_id] = hang.get(workers[r].node_id, 0) + 1
+            self._blameless.append(hang)
+            node = suspected_node(self._blameless)
+            if node is not None:
+                self._blameless = []
+                stuck = {r for r, s in enumerate(workers) if s.node_id == node}
+                ip = next(s.node_ip for s in workers if s.node_id == node)
+                log.warning("excluding node %s (ranks %s): %d hangs with no hung rank pointed at it",
+                            ip, sorted(stuck), BLAMELESS_HANGS)
+                return WorkerFailure(stuck, "hang", f"{why}; node {ip} excluded after {BLAMELESS_HANGS} "
+                                     "hangs with no hung rank", aborted=True, last_seen=moved_at)
         return WorkerFailure(stuck, "hang", f"{why}; compute thread still stuck after abort on {sorted(stuck)}",
                              aborted=True, last_seen=moved_at)
 
