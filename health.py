@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BATCH_S = 0.05
+"""Seconds a batched `ray.wait` gathers answers (pings, calls) that are then judged in one pass:
+the driver's work per wait is O(actors), and a wait per answer would make it O(actors^2)."""
+
 BLAMELESS_HANGS = 3
 """Hangs with no culprit (every rank freed by the abort: a stalled link, not a hung rank) after
 which the node they point at is excluded (`suspected_node`), rather than the same membership
@@ -130,6 +134,11 @@ class Heartbeats:
         """Send a ping to each actor with none in flight, then record answers for up to one
         interval."""
         now = time.monotonic()
+        self._collect(self._send(now), now + self.interval_s)
+
+    def _send(self, now: float) -> dict:
+        """Start tracking new actors, forget those gone, send a ping (at `now`, monotonic) to
+        each actor with none in flight. Returns every ping in flight: ref -> actor key."""
         handles = {actor_key(h): h for h in self._actors()}
         with self._lock:
             for k in set(self._beats) - set(handles):
@@ -138,13 +147,17 @@ class Heartbeats:
                 b = self._beats.setdefault(k, Beat(now, time.time()))
                 if b.ref is None and not b.dead:
                     b.ref, b.sent = h.ping.remote(), now
-            in_flight = {b.ref: k for k, b in self._beats.items() if b.ref is not None}
-        end, waiting = now + self.interval_s, list(in_flight)
-        while waiting:  # each answer recorded as it comes: a silent actor delays no other
-            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, end - time.monotonic()))
-            if not ready:
-                return
-            self._record(in_flight[ready[0]], ready[0])
+            return {b.ref: k for k, b in self._beats.items() if b.ref is not None}
+
+    def _collect(self, in_flight: dict, end: float) -> None:
+        """Record the answers of the pings `in_flight` (ref -> actor key) that come before `end`
+        (monotonic), in batches: each wait takes every answer ready within `BATCH_S`, so a
+        silent actor delays no other by more than that, and a round costs O(actors) per batch."""
+        waiting = list(in_flight)
+        while waiting and (left := end - time.monotonic()) > 0:
+            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, BATCH_S))
+            for ref in ready:
+                self._record(in_flight[ref], ref)
 
     def _record(self, key: str, ref) -> None:
         """Record the answer of `ref`, the ping of actor `key`, and clear its ping in flight
@@ -254,13 +267,18 @@ class HealthMonitor:
         results: list = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + timeout
         progress, moved_at = self._progress(), time.time()
+        next_look = time.monotonic() + ft.health_interval_s
         while pending:
-            done, pending = ray.wait(pending, num_returns=1,
-                                     timeout=max(0.0, min(ft.health_interval_s, deadline - time.monotonic())))
-            if done:
-                i = index[done[0].hex()]
+            # Batched: every call that ends within BATCH_S is taken in one wait and judged in
+            # one pass (one wait per call would scan the pending list once per call).
+            done, pending = ray.wait(pending, num_returns=len(pending),
+                                     timeout=max(0.0, min(BATCH_S, next_look - time.monotonic(),
+                                                          deadline - time.monotonic())))
+            raised = []
+            for ref in done:
+                i = index[ref.hex()]
                 try:
-                    results[i] = ray.get(done[0])
+                    results[i] = ray.get(ref)
                 except ray.exceptions.ActorUnavailableError as e:
                     # Silent, not dead (e.g. its node's agent restarting): the call's answer is
                     # lost, the rank is judged by its heartbeats; a transient re-forms without blame.
@@ -274,21 +292,25 @@ class HealthMonitor:
                     lost = self.lost_ranks({workers[rank_of[i]].node_id})
                     raise self._failure({rank_of[i]} | lost, "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
-                    # Often a peer's death seen first as this rank's connection error: judge
-                    # every rank by a ping sent after the error, not by one that preceded it.
-                    crashed, silent = self._probe(fresh=True)
-                    if crashed | silent:
-                        raise self._failure(crashed | silent, "crash" if crashed else "unreachable",
-                                            "actor(s) died" if crashed else self._silence_detail(silent)) from None
+                    raised.append((i, e))
+            if raised:
+                # Often a peer's death seen first as this rank's connection error: judge every
+                # rank by a ping sent after the errors (one probe per batch), not by one before.
+                crashed, silent = self._probe(fresh=True)
+                if crashed | silent:
+                    raise self._failure(crashed | silent, "crash" if crashed else "unreachable",
+                                        "actor(s) died" if crashed else self._silence_detail(silent)) from None
+                for i, e in raised:
                     if not isinstance(e.cause, (TimeoutError, StaleGenerationError)):
                         log.debug("rank %d raised: %s", rank_of[i], e)
                         raise self._failure({rank_of[i]}, "exception",
                                             f"rank {rank_of[i]}: {type(e.cause).__name__}: {str(e.cause)[:500]}",
                                             last_seen=time.time()) from None
-                    # This rank gave up waiting for a peer: judge the ranks still pending soon.
-                    results[i] = e
-                    deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
+                    results[i] = e  # this rank gave up waiting for a peer: judge the others soon
+                deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
+            if not pending or time.monotonic() < min(next_look, deadline):
                 continue
+            next_look = time.monotonic() + ft.health_interval_s
             silent = self._silent(range(len(workers)))
             if silent:  # a silent rank whose raylet refuses connections lost its node: a crash
                 lost = self.lost_ranks({workers[r].node_id for r in silent})

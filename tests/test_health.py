@@ -72,6 +72,7 @@ def test_a_call_lost_to_actor_unavailable_replaces_nobody(ray_session, tmp_path)
             health.wait([r.work.remote() for r in ranks], timeout=30)
         assert failure.value.ranks == set(), failure.value
         assert failure.value.kind == "exception"
+        ray.get(ranks[1].noop.options(max_task_retries=-1).remote())  # restarted: answers again
         assert health.wait([r.work.remote() for r in ranks], timeout=30) == ["done", "done"]
     finally:
         health.stop()
@@ -185,3 +186,42 @@ def test_a_hung_restore_source_is_replaced_not_the_spare_it_stalls(ray_session, 
     assert recovery.attempts == 2, recovery.notes
     assert recovery.failed_ranks == [0, 2], recovery.notes
     assert "hang of rank(s) [0]" in recovery.notes[0], recovery.notes
+
+
+# -- driver work per round: batched waits ---------------------------------------------------
+
+def _counting_waits(monkeypatch) -> list:
+    """Count the driver's `ray.wait` calls from here on (each still runs Ray's own)."""
+    calls, real = [], ray.wait
+    monkeypatch.setattr(ray, "wait", lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
+    return calls
+
+
+def test_a_heartbeat_round_takes_every_ready_answer_in_one_wait(ray_session, monkeypatch):
+    """Four answered pings are recorded after one `ray.wait`, not one wait per answer."""
+    ranks = [Rank.remote() for _ in range(4)]
+    try:
+        beats = Heartbeats(lambda: ranks, interval_s=5.0, timeout_s=10.0)
+        in_flight = beats._send(time.monotonic())
+        ray.wait(list(in_flight), num_returns=len(in_flight))  # every answer is in
+        calls = _counting_waits(monkeypatch)
+        beats._collect(in_flight, time.monotonic() + 5.0)
+        assert calls == [4]
+        assert all(beats.beat(r).info == {"progress": 0, "step_progress": 0} for r in ranks)
+    finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_a_step_wait_takes_every_finished_call_in_one_wait(ray_session, monkeypatch):
+    """Four finished calls are judged after one `ray.wait`, not one wait per call."""
+    ranks = [Rank.remote() for _ in range(4)]
+    try:
+        refs = [r.work.remote() for r in ranks]
+        ray.wait(refs, num_returns=len(refs))
+        calls = _counting_waits(monkeypatch)
+        assert _monitor(ranks).wait(refs, timeout=30) == ["done"] * 4
+        assert calls == [4]
+    finally:
+        for r in ranks:
+            ray.kill(r)
