@@ -14,7 +14,7 @@ import ray
 from actor_group import ActorGroup, ActorSlot
 from config import load_config, resolve
 from failures import WorkerFailure
-from health import Heartbeats, HealthMonitor, hang_culprits, suspected_node
+from health import BLAMELESS_HANGS, Heartbeats, HealthMonitor, hang_culprits, suspected_node
 from trainer import Trainer
 
 
@@ -159,6 +159,25 @@ def test_a_node_is_suspected_after_a_bounded_number_of_hangs_with_no_culprit():
     assert suspected_node([{"a": 1, "b": 1}, {"b": 1}, {"a": 1, "b": 2}], bound=3) == "b"  # in the most
     assert suspected_node([{"a": 1, "b": 2}] * 3, bound=3) == "b"   # tie: more stuck ranks
     assert suspected_node([{"b": 1, "a": 1}] * 3, bound=3) == "a"   # tie: the smallest id
+
+
+def test_hangs_that_blame_nobody_exclude_the_node_at_the_bound(ray_session):
+    """Hangs where every rank answers its abort and its compute thread is free (a stalled link):
+    the first BLAMELESS_HANGS - 1 replace nobody (the membership is formed again), the next
+    replaces the ranks of the node they pointed at, and says so."""
+    ranks = [Rank.remote(), Rank.remote()]
+    ray.get([r.noop.remote() for r in ranks])
+    health = _monitor(ranks)
+    health.start()
+    try:
+        failures = [health._hang_failure({0, 1}, 1.0, time.time()) for _ in range(BLAMELESS_HANGS)]
+    finally:
+        health.stop()
+        for r in ranks:
+            ray.kill(r)
+    assert [f.ranks for f in failures[:-1]] == [set()] * (BLAMELESS_HANGS - 1), failures
+    assert failures[-1].ranks == {0, 1} and failures[-1].kind == "hang"  # one node here: both
+    assert "excluded after" in failures[-1].detail, failures[-1].detail
 
 
 @pytest.mark.slow
