@@ -257,10 +257,12 @@ class HealthMonitor:
         call); a rank whose call raised while no actor died is an 'exception'. The deadline is
         at least `timeout` seconds after the heartbeats last showed a progress counter move
         (slow is not dead; a ping without answer shows nothing). When it passes without
-        progress: every rank's communicators are aborted, which frees ranks blocked in a
-        collective; ranks whose compute thread still does not answer are the hung ones
-        ('hang'; an empty set means the collective itself stalled and every rank was freed).
-        """
+        progress, the hung ranks are named ('hang', `_hang_failure`): those that did not enter
+        a collective their group's other members wait in, else those whose compute thread
+        still does not answer once every rank's communicators are aborted (an empty set: the
+        collective itself stalled and every rank was freed). A call whose answer is lost to
+        `ActorUnavailableError` re-forms without blame. Results are gathered in batches
+        (`BATCH_S`)."""
         ft, workers = self.ft, self._workers()
         rank_of = list(ranks) if ranks is not None else list(range(len(refs)))
         index = {r.hex(): i for i, r in enumerate(refs)}
