@@ -131,6 +131,34 @@ def left_collective(engine, timeout_s: float, poll_s: float = 0.01) -> bool:
     return True
 
 
+def collective_counts() -> dict[str, int]:
+    """Collectives entered so far in each process group of this process's generation, by group:
+    'r0,r1,...#i' (the group's global ranks in group-rank order; i: how many groups of those
+    members this process made before it, the same order on every member) -> torch's sequence
+    number of the group, bumped when a rank issues a collective on it (gloo: p2p sends and
+    receives too; NCCL: collectives only). Why: a rank that stopped before a collective its
+    peers entered shows a lower count in that group than they do (`health.hang_culprits`).
+    Read from the control thread while the compute thread may be inside a collective; {} when
+    this process is in no process group (an aborted generation's are dropped from torch's
+    registry, `abort_process_groups`)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return {}
+    from torch.distributed.distributed_c10d import _world
+
+    counts: dict[str, int] = {}
+    made: dict[str, int] = {}
+    for pg, ranks in list(_world.pg_group_ranks.items()):
+        members = ",".join(str(r) for r in sorted(ranks, key=ranks.get))
+        made[members] = made.get(members, -1) + 1
+        try:
+            counts[f"{members}#{made[members]}"] = int(pg._get_sequence_number_for_group())
+        except Exception:  # noqa: BLE001 - e.g. a communicator not made yet; a ping must answer
+            continue
+    return counts
+
+
 def refuses_connections(address: tuple[str, int], timeout_s: float = 0.5) -> bool:
     """True when a TCP connect to `address` (host, port) is refused: the host is up and nothing
     listens there. False when it connects, or gives no answer within `timeout_s` seconds (a

@@ -271,7 +271,8 @@ class ChaosConfig:
     point: step_start, before_allreduce, inside_allreduce, after_optimizer_step, during_save,
     mid_save, during_recovery, mid_snapshot (a memory snapshot in flight, in its background
     thread: the torch engine half-way through its host copy, else before its last part reaches
-    the holder)."""
+    the holder), during_restore (a peer restore's broadcast, its group made, before the first
+    transfer)."""
 
 
 @dataclass
@@ -529,7 +530,8 @@ def _validate_megatron(cfg: Config) -> None:
 
 CHAOS_KINDS = ("kill", "exception", "hang", "slow", "node")
 CHAOS_POINTS = ("step_start", "before_allreduce", "inside_allreduce", "after_optimizer_step",
-                "during_save", "mid_save", "during_recovery", "mid_snapshot")
+                "during_save", "mid_save", "during_recovery", "mid_snapshot",
+                "during_restore")
 
 
 def _validate_chaos_event(ev, name: str, world_size: int) -> None:

@@ -29,6 +29,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BATCH_S = 0.05
+"""Seconds a batched `ray.wait` gathers answers (pings, calls) that are then judged in one pass:
+the driver's work per wait is O(actors), and a wait per answer would make it O(actors^2)."""
+
+BLAMELESS_HANGS = 3
+"""Hangs with no culprit (every rank freed by the abort: a stalled link, not a hung rank) after
+which the node they point at is excluded (`suspected_node`), rather than the same membership
+being formed again forever."""
+
 
 def actor_key(handle) -> str:
     """A stable key of an actor handle (its actor id)."""
@@ -45,6 +54,47 @@ class Beat:
     dead: str = ""                # Ray said its actor died (the error), else ""
     ref: object = None            # the ping in flight
     sent: float = 0.0
+
+
+def hang_culprits(counts: dict[int, dict[str, int]]) -> set[int]:
+    """The ranks a stuck call waits for, from each rank's collectives entered per process group.
+
+    `counts`: rank -> {group key: collectives entered in that group} (`comms.collective_counts`:
+    the key names the group's members, so the members of one group report the same key).
+    In a group whose members' counts differ, those at its highest count entered a collective
+    that the others have not: they wait inside it; the others are behind. A rank behind in some
+    group and waiting in none stopped outside any collective (a hung compute thread, a frozen
+    process, storage that does not answer): it is a culprit. The others are its victims: its
+    TP peers inside their all-reduce, DP peers in the gradient reduce, a downstream pipeline
+    stage in its receive (where p2p is counted: gloo), a spare in its first broadcast. Groups
+    whose members agree say nothing (a fresh generation, a save, a collective every member
+    entered). Returns the empty set when no group differs or every laggard also waits."""
+    groups: dict[str, dict[int, int]] = {}
+    for r, per_group in counts.items():
+        for key, n in per_group.items():
+            groups.setdefault(key, {})[r] = n
+    behind, waiting = set(), set()
+    for members in groups.values():
+        top = max(members.values())
+        if min(members.values()) < top:
+            waiting |= {r for r, n in members.items() if n == top}
+            behind |= {r for r, n in members.items() if n < top}
+    return behind - waiting
+
+
+def suspected_node(hangs: list[dict[str, int]], bound: int = BLAMELESS_HANGS) -> str | None:
+    """The node to exclude after hangs that named no rank, or None while fewer than `bound`.
+    `hangs`: per such hang, node id -> how many of its ranks the stuck call still waited for.
+    The node in the most of them; ties: the one with the most stuck ranks over all of them,
+    then the smallest id (the same answer on every run)."""
+    if len(hangs) < bound:
+        return None
+    score: dict[str, tuple[int, int]] = {}
+    for hang in hangs:
+        for node, n in hang.items():
+            times, ranks = score.get(node, (0, 0))
+            score[node] = (times + 1, ranks + n)
+    return min(score, key=lambda node: (-score[node][0], -score[node][1], node)) if score else None
 
 
 class Heartbeats:
@@ -84,6 +134,11 @@ class Heartbeats:
         """Send a ping to each actor with none in flight, then record answers for up to one
         interval."""
         now = time.monotonic()
+        self._collect(self._send(now), now + self.interval_s)
+
+    def _send(self, now: float) -> dict:
+        """Start tracking new actors, forget those gone, send a ping (at `now`, monotonic) to
+        each actor with none in flight. Returns every ping in flight: ref -> actor key."""
         handles = {actor_key(h): h for h in self._actors()}
         with self._lock:
             for k in set(self._beats) - set(handles):
@@ -92,21 +147,30 @@ class Heartbeats:
                 b = self._beats.setdefault(k, Beat(now, time.time()))
                 if b.ref is None and not b.dead:
                     b.ref, b.sent = h.ping.remote(), now
-            in_flight = {b.ref: k for k, b in self._beats.items() if b.ref is not None}
-        end, waiting = now + self.interval_s, list(in_flight)
-        while waiting:  # each answer recorded as it comes: a silent actor delays no other
-            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, end - time.monotonic()))
-            if not ready:
-                return
-            self._record(in_flight[ready[0]], ready[0])
+            return {b.ref: k for k, b in self._beats.items() if b.ref is not None}
+
+    def _collect(self, in_flight: dict, end: float) -> None:
+        """Record the answers of the pings `in_flight` (ref -> actor key) that come before `end`
+        (monotonic), in batches: each wait takes every answer ready within `BATCH_S`, so a
+        silent actor delays no other by more than that, and a round costs O(actors) per batch."""
+        waiting = list(in_flight)
+        while waiting and (left := end - time.monotonic()) > 0:
+            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, BATCH_S))
+            for ref in ready:
+                self._record(in_flight[ref], ref)
 
     def _record(self, key: str, ref) -> None:
+        """Record the answer of `ref`, the ping of actor `key`, and clear its ping in flight
+        whatever the answer was, so that one bad answer costs no other actor its round."""
         try:
             info, dead = ray.get(ref), ""
         except ray.exceptions.ActorUnavailableError:
             info, dead = None, ""     # no answer this time (e.g. its node's agent restarting)
         except ray.exceptions.RayActorError as e:
             info, dead = None, str(e)[:300]
+        except Exception as e:  # noqa: BLE001 - e.g. the ping raised: no answer this time
+            log.warning("ping of actor %s failed: %s", key[:12], str(e)[:300])
+            info, dead = None, ""
         with self._lock:
             b = self._beats.get(key)
             if b is None:
@@ -159,6 +223,7 @@ class HealthMonitor:
                  spares: Callable[[], list[ActorSlot]] = list, generation: Callable[[], int] = lambda: 0):
         self.ft, self._workers, self._generation = ft, workers, generation
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (host, port)
+        self._blameless: list[dict[str, int]] = []      # hangs that named no rank (`suspected_node`)
         self.beats = Heartbeats(lambda: [s.handle for s in [*workers(), *spares()]],
                                 ft.health_interval_s, ft.health_timeout_s)
 
@@ -193,23 +258,36 @@ class HealthMonitor:
         call); a rank whose call raised while no actor died is an 'exception'. The deadline is
         at least `timeout` seconds after the heartbeats last showed a progress counter move
         (slow is not dead; a ping without answer shows nothing). When it passes without
-        progress: every rank's communicators are aborted, which frees ranks blocked in a
-        collective; ranks whose compute thread still does not answer are the hung ones
-        ('hang'; an empty set means the collective itself stalled and every rank was freed).
-        """
+        progress, the hung ranks are named ('hang', `_hang_failure`): those that did not enter
+        a collective their group's other members wait in, else those whose compute thread
+        still does not answer once every rank's communicators are aborted (an empty set: the
+        collective itself stalled and every rank was freed). A call whose answer is lost to
+        `ActorUnavailableError` re-forms without blame. Results are gathered in batches
+        (`BATCH_S`)."""
         ft, workers = self.ft, self._workers()
         rank_of = list(ranks) if ranks is not None else list(range(len(refs)))
         index = {r.hex(): i for i, r in enumerate(refs)}
         results: list = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + timeout
         progress, moved_at = self._progress(), time.time()
+        next_look = time.monotonic() + ft.health_interval_s
         while pending:
-            done, pending = ray.wait(pending, num_returns=1,
-                                     timeout=max(0.0, min(ft.health_interval_s, deadline - time.monotonic())))
-            if done:
-                i = index[done[0].hex()]
+            # Batched: every call that ends within BATCH_S is taken in one wait and judged in
+            # one pass (one wait per call would scan the pending list once per call).
+            done, pending = ray.wait(pending, num_returns=len(pending),
+                                     timeout=max(0.0, min(BATCH_S, next_look - time.monotonic(),
+                                                          deadline - time.monotonic())))
+            raised = []
+            for ref in done:
+                i = index[ref.hex()]
                 try:
-                    results[i] = ray.get(done[0])
+                    results[i] = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError as e:
+                    # Silent, not dead (e.g. its node's agent restarting): the call's answer is
+                    # lost, the rank is judged by its heartbeats; a transient re-forms without blame.
+                    log.warning("rank %d: call lost, actor unavailable: %s", rank_of[i], str(e)[:300])
+                    results[i] = e
+                    deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
                 except ray.exceptions.RayActorError as e:
                     # No ping round, and only this rank's node is checked (a lost node takes all
                     # its ranks): the abort round that follows calls every other rank anyway and
@@ -217,21 +295,25 @@ class HealthMonitor:
                     lost = self.lost_ranks({workers[rank_of[i]].node_id})
                     raise self._failure({rank_of[i]} | lost, "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
-                    # Often a peer's death seen first as this rank's connection error: judge
-                    # every rank by a ping sent after the error, not by one that preceded it.
-                    crashed, silent = self._probe(fresh=True)
-                    if crashed | silent:
-                        raise self._failure(crashed | silent, "crash" if crashed else "unreachable",
-                                            "actor(s) died" if crashed else self._silence_detail(silent)) from None
+                    raised.append((i, e))
+            if raised:
+                # Often a peer's death seen first as this rank's connection error: judge every
+                # rank by a ping sent after the errors (one probe per batch), not by one before.
+                crashed, silent = self._probe(fresh=True)
+                if crashed | silent:
+                    raise self._failure(crashed | silent, "crash" if crashed else "unreachable",
+                                        "actor(s) died" if crashed else self._silence_detail(silent)) from None
+                for i, e in raised:
                     if not isinstance(e.cause, (TimeoutError, StaleGenerationError)):
                         log.debug("rank %d raised: %s", rank_of[i], e)
                         raise self._failure({rank_of[i]}, "exception",
                                             f"rank {rank_of[i]}: {type(e.cause).__name__}: {str(e.cause)[:500]}",
                                             last_seen=time.time()) from None
-                    # This rank gave up waiting for a peer: judge the ranks still pending soon.
-                    results[i] = e
-                    deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
+                    results[i] = e  # this rank gave up waiting for a peer: judge the others soon
+                deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
+            if not pending or time.monotonic() < min(next_look, deadline):
                 continue
+            next_look = time.monotonic() + ft.health_interval_s
             silent = self._silent(range(len(workers)))
             if silent:  # a silent rank whose raylet refuses connections lost its node: a crash
                 lost = self.lost_ranks({workers[r].node_id for r in silent})
@@ -245,9 +327,13 @@ class HealthMonitor:
             if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({rank_of[index[r.hex()]] for r in pending}, timeout, moved_at)
-        gave_up = [rank_of[i] for i, r in enumerate(results) if isinstance(r, ray.exceptions.RayTaskError)]
-        if gave_up:  # everyone arrived late but did arrive: a transient; re-form without blame
-            raise WorkerFailure(set(), "exception", f"rank(s) {gave_up} timed out waiting for peers")
+        lost = [rank_of[i] for i, r in enumerate(results) if isinstance(r, ray.exceptions.ActorUnavailableError)]
+        gave_up = [rank_of[i] for i, r in enumerate(results)
+                   if isinstance(r, ray.exceptions.RayTaskError) and rank_of[i] not in lost]
+        if gave_up or lost:  # everyone arrived late but did arrive: a transient; re-form without blame
+            raise WorkerFailure(set(), "exception", "; ".join(
+                ([f"rank(s) {gave_up} timed out waiting for peers"] if gave_up else []) +
+                ([f"rank(s) {lost} briefly unavailable (call lost)"] if lost else [])))
         return results
 
     def _silence_detail(self, silent: set[int]) -> str:
@@ -265,28 +351,55 @@ class HealthMonitor:
                 out[r] = b.info[key]
         return out
 
+    def _collectives(self) -> dict[int, dict[str, int]]:
+        """rank -> collectives entered per process group (`comms.collective_counts`) from each
+        rank's last heartbeat answer, for the ranks in the newest generation any rank reports
+        (a rank still answering from an older one, or from none, is left out)."""
+        infos = {r: b.info for r, s in enumerate(self._workers())
+                 if (b := self.beats.beat(s.handle)) is not None and "collectives" in b.info}
+        newest = max((i["generation"] for i in infos.values() if i.get("generation") is not None), default=None)
+        return {r: i["collectives"] for r, i in infos.items() if i.get("generation") == newest}
+
     def _hang_failure(self, pending: set[int], timeout: float, moved_at: float) -> WorkerFailure:
         """Name the hung ranks of a call that made no progress since `moved_at` (wall clock).
-        Ranks whose progress counter lags the others are stuck before a collective their peers
-        wait in: those are hung. With no laggard, every rank is aborted (freeing ranks blocked
-        in a collective, as NCCL does) and the ranks whose abort fails or whose compute thread
-        still does not answer are hung; the failure is then marked `aborted`, so recovery does
-        not abort the survivors again."""
+        A rank that did not enter a collective the other members of its group wait in is hung
+        (`hang_culprits`, from the heartbeats' fresh answers); its peers are not. With no such
+        rank, every rank is aborted (freeing ranks blocked in a collective, as NCCL does) and
+        the ranks whose abort fails or whose compute thread still does not answer are hung; the
+        failure is then marked `aborted`, so recovery does not abort the survivors again. When
+        that names nobody either (a stalled link), the hang is remembered; after
+        `BLAMELESS_HANGS` of them, the ranks of the node they point at are replaced
+        (`suspected_node`), with one warning line."""
         crashed, silent = self._probe()
         if crashed | silent:
             return self._failure(crashed | silent, "crash" if crashed else "unreachable",
                                  "actor(s) died" if crashed else self._silence_detail(silent))
         why = f"no progress for {timeout:.1f} s on rank(s) {sorted(pending)}"
-        progress = self._progress("step_progress")
-        top = max(progress.values(), default=0)
-        lagging = {r for r in pending if progress.get(r, -1) < top}
-        if lagging:
-            return WorkerFailure(lagging, "hang", f"{why}; progress {progress}", last_seen=moved_at)
+        counts = self._collectives()
+        culprits = hang_culprits(counts)
+        if culprits:
+            return WorkerFailure(culprits, "hang", f"{why}; rank(s) {sorted(culprits)} did not enter a "
+                                 f"collective their group's other members wait in; collectives {counts}",
+                                 last_seen=moved_at)
         workers = self._workers()
         unanswered = self.abort_survivors(set())
         refs = {r: s.handle.noop.remote() for r, s in enumerate(workers) if r not in unanswered}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ft.health_timeout_s)
         stuck = unanswered | {r for r, ref in refs.items() if ref not in ready}
+        if not stuck:
+            hang: dict[str, int] = {}
+            for r in pending:
+                hang[workers[r].node_id] = hang.get(workers[r].node_id, 0) + 1
+            self._blameless.append(hang)
+            node = suspected_node(self._blameless)
+            if node is not None:
+                self._blameless = []
+                stuck = {r for r, s in enumerate(workers) if s.node_id == node}
+                ip = next(s.node_ip for s in workers if s.node_id == node)
+                log.warning("excluding node %s (ranks %s): %d hangs with no hung rank pointed at it",
+                            ip, sorted(stuck), BLAMELESS_HANGS)
+                return WorkerFailure(stuck, "hang", f"{why}; node {ip} excluded after {BLAMELESS_HANGS} "
+                                     "hangs with no hung rank", aborted=True, last_seen=moved_at)
         return WorkerFailure(stuck, "hang", f"{why}; compute thread still stuck after abort on {sorted(stuck)}",
                              aborted=True, last_seen=moved_at)
 
@@ -344,20 +457,35 @@ class HealthMonitor:
         control group (this also frees a rank stuck in a collective). Returns the ranks that
         died too (detection names the first death only), did not answer within
         `health_timeout_s`, or whose abort raised (compute thread still in a collective:
-        `MegatronActor.abort`): they are failed too."""
+        `MegatronActor.abort`): they are failed too. A rank whose actor is briefly unavailable
+        (`ActorUnavailableError`: silent, not dead) is asked again every `health_interval_s`
+        until `health_timeout_s` has passed."""
         workers = self._workers()
-        refs = {r: s.handle.abort.remote(self._generation()) for r, s in enumerate(workers) if r not in failed}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ft.health_timeout_s)
-        unanswered = set()
-        for r, ref in refs.items():
-            try:
-                if ref not in ready:
-                    raise TimeoutError
-                ray.get(ref)
-            except (TimeoutError, ray.exceptions.RayError) as e:
-                why = ("its abort timed out" if isinstance(e, TimeoutError) else
-                       "its actor died or is unreachable" if isinstance(e, ray.exceptions.RayActorError) else
-                       "its abort failed")
-                log.warning("rank %d is replaced: %s %s", r, why, str(e)[-300:])
-                unanswered.add(r)
+        deadline = time.monotonic() + self.ft.health_timeout_s
+        todo, unanswered = [r for r in range(len(workers)) if r not in failed], set()
+        while todo:
+            refs = {r: workers[r].handle.abort.remote(self._generation()) for r in todo}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
+                                timeout=max(0.0, deadline - time.monotonic()))
+            todo = []
+            for r, ref in refs.items():
+                try:
+                    if ref not in ready:
+                        raise TimeoutError
+                    ray.get(ref)
+                except ray.exceptions.ActorUnavailableError as e:
+                    if time.monotonic() + self.ft.health_interval_s < deadline:
+                        todo.append(r)
+                        continue
+                    log.warning("rank %d is replaced: unavailable for %.1f s %s", r,
+                                self.ft.health_timeout_s, str(e)[-300:])
+                    unanswered.add(r)
+                except (TimeoutError, ray.exceptions.RayError) as e:
+                    why = ("its abort timed out" if isinstance(e, TimeoutError) else
+                           "its actor died" if isinstance(e, ray.exceptions.RayActorError) else
+                           "its abort failed")
+                    log.warning("rank %d is replaced: %s %s", r, why, str(e)[-300:])
+                    unanswered.add(r)
+            if todo:
+                time.sleep(self.ft.health_interval_s)
         return unanswered

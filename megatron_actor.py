@@ -26,7 +26,7 @@ import ray
 
 from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, Manifest
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
-from comms import use_node_interface
+from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
 from parallel_dims import ParallelDims
 from snapshots import SnapshotSender, from_wire
@@ -99,14 +99,17 @@ class MegatronActor:
 
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> dict:
-        """Liveness + progress, answered even while the compute thread is in a collective.
-        Also feeds the driver watchdog (`_driver_watchdog`)."""
+        """Liveness + progress, answered even while the compute thread is in a collective:
+        `collectives` counts the collectives entered per process group (`collective_counts`),
+        which names the rank a stuck collective waits for. Also feeds the driver watchdog
+        (`_driver_watchdog`)."""
         self._last_ping, self._pinged = time.monotonic(), True
         e = self.engine
         return {"generation": self.generation, "rank": self.rank,
                 "progress": e.progress if e else 0,
                 "step_progress": e.progress - e.step_start_progress if e else 0,
-                "step": self.engine.step if self.engine else 0}
+                "step": self.engine.step if self.engine else 0,
+                "collectives": collective_counts()}
 
     @ray.method(concurrency_group=CONTROL)
     def arm_fault(self, kind: str, point: str) -> None:

@@ -782,6 +782,7 @@ class MegatronEngine:
                                "a different optimizer shard; restore from a checkpoint instead")
         self._wait_snapshot_copy()  # the broadcast overwrites what it may still be reading
         group = ps.get_data_parallel_group()
+        self.fault_point("during_restore")  # fault injection: before the first transfer
         state = self._train_state()
         for x in state_tensors(state):
             buf = x if x.is_cuda else x.to(self.device)

@@ -527,6 +527,7 @@ class TorchEngine:
             self.dp_group = full
 
     def _broadcast_state(self, src_rank: int) -> None:
+        self.fault_point("during_restore")  # fault injection: the group made, nothing sent
         self._wait_host_copy()  # the broadcast writes into the live tensors
         leaves, spec = torch.utils._pytree.tree_flatten(self._train_state())
         others = [[x for x in leaves if not isinstance(x, torch.Tensor)]]

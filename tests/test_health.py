@@ -1,0 +1,246 @@
+"""Failure detection (`health.py`). Against real Ray errors: a briefly unavailable actor is not a
+dead one, and one bad ping answer costs no other actor its heartbeat round (minimal actors with
+the control methods the health monitor calls, so that Ray produces its errors on demand: an
+actor with `max_restarts=1` killed inside a call makes Ray raise `ActorUnavailableError` for
+that call while it restarts). Which rank a hang blames: pure tables of collective counts, and a
+real run whose restore source hangs while a fresh spare waits in its broadcast."""
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from actor_group import ActorGroup, ActorSlot
+from config import load_config, resolve
+from failures import WorkerFailure
+from health import BLAMELESS_HANGS, Heartbeats, HealthMonitor, hang_culprits, suspected_node
+from trainer import Trainer
+
+
+@ray.remote(num_cpus=0, max_restarts=1)
+class Rank:
+    """Control methods as `MegatronActor` has them. `die_once(marker)`: SIGKILL of this process
+    the first time (the marker file records it), so Ray restarts the actor and the call in flight
+    raises `ActorUnavailableError`; later calls return "done"."""
+
+    def __init__(self, marker: str = "", broken_ping: bool = False):
+        self.marker, self.broken_ping = marker, broken_ping
+
+    def ping(self) -> dict:
+        if self.broken_ping:
+            raise RuntimeError("ping is broken")
+        return {"progress": 0, "step_progress": 0}
+
+    def _die_once(self) -> None:
+        if self.marker and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def abort(self) -> float:
+        self._die_once()
+        return 0.0
+
+    def work(self) -> str:
+        self._die_once()
+        return "done"
+
+    def noop(self) -> bool:
+        return True
+
+
+def _slots(handles) -> list[ActorSlot]:
+    node = ray.get_runtime_context().get_node_id()
+    return [ActorSlot(h, "127.0.0.1", node, [], i) for i, h in enumerate(handles)]
+
+
+def _monitor(handles, timeout_s: float = 20.0) -> HealthMonitor:
+    ft = load_config("config.yaml", [f"fault_tolerance.health_timeout_s={timeout_s}",
+                                     "fault_tolerance.health_interval_s=0.2"]).fault_tolerance
+    slots = _slots(handles)
+    return HealthMonitor(ft, lambda: slots)
+
+
+def test_a_call_lost_to_actor_unavailable_replaces_nobody(ray_session, tmp_path):
+    """Rank 1's step call is lost while its actor restarts (`ActorUnavailableError`): the
+    failure names no rank (re-form, nothing replaced), not a crash of rank 1."""
+    ranks = [Rank.remote(), Rank.remote(str(tmp_path / "died"))]
+    health = _monitor(ranks)
+    health.start()
+    try:
+        with pytest.raises(WorkerFailure) as failure:
+            health.wait([r.work.remote() for r in ranks], timeout=30)
+        assert failure.value.ranks == set(), failure.value
+        assert failure.value.kind == "exception"
+        ray.get(ranks[1].noop.options(max_task_retries=-1).remote())  # restarted: answers again
+        assert health.wait([r.work.remote() for r in ranks], timeout=30) == ["done", "done"]
+    finally:
+        health.stop()
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_an_abort_lost_to_actor_unavailable_is_asked_again(ray_session, tmp_path):
+    """Rank 1's abort is lost while its actor restarts: it is asked again, and not failed."""
+    ranks = [Rank.remote(), Rank.remote(str(tmp_path / "died"))]
+    ray.get([r.noop.remote() for r in ranks])
+    health = _monitor(ranks)
+    try:
+        assert health.abort_survivors(set()) == set()
+        assert os.path.exists(tmp_path / "died")
+    finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_a_ping_that_raises_costs_no_other_actor_its_round(ray_session):
+    """The first actor's ping raises at every round: the others are still seen alive."""
+    ranks = [Rank.remote(broken_ping=True), Rank.remote(), Rank.remote()]
+    ray.get([r.noop.remote() for r in ranks])
+    beats = Heartbeats(lambda: ranks, interval_s=0.1, timeout_s=3.0)
+    beats.start()
+    try:
+        since = time.monotonic()
+        alive, dead, silent = beats.settle(ranks, since)
+    finally:
+        beats.stop()
+        for r in ranks:
+            ray.kill(r)
+    assert (alive, dead, silent) == ({1, 2}, set(), {0})
+
+
+# -- who a hang blames: collectives entered per group (`comms.collective_counts`), by rank -----
+
+def test_a_hung_rank_is_blamed_not_its_tp_peer_nor_the_other_replica():
+    """tp=2, dp=2 (ranks 0,1 and 2,3 are TP groups; 0,2 and 1,3 DP groups). Rank 0 stopped
+    before its TP all-reduce 5: rank 1 waits inside it, ranks 2 and 3 finished the step's TP
+    all-reduces and wait in the gradient reduce. Only rank 0 is blamed (a rule of "progress
+    below the others" blames rank 1 too)."""
+    counts = {0: {"0,1#0": 4, "0,2#0": 0, "0,1,2,3#0": 0},
+              1: {"0,1#0": 5, "1,3#0": 0, "0,1,2,3#0": 0},
+              2: {"2,3#0": 6, "0,2#0": 1, "0,1,2,3#0": 0},
+              3: {"2,3#0": 6, "1,3#0": 1, "0,1,2,3#0": 0}}
+    assert hang_culprits(counts) == {0}
+
+
+@pytest.mark.parametrize("hung, counts", [
+    # stage 0 (rank 0) stopped before sending micro-batch 2: stage 1 (rank 2) waits in its receive
+    (0, {0: {"0,2#0": 2, "0,1#0": 0}, 1: {"1,3#0": 8, "0,1#0": 1},
+         2: {"0,2#0": 3, "2,3#0": 0}, 3: {"1,3#0": 8, "2,3#0": 1}}),
+    # stage 1 (rank 2) stopped in its backward: stage 0 (rank 0) waits to receive its gradient
+    (2, {0: {"0,2#0": 7, "0,1#0": 0}, 1: {"1,3#0": 8, "0,1#0": 1},
+         2: {"0,2#0": 6, "2,3#0": 0}, 3: {"1,3#0": 8, "2,3#0": 1}}),
+])
+def test_a_hung_pipeline_stage_is_blamed_not_the_stage_waiting_on_it(hung, counts):
+    """pp=2, dp=2 (ranks 0,1 stage 0, ranks 2,3 stage 1; PP groups 0,2 and 1,3; p2p counted, as
+    gloo counts it). The other replica went on to its gradient reduce."""
+    assert hang_culprits(counts) == {hung}
+
+
+def test_the_restore_source_is_blamed_not_the_fresh_spare_waiting_in_its_broadcast():
+    """A fresh generation (no collective yet on the world group); rank 1, a fresh spare, entered
+    the broadcast of the restore group {0, 1}, its source (rank 0) did not."""
+    counts = {0: {"0,1,2#0": 0, "0,1#0": 0}, 1: {"0,1,2#0": 0, "0,1#0": 1}, 2: {"0,1,2#0": 0}}
+    assert hang_culprits(counts) == {0}
+
+
+@pytest.mark.parametrize("counts", [
+    {0: {"0,1#0": 0}, 1: {"0,1#0": 0}},                  # spares joining: nothing entered yet
+    {0: {"0,1#0": 7}, 1: {"0,1#0": 7}},                  # a save, or a collective both entered
+    {0: {"0,1,2#0": 3}, 1: {"0,1,2#0": 3}},              # rank 2 frozen: no answer (heartbeats find it)
+    {0: {"0,1#0": 3, "0,1#1": 2}, 1: {"0,1#0": 2, "0,1#1": 3}},  # each waits on the other: no culprit
+])
+def test_no_rank_is_blamed_when_no_group_has_a_laggard_that_waits_nowhere(counts):
+    assert hang_culprits(counts) == set()
+
+
+def test_a_node_is_suspected_after_a_bounded_number_of_hangs_with_no_culprit():
+    assert suspected_node([{"a": 1, "b": 1}] * 2, bound=3) is None
+    assert suspected_node([{"a": 1, "b": 1}, {"b": 1}, {"a": 1, "b": 2}], bound=3) == "b"  # in the most
+    assert suspected_node([{"a": 1, "b": 2}] * 3, bound=3) == "b"   # tie: more stuck ranks
+    assert suspected_node([{"b": 1, "a": 1}] * 3, bound=3) == "a"   # tie: the smallest id
+
+
+def test_hangs_that_blame_nobody_exclude_the_node_at_the_bound(ray_session):
+    """Hangs where every rank answers its abort and its compute thread is free (a stalled link):
+    the first BLAMELESS_HANGS - 1 replace nobody (the membership is formed again), the next
+    replaces the ranks of the node they pointed at, and says so."""
+    ranks = [Rank.remote(), Rank.remote()]
+    ray.get([r.noop.remote() for r in ranks])
+    health = _monitor(ranks)
+    health.start()
+    try:
+        failures = [health._hang_failure({0, 1}, 1.0, time.time()) for _ in range(BLAMELESS_HANGS)]
+    finally:
+        health.stop()
+        for r in ranks:
+            ray.kill(r)
+    assert [f.ranks for f in failures[:-1]] == [set()] * (BLAMELESS_HANGS - 1), failures
+    assert failures[-1].ranks == {0, 1} and failures[-1].kind == "hang"  # one node here: both
+    assert "excluded after" in failures[-1].detail, failures[-1].detail
+
+
+@pytest.mark.slow
+def test_a_hung_restore_source_is_replaced_not_the_spare_it_stalls(ray_session, tmp_path):
+    """Rank 2 is killed at step 3; in the peer restore, the source (rank 0, the lowest survivor)
+    hangs before its broadcast while the fresh spare waits inside it (a second group besides the
+    world: the source and the spare). Exactly the killed rank and the hung source are replaced:
+    two spares suffice (blaming the spare would take a third, and the run would stop)."""
+    cfg = resolve(load_config("config.yaml", [
+        "cluster.num_workers=3", "cluster.num_spares=2", "train.steps=4", "checkpoint.interval=1",
+        "train.global_batch_size=12", "train.mini_batch_size=6", "train.micro_batch_size=1",
+        "fault_tolerance.refill_spares=false", "fault_tolerance.health_timeout_s=3",
+        "fault_tolerance.health_interval_s=0.2", "fault_tolerance.min_step_timeout_s=4",
+        "fault_tolerance.step_timeout_s=6", "fault_tolerance.rendezvous_timeout_s=20",
+        f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt",
+        "chaos.events=[{step: 3, rank: 2, kind: kill, point: step_start},"
+        "{step: 3, rank: 0, kind: hang, point: during_restore}]"]), num_gpus=0)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(cfg.train.steps)
+    finally:
+        group.shutdown()
+    (recovery,) = trainer.recoveries
+    assert recovery.attempts == 2, recovery.notes
+    assert recovery.failed_ranks == [0, 2], recovery.notes
+    assert "hang of rank(s) [0]" in recovery.notes[0], recovery.notes
+
+
+# -- driver work per round: batched waits ---------------------------------------------------
+
+def _counting_waits(monkeypatch) -> list:
+    """Count the driver's `ray.wait` calls from here on (each still runs Ray's own)."""
+    calls, real = [], ray.wait
+    monkeypatch.setattr(ray, "wait", lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
+    return calls
+
+
+def test_a_heartbeat_round_takes_every_ready_answer_in_one_wait(ray_session, monkeypatch):
+    """Four answered pings are recorded after one `ray.wait`, not one wait per answer."""
+    ranks = [Rank.remote() for _ in range(4)]
+    try:
+        beats = Heartbeats(lambda: ranks, interval_s=5.0, timeout_s=10.0)
+        in_flight = beats._send(time.monotonic())
+        ray.wait(list(in_flight), num_returns=len(in_flight))  # every answer is in
+        calls = _counting_waits(monkeypatch)
+        beats._collect(in_flight, time.monotonic() + 5.0)
+        assert calls == [4]
+        assert all(beats.beat(r).info == {"progress": 0, "step_progress": 0} for r in ranks)
+    finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_a_step_wait_takes_every_finished_call_in_one_wait(ray_session, monkeypatch):
+    """Four finished calls are judged after one `ray.wait`, not one wait per call."""
+    ranks = [Rank.remote() for _ in range(4)]
+    try:
+        refs = [r.work.remote() for r in ranks]
+        ray.wait(refs, num_returns=len(refs))
+        calls = _counting_waits(monkeypatch)
+        assert _monitor(ranks).wait(refs, timeout=30) == ["done"] * 4
+        assert calls == [4]
+    finally:
+        for r in ranks:
+            ray.kill(r)
