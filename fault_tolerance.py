@@ -12,7 +12,8 @@ Protocol (one failure or many; docs/recovery.md has the detail):
 4. Rebuild: a new membership generation (fresh store prefix) is formed.
 5. Restore, cheapest source first (`plan_restore`): (a) peers (survivors roll back to their
    host-memory snapshot of the committed step, then every DP group with a new member broadcasts
-   from a survivor); (b) in-memory snapshots held by `SnapshotHolder` actors on other nodes
+   from a survivor; with a sharded optimizer a replaced rank then loads its optimizer shard from
+   its keeper, keeper.py); (b) in-memory snapshots held by `SnapshotHolder` actors on other nodes
    (needed when a whole DP replica is gone or the optimizer state is sharded); (c) the newest
    verified checkpoint of this run (all ranks load it; the steps after it are replayed; a run
    resuming after its driver was lost loads it the same way, `restore_checkpoint`), else step 0.
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 from checkpoint import CheckpointError, CheckpointManager, Manifest
 from failures import RecoveryError, RecoveryTimeline, WorkerFailure
+from keeper import shard_key
 
 if TYPE_CHECKING:
     from actor_group import ActorGroup
@@ -44,7 +46,8 @@ class RestorePlan:
     """Where the state of committed step `step` comes from. `source`: 'peer' (`broadcasts`:
     one (source rank, calling ranks, members) per DP group with a new member, `members` being
     the calling ranks when they are a strict subset of the DP group, else None: the whole
-    group), 'memory' (`ranks` load their in-memory snapshot of `step`) or 'checkpoint' (the
+    group), 'peer+keeper' (those broadcasts, then `ranks` load their optimizer shard of `step`
+    from their keeper, keeper.py), 'memory' (`ranks` load their in-memory snapshot of `step`) or 'checkpoint' (the
     newest verified checkpoint, else step 0; `step` is not known yet). `notes`: the cheaper
     sources tried and why they were impossible."""
     source: str
@@ -91,20 +94,30 @@ def plan_memory_restore(committed: int, clean: set[int], held: list[set[int]],
 
 def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivors: set[int],
                  clean: set[int], held: Callable[[], list[set[int]]] | None,
-                 floor: Callable[[], int]) -> RestorePlan:
+                 floor: Callable[[], int], kept: Callable[[], list[set[int]]] | None = None) -> RestorePlan:
     """The cheapest restore source `mode` ('auto', 'peer', 'memory', 'checkpoint':
     `fault_tolerance.restore`) allows. `held()` (each rank's held snapshot steps; None: no
     holders) and `floor()` (the newest checkpoint's step) are `plan_memory_restore`'s inputs,
     asked for only when a memory restore is considered (they cost a round of remote calls).
+    `kept`: None when every DP peer holds the whole optimizer state; with a sharded optimizer,
+    `kept()` gives the steps of each rank's optimizer shard its keeper holds (all empty without
+    keepers), and a peer restore needs the committed step's shard of every replaced rank
+    (`peer+keeper`): a shard of another step would not match the peer's parameters.
     Raises RecoveryError when `mode` names a source that cannot serve this failure."""
     notes = []
     if mode in ("auto", "peer"):
         broadcasts = plan_peer_restore(dp_groups, survivors, clean)
-        if broadcasts is not None:
+        if broadcasts is not None and (kept is None or committed == 0):  # step 0: every rank resets
             return RestorePlan("peer", committed, broadcasts=broadcasts)
+        if broadcasts is not None:
+            new, shards = sorted({r for g in dp_groups for r in g} - survivors), kept()
+            if not (missing := [r for r in new if committed not in shards[r]]):
+                return RestorePlan("peer+keeper", committed, broadcasts=broadcasts, ranks=new)
+            notes.append(f"no keeper holds the optimizer shard of step {committed} of rank(s) {missing}")
         if mode == "peer":
-            raise RecoveryError("fault_tolerance.restore=peer but a whole DP group was lost or a "
-                                "survivor holds no snapshot of the committed step; use restore=auto")
+            raise RecoveryError("fault_tolerance.restore=peer but a whole DP group was lost, a survivor "
+                                "holds no snapshot of the committed step or no keeper holds a replaced "
+                                "rank's optimizer shard of it; use restore=auto")
         notes.append("peer restore impossible")
     if mode in ("auto", "memory") and held is not None:
         found = plan_memory_restore(committed, clean, held(), floor())
@@ -160,10 +173,15 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
         snaps = group.held_snapshots()
         return [snaps.get((str(dims), r), set()) for r in range(dims.world_size)]
 
+    def kept() -> list[set[int]]:
+        snaps = group.held_snapshots()
+        return [snaps.get(shard_key(str(dims), r), set()) for r in range(dims.world_size)]
+
+    sharded = group.cfg.model.distributed_optimizer and dims.dp > 1
     plan = plan_restore(ft.restore, committed, dims.group_ranks("dp"), survivors, clean,
-                        held if group.holders else None, floor)
+                        held if group.holders else None, floor, kept if sharded else None)
     timeline.notes += plan.notes
-    if plan.source == "peer":
+    if plan.source in ("peer", "peer+keeper"):
         if committed > 0:
             refs, ranks = [], []
             for src, callers, members in plan.broadcasts:
@@ -172,8 +190,12 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
             group.wait(refs, timeout, ranks)
         else:
             group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
-        timeline.restore_source = "peer"
-        return committed
+        if plan.source == "peer" or all(group.wait(
+                [group.workers[r].handle.restore_snapshot.remote(gen, committed, list(group.holders.values()), True)
+                 for r in plan.ranks], timeout, plan.ranks)):
+            timeline.restore_source = plan.source
+            return committed
+        timeline.notes.append("a keeper lost the optimizer shard it held")  # on to the checkpoint
     if plan.source == "memory":
         holders = list(group.holders.values())
         ok = group.wait([group.workers[r].handle.restore_snapshot.remote(gen, plan.step, holders)

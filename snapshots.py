@@ -242,6 +242,11 @@ class SnapshotSender:
         self._thread = threading.Thread(target=run, daemon=True, name="snapshot-send")
         self._thread.start()
 
+    def wait(self) -> None:
+        """Block until the copy or send in flight, if any, has ended (sent or failed)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def counts(self) -> dict:
         """{"sent", "skipped", "failed"} so far."""
         return {"sent": self.sent, "skipped": self.skipped, "failed": self.failed}
