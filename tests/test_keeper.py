@@ -3,12 +3,10 @@ every rank's optimizer shard is on no DP peer; its keeper (the holder of another
 copy after every step, and a replaced rank is restored from a DP peer (parameters) plus its
 keeper (shard): 0 committed steps lost, no checkpoint read, the final state bitwise equal to the
 run without failure. Real Ray actors, gloo groups and holders."""
-import time
-
 import pytest
 import ray
 
-from conftest import reference_run
+from conftest import reference_run, wait_for_shards
 from config import load_config, resolve
 from actor_group import ActorGroup
 from fault_tolerance import plan_restore
@@ -22,16 +20,6 @@ def make_cfg(tmp_path, *overrides, workers: int = 2, spares: int = 1):
     return resolve(load_config("config.yaml", [
         f"cluster.num_workers={workers}", f"cluster.num_spares={spares}", "checkpoint.interval=0",
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", ZERO, *overrides]), num_gpus=0)
-
-
-def wait_for_shards(group, step: int, timeout_s: float = 30.0) -> None:
-    """Block until the keepers hold every rank's optimizer shard of `step` (sent in the
-    background after the step: a kill right after it could race the send)."""
-    deadline = time.monotonic() + timeout_s
-    while not all(step in group.held_snapshots().get(shard_key(str(group.dims), r), ())
-                  for r in range(group.dims.world_size)):
-        assert time.monotonic() < deadline, f"shards of step {step} not kept: {group.held_snapshots()}"
-        time.sleep(0.05)
 
 
 def run(cfg, kill_ranks=(), steps: int = 4):
