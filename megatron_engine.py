@@ -17,10 +17,13 @@ from `train.seed`, so it starts equal to a reference run's step 0.
 
 Peer restore and the distributed optimizer. With `model.distributed_optimizer: true` each DP
 rank holds a different shard of the fp32 main params and Adam moments, so no DP peer can supply
-a replaced rank's shard: `rollback(step > 0)` returns False on every rank, and the recovery
-protocol falls back to the newest checkpoint. With `distributed_optimizer: false` every DP rank
-holds the whole state of its (tp, cp, pp) shard and `broadcast_from` restores params and
-optimizer state from a peer.
+a replaced rank's shard. With the shard keeper (`fault_tolerance.shard_keeper`, dp >= 2,
+keeper.py) each rank keeps a rollback snapshot of its params and shard, `start_shard_copy`
+gives the shard to its keeper after every step, and a replaced rank gets the params from a peer
+(`broadcast_from`, the shards excluded) and its shard back with `load_shard`. Without the keeper
+`rollback(step > 0)` returns False on every rank, and the recovery protocol falls back to the
+newest checkpoint. With `distributed_optimizer: false` every DP rank holds the whole state of
+its (tp, cp, pp) shard and `broadcast_from` restores params and optimizer state from a peer.
 
 Log-probs across shards: the vocabulary-parallel cross entropy gives log p(token) on every TP
 rank from its vocabulary shard (-CE = log p). With cp > 1 the sequence is cut into 2*cp chunks
@@ -50,6 +53,7 @@ import torch.nn.functional as F
 import comms
 from config import Config
 from engine import StepInterrupt, state_digest
+from keeper import keeps_shards
 from host_memory import (HostCopy, carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import SavePlanCache, load_sharded, reserve_save_arena, save_sharded
@@ -136,6 +140,8 @@ class MegatronEngine:
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
         self._send_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_host_copy`
         self._send_buffers: dict | None = None  # its buffers (views of the arena) for this layout
+        self._shard_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_shard_copy`
+        self._shard_buffers: dict | None = None  # its buffers for this layout
         self._save_plans: SavePlanCache | None = None  # of this optimizer's layout, see `save_checkpoint`
         self._connected = False
         self._interrupt = StepInterrupt()  # hooks on each model `_build` makes
@@ -508,9 +514,13 @@ class MegatronEngine:
         return state
 
     def _set_train_state(self, state: dict) -> None:
-        """Copy `state` (same structure as `_train_state`) into the live tensors in place."""
+        """Copy `state` (same structure as `_train_state`) into the live tensors in place; an
+        empty `optimizer` list leaves the live optimizer state as it is (`broadcast_from`)."""
         self._wait_snapshot_copy()  # it may still be reading them
-        copy_state(self._train_state(), state)
+        live = self._train_state()
+        if not state["optimizer"]:
+            live["optimizer"] = []
+        copy_state(live, state)
         torch.cuda.synchronize()
         self.scheduler.num_steps = int(state["sched_steps"])
         self.scheduler.step(increment=0)  # sets lr / weight decay of that update count
@@ -645,8 +655,16 @@ class MegatronEngine:
             self._set_rng_state(rng)
 
     def snapshot_nbytes(self) -> int:
-        """Bytes of this rank's rollback snapshot (0 with the distributed optimizer: none kept)."""
-        return 0 if self.cfg.model.distributed_optimizer else state_nbytes(self._train_state())
+        """Bytes of this rank's rollback snapshot (0 with the distributed optimizer and no keeper:
+        none kept)."""
+        return state_nbytes(self._train_state()) if self._keeps_rollback() else 0
+
+    def _keeps_rollback(self) -> bool:
+        """Whether this rank keeps a rollback snapshot: always without the distributed optimizer;
+        with it only when the keeper holds the shards (keeper.py), else no peer restore can use it."""
+        m, dims = self.cfg.model, self.dims
+        return not m.distributed_optimizer or (
+            dims is not None and keeps_shards(True, self.cfg.fault_tolerance.shard_keeper, dims.dp))
 
     def prepare_host_copy(self) -> None:
         """Start pinning the host buffers of `start_host_copy` (~14 bytes per parameter of this
@@ -688,6 +706,39 @@ class MegatronEngine:
         into = self._host_copy_async(state, into)
         return HostCopy(into, self._copy_done.synchronize)
 
+    def _shard_state(self) -> dict:
+        """This rank's optimizer shard (with the distributed optimizer: its fp32 main params and
+        Adam moments, references) with the schedule count and step: what its keeper holds."""
+        state = self._train_state()
+        return {"optimizer": state["optimizer"], "sched_steps": state["sched_steps"], "step": state["step"]}
+
+    def start_shard_copy(self) -> HostCopy | None:
+        """As `start_host_copy`, of `_shard_state` only, into pinned buffers of its own (pinned
+        in the background at the first call: None until they are). None without the distributed
+        optimizer (every DP peer holds the whole optimizer state)."""
+        if not self.cfg.model.distributed_optimizer:
+            return None
+        state = self._shard_state()
+        if self._shard_buffers is None or not same_layout(self._shard_buffers, state):
+            self._shard_buffers = None
+            arena, need = self._shard_arena, state_nbytes(state)
+            if arena is None or arena.done() and (arena.exception() or arena.result().numel() < need):
+                self._shard_arena = pin_in_background(need)
+            if not self._shard_arena.done():
+                return None
+            self._shard_buffers = carve(state, self._shard_arena.result())  # raises if pinning failed
+        into = self._host_copy_async(state, self._shard_buffers)
+        return HostCopy(into, self._copy_done.synchronize)
+
+    def load_shard(self, state: dict) -> None:
+        """Copy `state` (a `start_shard_copy` state of this rank position) into the live
+        optimizer shard. Raises ValueError when it is of another step than the live state's."""
+        if int(state["step"]) != self.step:
+            raise ValueError(f"optimizer shard of step {state['step']} given to a rank at step {self.step}")
+        self._wait_snapshot_copy()
+        copy_state(self._shard_state(), state)
+        torch.cuda.synchronize()
+
     def host_state(self) -> dict:
         """`start_host_copy`, waiting for its buffers to be pinned and for the copy: the live
         training state in the reused pinned buffers (changed by the next call)."""
@@ -717,8 +768,8 @@ class MegatronEngine:
     def snapshot(self) -> None:
         """Copy the training state to host memory at the start of a step (the state of the last
         committed step) and mark the live state dirty until the step ends. Step 0 needs no copy
-        (`reset`); with the distributed optimizer no copy is kept (see `rollback`)."""
-        if self.step > 0 and not self.cfg.model.distributed_optimizer:
+        (`reset`); with the distributed optimizer and no keeper none is kept (see `rollback`)."""
+        if self.step > 0 and self._keeps_rollback():
             self._snapshot_to_host()
         self._dirty = True
         self.step_start_progress = self.progress
@@ -755,10 +806,11 @@ class MegatronEngine:
         """Return to the state after committed step `step` without any transfer: the live state
         if it is that step and clean, the snapshot, or `reset()` for step 0. Returns False when
         this rank holds no copy of that step, and always for step > 0 with the distributed
-        optimizer (a replaced rank's optimizer shard exists on no peer: restore from checkpoint)."""
+        optimizer and no keeper (a replaced rank's optimizer shard exists on no peer: restore
+        from checkpoint)."""
         if step == 0:
             return self.reset()
-        if self.cfg.model.distributed_optimizer:
+        if not self._keeps_rollback():
             return False
         if self.step == step and not self._dirty:
             return True
@@ -773,16 +825,16 @@ class MegatronEngine:
         (tp, cp, pp) shard): every tensor is broadcast in place over the DP group (CPU scalars
         through a CUDA copy), the schedule count and step with `broadcast_object_list`.
         `ranks` is accepted and ignored: the whole DP group takes part (Megatron's DP group is
-        the only group here that holds the source and its replicas).
-        Raises RuntimeError with the distributed optimizer (peers hold other shards)."""
+        the only group here that holds the source and its replicas). With the distributed
+        optimizer the optimizer shards are not broadcast (each rank's is its own: a replaced
+        rank gets its from its keeper, `load_shard`)."""
         from megatron.core import parallel_state as ps
 
-        if self.cfg.model.distributed_optimizer and self.dims.dp > 1:
-            raise RuntimeError("broadcast_from: with model.distributed_optimizer each DP rank holds "
-                               "a different optimizer shard; restore from a checkpoint instead")
         self._wait_snapshot_copy()  # the broadcast overwrites what it may still be reading
         group = ps.get_data_parallel_group()
         state = self._train_state()
+        if self.cfg.model.distributed_optimizer and self.dims.dp > 1:
+            state["optimizer"] = []
         for x in state_tensors(state):
             buf = x if x.is_cuda else x.to(self.device)
             dist.broadcast(buf, src=src_rank, group=group)
