@@ -70,7 +70,11 @@ def emulate_shard(engine, fraction: float) -> None:
     `_shard_state` cut (its rollback copy is whole in every phase)."""
     if hasattr(engine, "_keeps_rollback"):
         whole = type(engine)._train_state.__get__(engine)
-        engine._train_state = lambda: {**whole(), "optimizer": cut(whole()["optimizer"], fraction)}
+
+        def train_state():
+            state = whole()
+            return {**state, "optimizer": cut(state["optimizer"], fraction)}
+        engine._train_state = train_state
         engine._keeps_rollback = lambda: True
         engine._snapshot = None  # laid out for the previous fraction
     else:
