@@ -197,6 +197,8 @@ class MegatronEngine:
                 torch.cuda.synchronize()
             del old
             parts["state_copy_s"] = time.perf_counter() - t2
+        if self.cfg.model.distributed_optimizer and not same_position:
+            self._snapshot = None  # its optimizer shard is the old position's
         self._position = (dims, rank)
         self._trained_since_connect = False
         self._interrupt.clear()

@@ -582,7 +582,7 @@ class TorchEngine:
         AdamW makes its state then, and reading the state earlier (`get_state_dict`) would make
         it with an extra zero-gradient step; plain host memory is cheap to allocate in the
         first copy instead."""
-        if not self.optimizer.state:
+        if not self._local_optimizer().state:
             return
         self._wait_host_copy()
         self._allocate_host_buffers([x for x in torch.utils._pytree.tree_leaves(self._train_state())
