@@ -204,7 +204,7 @@ class MegatronEngine:
         self._interrupt.clear()
         self._connected = True
         # Pinned host memory the first steps would otherwise wait for, pinned in the background.
-        self.reserve_host_memory(self.snapshot_nbytes())  # the rollback snapshot (none with dist-opt)
+        self.reserve_host_memory(self.snapshot_nbytes())  # the rollback snapshot (none with dist-opt and no keeper)
         if self.cfg.checkpoint.async_save:
             reserve_save_arena(state_nbytes(self._train_state()))
         return parts
