@@ -6,7 +6,7 @@ run without failure. Real Ray actors, gloo groups and holders."""
 import pytest
 import ray
 
-from conftest import reference_run, wait_for_shards
+from conftest import reference_run, run_bench, wait_for_shards
 from config import load_config, resolve
 from actor_group import ActorGroup
 from fault_tolerance import plan_restore
@@ -108,3 +108,15 @@ def test_dp4_two_lost_zero_ranks_come_back_from_peers_and_keepers(ray_session, t
     assert (tl.restore_source, tl.steps_lost) == ("peer+keeper", 0)
     assert trainer.losses == ref[0]
     assert digests == ref[1]
+
+
+@pytest.mark.slow
+def test_the_keeper_bench_runs_on_cpu(tmp_path):
+    """`python -m bench.keeper` on the torch engine: every step's shard kept, the JSON's keys."""
+    import json
+
+    out = tmp_path / "keeper.json"
+    run_bench("keeper", "--steps", "2", "--warmup", "1", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["shard_fraction"] == 0.125 and r["kept_every_step"] is True and r["redundancy_overhead_ratio"] > 0
+    assert r["cases"]["1.0"]["kept"] == {"sent": 3, "skipped": 0, "failed": 0} and "cpu" in r["device"]
