@@ -57,7 +57,7 @@ from keeper import keeps_shards
 from host_memory import (HostCopy, carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import SavePlanCache, load_sharded, reserve_save_arena, save_sharded
-from megatron_compat import foreach_grad_norm, patch_distributed_optimizer
+from megatron_compat import cpu_stand_ins, foreach_grad_norm, patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
 from megatron_model import build_gpt_model, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
@@ -76,6 +76,12 @@ def _with_counters(into: dict, state: dict) -> dict:
     if "rollout" in state:
         into["rollout"] = dict(state["rollout"])
     return into
+
+
+def _shard(dims: ParallelDims, rank: int) -> tuple[int, int, int]:
+    """(tp, pp, cp) coordinates of `rank`: which model shard it holds (its DP replicas hold the same)."""
+    c = dims.coords(rank)
+    return c.tp, c.pp, c.cp
 
 
 class MegatronEngine:
@@ -102,14 +108,18 @@ class MegatronEngine:
         if cfg.fault_tolerance.nccl_split_share:
             # NCCL reads it at its first communicator; aborting communicators is faster with it.
             os.environ["NCCL_COMM_SPLIT_SHARE_RESOURCES"] = "1"
-        torch.cuda.set_device(0)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        else:  # a CPU process (tests of the engine's logic over gloo): see `megatron_compat.cpu_stand_ins`
+            cpu_stand_ins()
         foreach_grad_norm()  # gradient clipping without a device sync per parameter
         self.cfg = cfg
         m = cfg.model
         # Pre-warm: imports and the CUDA context; the model needs this generation's groups.
         from megatron.core import dist_checkpointing, parallel_state  # noqa: F401
         from megatron.core.models.gpt import GPTModel  # noqa: F401
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         torch.zeros(1, device=self.device)
         self.bf16 = m.dtype == "bfloat16"
         # HF checkpoint: checked here (a bad model.hf_path fails before any group forms); its
@@ -162,8 +172,9 @@ class MegatronEngine:
         (`megatron_groups.rebind`), so its state and RNG states are untouched. Otherwise the
         objects are built for the new position: a spare from the model it built while warming
         (`warm_up`, layouts with tp = pp = cp = 1) or from `train.seed`, starting equal to a
-        reference run's step 0; a rank whose position changed carries its training state and
-        RNG states over by copying tensors in place. Returns seconds by part:
+        reference run's step 0; a rank whose DP index changed carries its training state and
+        RNG states over by copying tensors in place; one that now holds another model shard
+        (other tp / pp / cp coordinates) starts as a spare, with no snapshot. Returns seconds by part:
         `process_group_s`, `groups_s`, and `rebind_s` or `build_s` (model), `wrap_s` (DDP,
         optimizer, schedule), `state_copy_s`. Raises ValueError when `dims` has other tp / pp /
         cp sizes than the config."""
@@ -171,9 +182,9 @@ class MegatronEngine:
             raise ValueError(f"dims {dims} do not match the config's parallel sizes {self.cfg.parallel}")
         ft = self.cfg.fault_tolerance
         t_pg = time.perf_counter()
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=dims.world_size,
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=dims.world_size,
                                 timeout=datetime.timedelta(seconds=ft.step_timeout_s),
-                                device_id=torch.device("cuda", 0) if ft.nccl_eager_init else None)
+                                device_id=self.device if ft.nccl_eager_init and self.backend == "nccl" else None)
         parts = {"process_group_s": time.perf_counter() - t_pg}
         self._wait_snapshot_copy()  # a rebuild frees tensors it may still be reading
         t0 = time.perf_counter()
@@ -183,8 +194,15 @@ class MegatronEngine:
         self.dims, self.rank = dims, rank
         if not (same_position and self._rebind([self.ddp, self.optimizer, self.ref_model], old_groups, parts)):
             # Carry the live state over, unless its optimizer shards no longer fit (DP resized
-            # under the distributed optimizer: the state is then restored from a checkpoint).
-            keep = self.ddp is not None and not (self.cfg.model.distributed_optimizer and self._position[0].dp != dims.dp)
+            # under the distributed optimizer: the state is then restored from a checkpoint) or
+            # the rank now holds another model shard (other tp / pp / cp coordinates: a member
+            # of a dropped replica reused as a spare). Such a rank starts as a spare does, from
+            # `train.seed` at step 0; its snapshot and initial copy are of the old shard.
+            moved = self._position is not None and _shard(*self._position) != _shard(dims, rank)
+            if moved:
+                self._snapshot = self._initial = None
+            keep = self.ddp is not None and not moved and not (
+                self.cfg.model.distributed_optimizer and self._position[0].dp != dims.dp)
             old = self._train_state() if keep else None
             rng = self._rng_state() if keep else None
             self._build(parts)
@@ -248,7 +266,8 @@ class MegatronEngine:
         self._connected = False
         if dist.is_initialized():
             comms.abort_process_groups()
-        comms.close_open_nccl_groups()
+        if self.backend == "nccl":
+            comms.close_open_nccl_groups()
 
     def _build(self, parts: dict) -> None:
         """Build model, DDP, optimizer and schedule for this generation's position, from the
@@ -481,7 +500,7 @@ class MegatronEngine:
             if timed:
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
-            self._wait_snapshot_copy(torch.cuda.current_stream())  # the update overwrites its source
+            self._wait_snapshot_copy(torch.cuda.current_stream() if self.backend == "nccl" else None)  # the update overwrites its source
             _, grad_norm, _ = self.optimizer.step()
             phases["forward_backward_s"] += t2 - t1
             phases["optimizer_s"] += time.perf_counter() - t2
@@ -543,7 +562,11 @@ class MegatronEngine:
     def _host_copy_async(self, state: dict, into: dict) -> dict:
         """Start copying `state` into the pinned buffers `into` on a side stream and return at
         once: the copy overlaps the step's forward and backward passes, which only read the
-        state. `_wait_snapshot_copy` orders the optimizer step (and any reader) after it."""
+        state. `_wait_snapshot_copy` orders the optimizer step (and any reader) after it. On CPU
+        the copy is done when this returns."""
+        if self.backend != "nccl":
+            copy_state(into, state)
+            return _with_counters(into, state)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream()
         self._copy_stream.wait_stream(torch.cuda.current_stream())  # the state as of now
@@ -642,7 +665,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         rng = self._rng_state()
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
         try:
             groups = make_groups(ParallelDims(tp=1, pp=1, cp=1, dp=1))
             self.dims = ParallelDims(tp=1, pp=1, cp=1, dp=1)
@@ -706,7 +729,7 @@ class MegatronEngine:
         if into is None:
             return None
         into = self._host_copy_async(state, into)
-        return HostCopy(into, self._copy_done.synchronize)
+        return HostCopy(into, self._copy_done.synchronize if self._copy_done is not None else lambda: None)
 
     def _shard_state(self) -> dict:
         """This rank's optimizer shard (with the distributed optimizer: its fp32 main params and
@@ -730,7 +753,7 @@ class MegatronEngine:
                 return None
             self._shard_buffers = carve(state, self._shard_arena.result())  # raises if pinning failed
         into = self._host_copy_async(state, self._shard_buffers)
-        return HostCopy(into, self._copy_done.synchronize)
+        return HostCopy(into, self._copy_done.synchronize if self._copy_done is not None else lambda: None)
 
     def load_shard(self, state: dict) -> None:
         """Copy `state` (a `start_shard_copy` state of this rank position) into the live
@@ -826,14 +849,22 @@ class MegatronEngine:
         """Make this rank's training state equal to `src_rank`'s (same DP group, i.e. same
         (tp, cp, pp) shard): every tensor is broadcast in place over the DP group (CPU scalars
         through a CUDA copy), the schedule count and step with `broadcast_object_list`.
-        `ranks` is accepted and ignored: the whole DP group takes part (Megatron's DP group is
-        the only group here that holds the source and its replicas). With the distributed
-        optimizer the optimizer shards are not broadcast (each rank's is its own: a replaced
-        rank gets its from its keeper, `load_shard`)."""
+        Collective over the whole DP group: every member calls (`ranks` None or all of them;
+        `fault_tolerance.plan_peer_restore(subgroups=False)`). Why not a subgroup of the
+        callers: with eagerly initialised NCCL a new group is split from the world's
+        communicator, which every rank of the world must call; the DP group's communicator
+        exists already, and a broadcast's time is set by the bytes, not by the receivers.
+        With the distributed optimizer the optimizer shards are not broadcast (each rank's is
+        its own: a replaced rank gets its from its keeper, `load_shard`).
+        Raises ValueError when `ranks` is a strict subset of the DP group (those outside it
+        would never call: the broadcast would hang)."""
         from megatron.core import parallel_state as ps
 
-        self._wait_snapshot_copy()  # the broadcast overwrites what it may still be reading
         group = ps.get_data_parallel_group()
+        if ranks is not None and sorted(ranks) != sorted(dist.get_process_group_ranks(group)):
+            raise ValueError(f"broadcast_from: ranks {sorted(ranks)} are not the whole DP group "
+                             f"{dist.get_process_group_ranks(group)}; every DP member must call (ranks=None)")
+        self._wait_snapshot_copy()  # the broadcast overwrites what it may still be reading
         state = self._train_state()
         if self.cfg.model.distributed_optimizer and self.dims.dp > 1:
             state["optimizer"] = []
@@ -906,7 +937,7 @@ class MegatronEngine:
         passes, whose update waits for it; the host buffers are pinned when the rank joins."""
         if self._save_plans is None or not self._save_plans.matches(self.optimizer):
             self._save_plans = SavePlanCache(self.optimizer)
-        if async_save and self._copy_stream is None:
+        if async_save and self._copy_stream is None and self.backend == "nccl":
             self._copy_stream = torch.cuda.Stream()
         files = save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
                              after_write=lambda: self.fault_point("mid_save"), plans=self._save_plans,
