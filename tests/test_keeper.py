@@ -120,3 +120,4 @@ def test_the_keeper_bench_runs_on_cpu(tmp_path):
     r = json.loads(out.read_text())
     assert r["shard_fraction"] == 0.125 and r["kept_every_step"] is True and r["redundancy_overhead_ratio"] > 0
     assert r["cases"]["1.0"]["kept"] == {"sent": 3, "skipped": 0, "failed": 0} and "cpu" in r["device"]
+
