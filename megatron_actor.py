@@ -233,7 +233,9 @@ class MegatronActor:
         engine's host copy overlaps the next step, the send to the holder runs in the
         background (`SnapshotSender`); skipped (counted, logged) while the previous one is in
         flight or the host buffers are not pinned yet. The result carries the sender's counts
-        as `memory_snapshots` when snapshots are on."""
+        as `memory_snapshots` when snapshots are on. With the shard keeper (keeper.py) the
+        optimizer shard of step `step` is then sent to its keeper, and the result carries
+        `kept_shards` ({"sent", "skipped", "failed"})."""
         self._check(generation)
         self.engine.snapshot()
         self.fault_point("step_start")
