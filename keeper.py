@@ -50,7 +50,7 @@ class ShardSender:
     buffers are not ready yet (still being pinned after a join) is skipped and counted."""
 
     def __init__(self):
-        self.sender = SnapshotSender()
+        self.sender = SnapshotSender(what="optimizer shard")
 
     def connect(self, holder) -> None:
         """First call to the keeper, in the background (see `SnapshotSender.connect`)."""
@@ -63,7 +63,7 @@ class ShardSender:
         self.sender.wait()
         copy = engine.start_shard_copy()
         if copy is None:
-            self.sender.skip(step)
+            self.sender.skip(step, "its host buffers are still being allocated")
         else:
             self.sender.send(holder, key, step, copy, before_last_part)
         return self.sender.counts()
