@@ -201,8 +201,8 @@ class MegatronEngine:
             rng = self._rng_state() if keep else None
             self._build(parts)
             t2 = time.perf_counter()
-            if old is None:
-                self.step = 0
+            if old is None:  # a fresh build: the seeded step-0 state, clean
+                self.step, self._dirty = 0, False
             else:
                 self._set_train_state(old)
                 self._set_rng_state(rng)
