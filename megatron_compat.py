@@ -64,6 +64,9 @@ PATCHES = (
      "a process without CUDA: the RNG tracker reads and sets its states through _get_cuda_rng_state / "
      "_set_cuda_rng_state and torch.cuda.get_rng_state / manual_seed; new buffers go on "
      "torch.cuda.current_device(); the p2p and checkpoint paths call torch.cuda.synchronize()"),
+    ("local_param_groups", "megatron.core.optimizer", ("_get_param_groups", "get_megatron_optimizer"),
+     "get_megatron_optimizer -> _get_param_groups all_gather_object's every rank's param-group keys "
+     "over the world (torch.distributed.all_gather_object, looked up at call time)"),
     ("cpu_stand_ins", "megatron.core.optimizer.optimizer", ("clip_grad_by_total_norm_fp32",),
      "the optimizer's clip_grad_by_total_norm_fp32(params, max_norm, total_norm, use_decoupled_grad), "
      "imported by name, asserts CUDA gradients: replaced on CPU by the same scaling"),
@@ -194,6 +197,31 @@ def foreach_grad_norm() -> None:
         clip_grads.l2_norm_impl = _foreach_l2_norm
     if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
         clip_grads.multi_tensor_scale_impl = _foreach_scale
+
+
+@contextlib.contextmanager
+def local_param_groups():
+    """Inside the block, `torch.distributed.all_gather_object` gives every rank's slot this
+    rank's object, with no collective: Megatron's `get_megatron_optimizer` gathers the
+    parameter-group keys of every rank of the world so that all build the same groups. Why:
+    here every rank builds the same groups (one model code, no per-parameter overrides), and a
+    rank that builds its optimizer while the others keep theirs (a spare joining survivors,
+    `MegatronEngine.connect`) would wait in a gather they never make: the spare's join hung, or
+    the gather took the survivors' next collective."""
+    import copy
+
+    import torch.distributed as dist
+
+    original = dist.all_gather_object
+
+    def own(object_list, obj, group=None):
+        object_list[:] = [copy.deepcopy(obj) for _ in object_list]
+
+    dist.all_gather_object = own
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
 
 
 def _on_cpu(factory):

@@ -57,7 +57,7 @@ from keeper import keeps_shards
 from host_memory import (HostCopy, carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import SavePlanCache, load_sharded, reserve_save_arena, save_sharded
-from megatron_compat import cpu_stand_ins, foreach_grad_norm, patch_distributed_optimizer
+from megatron_compat import cpu_stand_ins, foreach_grad_norm, local_param_groups, patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
 from megatron_model import build_gpt_model, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
@@ -207,8 +207,8 @@ class MegatronEngine:
             rng = self._rng_state() if keep else None
             self._build(parts)
             t2 = time.perf_counter()
-            if old is None:
-                self.step = 0
+            if old is None:  # a fresh build: the seeded step-0 state, clean
+                self.step, self._dirty = 0, False
             else:
                 self._set_train_state(old)
                 self._set_rng_state(rng)
@@ -329,12 +329,13 @@ class MegatronEngine:
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                 use_distributed_optimizer=m.distributed_optimizer))
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=0.0, weight_decay=t.weight_decay,
-                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, bf16=self.bf16,
-                            params_dtype=dtype, clip_grad=t.grad_clip,
-                            use_distributed_optimizer=m.distributed_optimizer),
-            [self.ddp], use_gloo_process_groups=False)
+        with local_param_groups():  # no collective: survivors that keep their optimizer make none
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=0.0, weight_decay=t.weight_decay,
+                                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, bf16=self.bf16,
+                                params_dtype=dtype, clip_grad=t.grad_clip,
+                                use_distributed_optimizer=m.distributed_optimizer),
+                [self.ddp], use_gloo_process_groups=False)
         updates = t.steps * (t.global_batch_size // t.mini_batch_size)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=0.0, lr_warmup_steps=0,

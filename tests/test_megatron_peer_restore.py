@@ -15,6 +15,7 @@ for ranks that never call fails the case at the process-group timeout
 import hashlib
 
 import pytest
+import torch
 
 from parallel_dims import ParallelDims
 from ranks import spawn_ranks
@@ -60,40 +61,54 @@ def _train(engine, cfg, dims, rank, steps) -> list:
     return out
 
 
-def _peer_restore_rank(rank: int, world: int, store, dp: int, tp: int, lost: list[int]) -> dict:
+def _peer_restore_rank(proc: int, world: int, store, dp: int, tp: int, lost: list[int], swap: list) -> dict:
+    """Process `proc` is rank `proc` of generation 1; in generation 2 the processes of each
+    pair in `swap` exchange ranks (a survivor reused at another shard), and those in `lost`
+    are fresh engines. Survivors are the ranks whose process kept its shard
+    (`fault_tolerance.same_shard`, as the recovery protocol decides)."""
     import torch
     import torch.distributed as dist
 
-    from fault_tolerance import plan_peer_restore
+    from fault_tolerance import plan_peer_restore, same_shard
     from megatron_engine import MegatronEngine
 
     torch.set_num_threads(1)
     cfg = _cfg(dp, tp)
     dims = ParallelDims.from_config(cfg)
+    at = list(range(world))  # at[p]: process p's rank in generation 2
+    for a, b in swap:
+        at[a], at[b] = b, a
 
-    def join(engine, gen):
+    def join(engine, gen, rank):
         engine.disconnect()
         engine.connect(dist.PrefixStore(f"gen{gen}", store), dims, rank)
 
     e = MegatronEngine(cfg)
-    join(e, 1)
-    _train(e, cfg, dims, rank, (1, 2))
+    join(e, 1, proc)
+    _train(e, cfg, dims, proc, (1, 2))
     committed = e._host_copy(e._train_state(), pin=False)
-    out = {"before": _digest(committed), "reference": _train(e, cfg, dims, rank, (3, 4))}
+    out = {"before": _digest(committed), "reference": _train(e, cfg, dims, proc, (3, 4)), "rank": at[proc]}
     e.load_state(committed)
-    _train(e, cfg, dims, rank, (3,))  # the step a failure interrupts: never committed
-    if rank in lost:  # a fresh spare takes this rank
+    _train(e, cfg, dims, proc, (3,))  # the step a failure interrupts: never committed
+    if proc in lost:  # a fresh spare takes this rank
         e = None
         dist.destroy_process_group()
         e = MegatronEngine(cfg)
-    join(e, 2)
-    survivors = set(range(world)) - set(lost)
+    rank = at[proc]
+    join(e, 2, rank)
+    holders = [f"spare {p}" if p in lost else p for p in sorted(range(world), key=at.__getitem__)]
+    survivors = same_shard(list(range(world)), dims, holders, dims)
     clean = {r for r, ok in enumerate(_all(rank in survivors and e.rollback(2))) if ok}
-    plan = plan_peer_restore(dims.group_ranks("dp"), survivors, clean)
-    out["plan"] = plan
+    # as the recovery protocol plans it for this engine (`fault_tolerance._restore`)
+    plan = plan_peer_restore(dims.group_ranks("dp"), survivors, clean, subgroups=False)
     assert plan, f"no peer restore planned: survivors {survivors}, rolled back {clean}"
     for src, callers, members in plan:
         if rank in callers:
+            out["subset_refused"] = False
+            try:  # a subset of the DP group is refused before any collective
+                e.broadcast_from(src, [src])
+            except ValueError:
+                out["subset_refused"] = True
             e.broadcast_from(src, members)
     out["after"] = _digest(e._train_state())
     out["resumed"] = _train(e, cfg, dims, rank, (3, 4))
@@ -110,25 +125,46 @@ def _all(value) -> list:
     return values
 
 
-def _check(results: list[dict], lost: list[int]) -> None:
-    for rank, r in enumerate(results):
-        assert r["after"] == r["before"], f"rank {rank} (lost={rank in lost}) does not hold its step-2 state"
-        assert r["resumed"] == r["reference"], (rank, r["resumed"], r["reference"])
+def _check(results: list[dict], exact: bool = True) -> None:
+    """Every rank holds its position's step-2 state bitwise, and trains steps 3 and 4 as the
+    process that held that position in the uninterrupted run."""
+    by_rank = {r["rank"]: r for r in results}
+    for rank, r in enumerate(results):  # in generation 1 process p was rank p
+        now = by_rank[rank]
+        assert now["after"] == r["before"], f"rank {rank} does not hold its step-2 state"
+        assert now["resumed"] == (r["reference"] if exact else pytest.approx(r["reference"], rel=1e-4)), rank
+        assert now.get("subset_refused", True), rank  # every caller was refused a subset first
 
 
-@pytest.mark.parametrize("dp, tp, lost", [
-    (3, 1, [1]),      # one of three replicas: the source and the new rank call, the third does not
-    (4, 1, [0, 2]),   # two of four, rank 0 among them
-])
-def test_megatron_peer_restore_at_dp_3_and_4(dp, tp, lost):
-    _check(spawn_ranks(_peer_restore_rank, dp * tp, dp, tp, lost, timeout_s=240), lost)
+@pytest.mark.parametrize("dp, tp, lost, swap", [
+    (3, 1, [1], []),        # one of three replicas: the third member joins the broadcast
+    (4, 1, [0, 2], []),     # two of four, rank 0 among them
+], ids=["dp3_lost1", "dp4_lost2"])
+def test_megatron_peer_restore_at_dp_3_and_4(dp, tp, lost, swap):
+    _check(spawn_ranks(_peer_restore_rank, dp * tp, dp, tp, lost, swap, timeout_s=300))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp, tp, lost", [
-    (3, 2, [2, 3]),      # a whole replica of tp=2: each DP group gets one new rank
-    (4, 2, [2, 5]),      # two ranks of different replicas and TP positions
-    (4, 2, [0, 1, 4]),   # three ranks: one DP group loses two
-])
-def test_megatron_peer_restore_with_tensor_parallelism(dp, tp, lost):
-    _check(spawn_ranks(_peer_restore_rank, dp * tp, dp, tp, lost, timeout_s=600), lost)
+@pytest.mark.parametrize("dp, tp, lost, swap", [
+    (3, 2, [2, 3], []),         # a whole replica of tp=2: each DP group gets one new rank
+    (4, 2, [2, 5], []),         # two ranks of different replicas and TP positions
+    (4, 2, [0, 1, 4], []),      # three ranks: one DP group loses two
+    (2, 2, [], [(0, 1)]),       # two survivors swap TP positions: each is new at its shard
+], ids=["dp3_tp2_replica_lost", "dp4_tp2_lost2", "dp4_tp2_lost3", "dp2_tp2_swapped"])
+def test_megatron_peer_restore_with_tensor_parallelism(dp, tp, lost, swap):
+    _check(spawn_ranks(_peer_restore_rank, dp * tp, dp, tp, lost, swap, timeout_s=600))
+
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dp, tp, lost", [(3, 1, [1]), (4, 1, [0, 2]), (4, 2, [2, 5]), (4, 2, [0, 1, 4])],
+                         ids=["dp3_lost1", "dp4_lost2", "dp4_tp2_lost2", "dp4_tp2_lost3"])
+def test_megatron_peer_restore_on_gpus(dp, tp, lost):
+    """The same on NCCL, one GPU per rank (NCCL refuses two ranks of one communicator on one
+    device, so dp >= 3 needs as many GPUs as ranks). Losses within fp32 round-off (CUDA's
+    embedding backward adds in no fixed order); the restored state bitwise."""
+    if NGPU < dp * tp:
+        pytest.skip(f"needs {dp * tp} CUDA GPUs")
+    _check(spawn_ranks(_peer_restore_rank, dp * tp, dp, tp, lost, [], timeout_s=600), exact=False)
