@@ -23,6 +23,7 @@ from driver_failover import PLACEMENT_GROUP, CannotReattach, new_name
 from dispatch import dispatch_remote, get_dispatch_type
 from failures import ClusterError, slowest
 from health import HealthMonitor
+from keeper import keeper_node, keeps_shards
 from megatron_actor import MegatronActor
 from parallel_dims import ParallelDims, RankCoords
 from snapshots import SnapshotHolder
@@ -299,7 +300,8 @@ class ActorGroup:
         # In-memory snapshots: one holder per node of the placement group; each rank sends its
         # copies to the holder of another node, so they outlive the rank's node.
         self.holders: dict[str, object] = {}
-        if cfg.fault_tolerance.memory_snapshot_interval > 0:
+        if cfg.fault_tolerance.memory_snapshot_interval > 0 or keeps_shards(
+                cfg.model.distributed_optimizer, cfg.fault_tolerance.shard_keeper, self.dims.dp):
             # In a bundle of the placement group on that node: reserved, so the holder is where
             # its key says (a soft node affinity may fall back to another node, e.g. for a node
             # just added, and a rank's copies would then sit on its own node). Keyed by the node
@@ -432,11 +434,11 @@ class ActorGroup:
 
     def holder_for(self, node_id: str):
         """The SnapshotHolder a rank on `node_id` sends its snapshots to: the next node's in
-        sorted order (its own node's only when there is one node); None when snapshots are off."""
+        sorted order (its own node's only when there is one node, `keeper.keeper_node`); None
+        when no holder runs (no memory snapshots and no shard keeper)."""
         if not self.holders:
             return None
-        nodes = sorted(self.holders)
-        return self.holders[nodes[(nodes.index(node_id) + 1) % len(nodes)] if node_id in nodes else nodes[0]]
+        return self.holders[keeper_node(node_id, list(self.holders))]
 
     def held_snapshots(self) -> dict[tuple, set[int]]:
         """(layout, rank) -> steps held by some live holder. Holders that died (with their

@@ -96,9 +96,11 @@ class ModelConfig:
     """Longest sequence the model accepts, in tokens; >= train.seq_len."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter and compute dtype (auto: bfloat16 on cuda, float32 on cpu)."""
-    distributed_optimizer: bool = True
-    """megatron: shard the fp32 main params and Adam state over DP (a lost shard is then on no
-    DP peer: restore uses memory snapshots or checkpoints)."""
+    distributed_optimizer: bool | Literal["auto"] = "auto"
+    """Shard the optimizer state over DP: megatron's distributed optimizer (fp32 main params and
+    Adam state), the torch engine's ZeRO-1 (`ZeroRedundancyOptimizer`). A lost shard is on no DP
+    peer: `fault_tolerance.shard_keeper` keeps a copy of each off its node. auto: true on
+    megatron, false on torch."""
 
 
 @dataclass
@@ -251,6 +253,12 @@ class FaultToleranceConfig:
     shard to a holder actor on another node (async), which restores a whole lost DP replica or
     distributed-optimizer shards with no step lost (0: off); >= 0. Costs host RAM: 2 copies of
     the state."""
+    shard_keeper: bool = True
+    """With a sharded optimizer (`model.distributed_optimizer`) and dp >= 2: after every step each
+    rank copies its optimizer shard to host memory and sends it in the background to its keeper
+    (the snapshot holder of another node, keeper.py), so a recovery takes the parameters from a
+    DP peer and the shard from the keeper: no committed step lost, no checkpoint read. Costs host
+    RAM: up to 3 copies of each shard at the keeper plus the rank's send buffers."""
     nccl_eager_init: bool = True
     """GPU: every NCCL communicator of a new generation is built when its group is made (true),
     or at its first collective, inside the first step (false: unused groups cost nothing)."""
@@ -559,7 +567,7 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
     """Return a copy with `auto` values made concrete for a machine with `num_gpus` GPUs.
 
     device auto -> cuda when GPUs are visible, else cpu; engine auto -> megatron on cuda,
-    torch on cpu; dtype auto -> bfloat16 on cuda, float32 on cpu; run_name null -> the last
+    torch on cpu; distributed_optimizer auto -> true on megatron, false on torch; dtype auto -> bfloat16 on cuda, float32 on cpu; run_name null -> the last
     part of run_dir. Raises ConfigError for combinations this machine cannot run (megatron on
     CPU, cuda without GPUs).
     """
@@ -575,6 +583,8 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
         cfg.model.engine = "megatron" if cuda else "torch"
     require(cuda or cfg.model.engine == "torch", "model.engine",
             "Megatron-Core models need GPUs; set model.engine=torch (or auto) on a CPU machine")
+    if cfg.model.distributed_optimizer == "auto":
+        cfg.model.distributed_optimizer = cfg.model.engine == "megatron"
     if cfg.model.dtype == "auto":
         cfg.model.dtype = "bfloat16" if cuda else "float32"
     if cfg.run_name is None:

@@ -134,10 +134,22 @@ class Engine(Protocol):
     def load_state(self, state: dict) -> None:
         """Make `state` (a `start_host_copy` state of the same rank position) the live state."""
 
+    def start_shard_copy(self) -> HostCopy | None:
+        """As `start_host_copy`, of this rank's optimizer shard only (with a sharded optimizer,
+        `model.distributed_optimizer`: the part of the state no DP peer holds) and the step, for
+        its keeper (keeper.py). None without a sharded optimizer or while its buffers are not
+        ready."""
+
+    def load_shard(self, state: dict) -> None:
+        """Make `state` (a `start_shard_copy` state of the same rank position) the live optimizer
+        shard; the rest of the state is already at its step (`broadcast_from`). Raises
+        ValueError when it is of another step."""
+
     def broadcast_from(self, src_rank: int, ranks: list[int] | None = None) -> None:
         """Collective over this rank's DP group: receive the training state of `src_rank`.
         `ranks`: only these members take part (the source and the replaced ranks), where the
-        engine can form such a group; None: the whole DP group."""
+        engine can form such a group; None: the whole DP group. A sharded optimizer's shards
+        are not broadcast (each rank keeps its own; a replaced rank's comes from `load_shard`)."""
 
     def state_digest(self) -> str:
         """SHA-256 over the live training state (`engine.state_digest`: weights, optimizer state,

@@ -12,7 +12,8 @@ Protocol (one failure or many; docs/recovery.md has the detail):
 4. Rebuild: a new membership generation (fresh store prefix) is formed.
 5. Restore, cheapest source first (`plan_restore`): (a) peers (survivors roll back to their
    host-memory snapshot of the committed step, then every DP group with a new member broadcasts
-   from a survivor); (b) in-memory snapshots held by `SnapshotHolder` actors on other nodes
+   from a survivor; with a sharded optimizer a replaced rank then loads its optimizer shard from
+   its keeper, keeper.py); (b) in-memory snapshots held by `SnapshotHolder` actors on other nodes
    (needed when a whole DP replica is gone or the optimizer state is sharded); (c) the newest
    verified checkpoint of this run (all ranks load it; the steps after it are replayed; a run
    resuming after its driver was lost loads it the same way, `restore_checkpoint`), else step 0.
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Callable
 
 from checkpoint import CheckpointError, CheckpointManager, Manifest
 from failures import RecoveryError, RecoveryTimeline, WorkerFailure
+from keeper import shard_key
+from parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from actor_group import ActorGroup
@@ -44,7 +47,8 @@ class RestorePlan:
     """Where the state of committed step `step` comes from. `source`: 'peer' (`broadcasts`:
     one (source rank, calling ranks, members) per DP group with a new member, `members` being
     the calling ranks when they are a strict subset of the DP group, else None: the whole
-    group), 'memory' (`ranks` load their in-memory snapshot of `step`) or 'checkpoint' (the
+    group), 'peer+keeper' (those broadcasts, then `ranks` load their optimizer shard of `step`
+    from their keeper, keeper.py), 'memory' (`ranks` load their in-memory snapshot of `step`) or 'checkpoint' (the
     newest verified checkpoint, else step 0; `step` is not known yet). `notes`: the cheaper
     sources tried and why they were impossible."""
     source: str
@@ -54,14 +58,15 @@ class RestorePlan:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_peer_restore(dp_groups: list[list[int]], survivors: set[int],
-                      clean: set[int]) -> list[tuple[int, list[int], list[int] | None]] | None:
+def plan_peer_restore(dp_groups: list[list[int]], survivors: set[int], clean: set[int],
+                      subgroups: bool = True) -> list[tuple[int, list[int], list[int] | None]] | None:
     """The broadcasts of a peer restore, or None when it is impossible: a survivor could not
     roll back to the committed step (`clean` lacks it) or a DP group lost every member.
     Per DP group with new members: (its lowest surviving rank, the ranks that call, members),
     the callers being [source, *new members] (members: the same list) or, when that is the
-    whole group (only the source survived), the group (members None). The other ranks keep
-    their rolled-back state (bitwise the same) and make no call."""
+    whole group (only the source survived) or the engine cannot broadcast within a subgroup
+    (`subgroups` False: the Megatron engine), the group (members None). Ranks that do not
+    call keep their rolled-back state (bitwise the same)."""
     if clean != survivors or not all(set(g) & survivors for g in dp_groups):
         return None
     plan = []
@@ -69,9 +74,24 @@ def plan_peer_restore(dp_groups: list[list[int]], survivors: set[int],
         new = sorted(set(g) - survivors)
         if new:
             src = min(set(g) & survivors)
-            members = [src, *new] if len(new) + 1 < len(g) else None
+            members = [src, *new] if subgroups and len(new) + 1 < len(g) else None
             plan.append((src, members or list(g), members))
     return plan
+
+
+def same_shard(before: list, before_dims: ParallelDims, after: list, after_dims: ParallelDims) -> set[int]:
+    """Ranks of the membership `after` whose member (the same object) held the same model shard
+    in the membership `before`: a rank of the same (tp, pp, cp) coordinates (its DP index may
+    differ, as after a shrink). A member that holds another shard now (a survivor of a dropped
+    replica reused as a spare in the same recovery) is not among them: its state is another
+    shard's, so it must receive the committed state, never serve it."""
+    held = {id(s): before_dims.coords(r) for r, s in enumerate(before)}
+    out = set()
+    for r, s in enumerate(after):
+        old, new = held.get(id(s)), after_dims.coords(r)
+        if old is not None and (old.tp, old.pp, old.cp) == (new.tp, new.pp, new.cp):
+            out.add(r)
+    return out
 
 
 def plan_memory_restore(committed: int, clean: set[int], held: list[set[int]],
@@ -91,20 +111,32 @@ def plan_memory_restore(committed: int, clean: set[int], held: list[set[int]],
 
 def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivors: set[int],
                  clean: set[int], held: Callable[[], list[set[int]]] | None,
-                 floor: Callable[[], int]) -> RestorePlan:
+                 floor: Callable[[], int], kept: Callable[[], list[set[int]]] | None = None,
+                 subgroups: bool = True) -> RestorePlan:
     """The cheapest restore source `mode` ('auto', 'peer', 'memory', 'checkpoint':
     `fault_tolerance.restore`) allows. `held()` (each rank's held snapshot steps; None: no
     holders) and `floor()` (the newest checkpoint's step) are `plan_memory_restore`'s inputs,
     asked for only when a memory restore is considered (they cost a round of remote calls).
+    `kept`: None when every DP peer holds the whole optimizer state; with a sharded optimizer,
+    `kept()` gives the steps of each rank's optimizer shard its keeper holds (all empty without
+    keepers), and a peer restore needs the committed step's shard of every replaced rank
+    (`peer+keeper`): a shard of another step would not match the peer's parameters.
+    `subgroups`: as `plan_peer_restore`'s.
     Raises RecoveryError when `mode` names a source that cannot serve this failure."""
     notes = []
     if mode in ("auto", "peer"):
-        broadcasts = plan_peer_restore(dp_groups, survivors, clean)
-        if broadcasts is not None:
+        broadcasts = plan_peer_restore(dp_groups, survivors, clean, subgroups)
+        if broadcasts is not None and (kept is None or committed == 0):  # step 0: every rank resets
             return RestorePlan("peer", committed, broadcasts=broadcasts)
+        if broadcasts is not None:
+            new, shards = sorted({r for g in dp_groups for r in g} - survivors), kept()
+            if not (missing := [r for r in new if committed not in shards[r]]):
+                return RestorePlan("peer+keeper", committed, broadcasts=broadcasts, ranks=new)
+            notes.append(f"no keeper holds the optimizer shard of step {committed} of rank(s) {missing}")
         if mode == "peer":
-            raise RecoveryError("fault_tolerance.restore=peer but a whole DP group was lost or a "
-                                "survivor holds no snapshot of the committed step; use restore=auto")
+            raise RecoveryError("fault_tolerance.restore=peer but a whole DP group was lost, a survivor "
+                                "holds no snapshot of the committed step or no keeper holds a replaced "
+                                "rank's optimizer shard of it; use restore=auto")
         notes.append("peer restore impossible")
     if mode in ("auto", "memory") and held is not None:
         found = plan_memory_restore(committed, clean, held(), floor())
@@ -162,10 +194,18 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
         snaps = group.held_snapshots()
         return [snaps.get((str(dims), r), set()) for r in range(dims.world_size)]
 
+    def kept() -> list[set[int]]:
+        snaps = group.held_snapshots()
+        return [snaps.get(shard_key(str(dims), r), set()) for r in range(dims.world_size)]
+
+    sharded = group.cfg.model.distributed_optimizer and dims.dp > 1
+    # Megatron broadcasts over its DP groups as made: a subgroup of NCCL communicators split from
+    # the eagerly initialised world is a collective of every rank (docs/recovery.md, "Restore").
     plan = plan_restore(ft.restore, committed, dims.group_ranks("dp"), survivors, clean,
-                        held if group.holders else None, floor)
+                        held if group.holders else None, floor, kept if sharded else None,
+                        subgroups=group.cfg.model.engine != "megatron")
     timeline.notes += plan.notes
-    if plan.source == "peer":
+    if plan.source in ("peer", "peer+keeper"):
         if committed > 0:
             refs, ranks = [], []
             for src, callers, members in plan.broadcasts:
@@ -174,8 +214,12 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
             group.wait(refs, timeout, ranks)
         else:
             group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
-        timeline.restore_source = "peer"
-        return committed
+        if plan.source == "peer" or all(group.wait(
+                [group.workers[r].handle.restore_snapshot.remote(gen, committed, list(group.holders.values()), True)
+                 for r in plan.ranks], timeout, plan.ranks)):
+            timeline.restore_source = plan.source
+            return committed
+        timeline.notes.append("a keeper lost the optimizer shard it held")  # on to the checkpoint
     if plan.source == "memory":
         holders = list(group.holders.values())
         ok = group.wait([group.workers[r].handle.restore_snapshot.remote(gen, plan.step, holders)
@@ -255,6 +299,7 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, 
     """
     failed, aborted = set(failure.ranks), failure.aborted
     survivors = [s for r, s in enumerate(group.workers) if r not in failed]
+    committed_members = list(group.workers), group.dims  # who held which shard at the committed step
     tl = RecoveryTimeline(failure.kind, sorted(failed), sorted({group.workers[r].node_id for r in failed}),
                           committed_step=committed_step)
     # Both are lower bounds of when the failure happened: the later one is the closer.
@@ -277,7 +322,10 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, 
             t2 = time.perf_counter()
             tl.rebuild_detail = group.form_generation()
             t3 = time.perf_counter()
-            tl.restored_step = _restore(group, ckpt, committed_step, survivors, ft, check_manifest, tl, run_id)
+            # Survivors anew after this attempt's membership change: one moved to another shard is new.
+            kept = same_shard(*committed_members, group.workers, group.dims)
+            stayed = [group.workers[r] for r in kept if any(group.workers[r] is s for s in survivors)]
+            tl.restored_step = _restore(group, ckpt, committed_step, stayed, ft, check_manifest, tl, run_id)
             t4 = time.perf_counter()
         except WorkerFailure as again:
             log.warning("failure during recovery (attempt %d): %s", attempt, again)

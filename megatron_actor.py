@@ -28,6 +28,7 @@ from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, M
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
+from keeper import ShardSender, keeps_shards, shard_key
 from parallel_dims import ParallelDims
 from snapshots import SnapshotSender, from_wire
 
@@ -54,6 +55,8 @@ class MegatronActor:
         self._pending_save = None         # futures of an async checkpoint write
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
         self._sender = SnapshotSender()
+        self._shards = ShardSender()      # sends this rank's optimizer shard to its keeper (keeper.py)
+        self._keeper = None               # the holder keeping it (None: not kept)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         use_node_interface(ray.util.get_node_ip_address())  # before any process group is made
         self._last_ping, self._pinged = time.monotonic(), False
@@ -222,6 +225,10 @@ class MegatronActor:
             # Before the first snapshot step, in the background.
             self.engine.prepare_host_copy()
             self._sender.connect(holder)
+        self._keeper = holder if keeps_shards(self.cfg.model.distributed_optimizer,
+                                              self.cfg.fault_tolerance.shard_keeper, dims.dp) else None
+        if self._keeper is not None:
+            self._shards.connect(holder)
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
         return {"rendezvous_s": t1 - t0, **phases}
 
@@ -252,12 +259,15 @@ class MegatronActor:
         engine's host copy overlaps the next step, the send to the holder runs in the
         background (`SnapshotSender`); skipped (counted, logged) while the previous one is in
         flight or the host buffers are not pinned yet. The result carries the sender's counts
-        as `memory_snapshots` when snapshots are on."""
+        as `memory_snapshots` when snapshots are on. With the shard keeper (keeper.py) the
+        optimizer shard of step `step` is then sent to its keeper, and the result carries
+        `kept_shards` ({"sent", "skipped", "failed"})."""
         self._check(generation)
         self.engine.snapshot()
         self.fault_point("step_start")
         result = self.engine.train_step(batch, step)
-        if self._holder is not None and step % self.cfg.fault_tolerance.memory_snapshot_interval == 0:
+        interval = self.cfg.fault_tolerance.memory_snapshot_interval
+        if self._holder is not None and interval and step % interval == 0:
             copy = None if self._sender.busy() else self.engine.start_host_copy()
             if copy is None:
                 self._sender.skip(step)
@@ -265,17 +275,22 @@ class MegatronActor:
                 self._sender.send(self._holder, (str(self.dims), self.rank), step, copy,
                                   before_last_part=lambda: self.fault_point("mid_snapshot"))
             result["memory_snapshots"] = self._sender.counts()
+        if self._keeper is not None:
+            result["kept_shards"] = self._shards.after_step(self.engine, self._keeper,
+                                                            shard_key(str(self.dims), self.rank), step)
         return result
 
-    def restore_snapshot(self, generation: int, step: int, holders: list) -> bool:
+    def restore_snapshot(self, generation: int, step: int, holders: list, shard: bool = False) -> bool:
         """Load this rank's in-memory snapshot of committed step `step` from the first of
-        `holders` (SnapshotHolder handles) that has it. False when none has."""
+        `holders` (SnapshotHolder handles) that has it; `shard`: only its optimizer shard, kept
+        by its keeper (keeper.py), into a state that is already at `step`
+        (`Engine.load_shard`). False when none has."""
         self._check(generation)
-        key = (str(self.dims), self.rank)
+        key = shard_key(str(self.dims), self.rank) if shard else (str(self.dims), self.rank)
         for holder in holders:
             state = ray.get(holder.get.remote(key, step))
             if state is not None:
-                self.engine.load_state(from_wire(state))
+                (self.engine.load_shard if shard else self.engine.load_state)(from_wire(state))
                 return True
         return False
 

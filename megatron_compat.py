@@ -59,6 +59,17 @@ PATCHES = (
      ("create_group", "initialize_model_parallel"),
      "initialize_model_parallel makes every group through the module's create_group(ranks=..., "
      "timeout=..., pg_options=..., group_desc=...)"),
+    ("cpu_stand_ins", "megatron.core.tensor_parallel.random",
+     ("_get_cuda_rng_state", "_set_cuda_rng_state", "CudaRNGStatesTracker.add", "CudaRNGStatesTracker.fork"),
+     "a process without CUDA: the RNG tracker reads and sets its states through _get_cuda_rng_state / "
+     "_set_cuda_rng_state and torch.cuda.get_rng_state / manual_seed; new buffers go on "
+     "torch.cuda.current_device(); the p2p and checkpoint paths call torch.cuda.synchronize()"),
+    ("local_param_groups", "megatron.core.optimizer", ("_get_param_groups", "get_megatron_optimizer"),
+     "get_megatron_optimizer -> _get_param_groups all_gather_object's every rank's param-group keys "
+     "over the world (torch.distributed.all_gather_object, looked up at call time)"),
+    ("cpu_stand_ins", "megatron.core.optimizer.optimizer", ("clip_grad_by_total_norm_fp32",),
+     "the optimizer's clip_grad_by_total_norm_fp32(params, max_norm, total_norm, use_decoupled_grad), "
+     "imported by name, asserts CUDA gradients: replaced on CPU by the same scaling"),
 )
 
 
@@ -186,6 +197,83 @@ def foreach_grad_norm() -> None:
         clip_grads.l2_norm_impl = _foreach_l2_norm
     if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
         clip_grads.multi_tensor_scale_impl = _foreach_scale
+
+
+@contextlib.contextmanager
+def local_param_groups():
+    """Inside the block, `torch.distributed.all_gather_object` gives every rank's slot this
+    rank's object, with no collective: Megatron's `get_megatron_optimizer` gathers the
+    parameter-group keys of every rank of the world so that all build the same groups. Why:
+    here every rank builds the same groups (one model code, no per-parameter overrides), and a
+    rank that builds its optimizer while the others keep theirs (a spare joining survivors,
+    `MegatronEngine.connect`) would wait in a gather they never make: the spare's join hung, or
+    the gather took the survivors' next collective."""
+    import copy
+
+    import torch.distributed as dist
+
+    original = dist.all_gather_object
+
+    def own(object_list, obj, group=None):
+        object_list[:] = [copy.deepcopy(obj) for _ in object_list]
+
+    dist.all_gather_object = own
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+
+
+def _on_cpu(factory):
+    """`factory` (torch.zeros, ...) with a CUDA `device` argument taken as the CPU."""
+    @functools.wraps(factory)
+    def on_cpu(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return factory(*args, device=device, **kwargs)
+    return on_cpu
+
+
+def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
+    """Megatron's `clip_grad_by_total_norm_fp32` (gradients scaled in place by max_norm /
+    (total_norm + 1e-6) when that is below 1) without its assertion that they are CUDA tensors."""
+    grads = [getattr(p, "decoupled_grad" if use_decoupled_grad else "grad", None) for p in parameters]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        _foreach_scale(None, None, [[g.detach() for g in grads if g is not None]] * 2, coeff)
+
+
+def cpu_stand_ins() -> None:
+    """In a process without CUDA, make the CUDA calls Megatron-Core's training path makes act
+    on the CPU: `torch.cuda.current_device()` is "cpu" (where Megatron puts new buffers),
+    tensor factories given device "cuda" (Megatron's optimizer, clip-grad and schedule
+    literals) and `Tensor.cuda()` make or keep CPU tensors,
+    `torch.cuda.synchronize()` does nothing, and the CUDA RNG (Megatron's RNG tracker, its
+    seeding, `torch.cuda.get_rng_state` / `set_rng_state` / `manual_seed`) is the CPU generator,
+    so the tracker forks the CPU RNG as it forks CUDA's on a GPU: each TP rank initialises its
+    shard from its own seeded state, DP replicas identically. Why: the Megatron engine's logic
+    (groups, peer restore, checkpoints) is tested on CPU processes over gloo. Raises
+    RuntimeError when CUDA is available (the stand-ins would hide the GPU). Idempotent."""
+    from megatron.core.optimizer import optimizer
+    from megatron.core.tensor_parallel import random
+
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_stand_ins: CUDA is available; the Megatron engine uses the GPU")
+    if getattr(torch.zeros, "__wrapped__", None) is not None:
+        return  # already in place
+    for name in ("tensor", "zeros", "ones", "empty", "full"):  # Megatron's device='cuda' literals
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_by_total_norm
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = torch.cuda.random.manual_seed = lambda seed: torch.manual_seed(seed) and None
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # The tracker's fork warns when the CPU RNG moved inside it: here that is the forked RNG itself.
+    logging.getLogger(random.__name__).addFilter(lambda r: "CPU RNG state changed" not in r.getMessage())
 
 
 @contextlib.contextmanager

@@ -17,10 +17,13 @@ from `train.seed`, so it starts equal to a reference run's step 0.
 
 Peer restore and the distributed optimizer. With `model.distributed_optimizer: true` each DP
 rank holds a different shard of the fp32 main params and Adam moments, so no DP peer can supply
-a replaced rank's shard: `rollback(step > 0)` returns False on every rank, and the recovery
-protocol falls back to the newest checkpoint. With `distributed_optimizer: false` every DP rank
-holds the whole state of its (tp, cp, pp) shard and `broadcast_from` restores params and
-optimizer state from a peer.
+a replaced rank's shard. With the shard keeper (`fault_tolerance.shard_keeper`, dp >= 2,
+keeper.py) each rank keeps a rollback snapshot of its params and shard, `start_shard_copy`
+gives the shard to its keeper after every step, and a replaced rank gets the params from a peer
+(`broadcast_from`, the shards excluded) and its shard back with `load_shard`. Without the keeper
+`rollback(step > 0)` returns False on every rank, and the recovery protocol falls back to the
+newest checkpoint. With `distributed_optimizer: false` every DP rank holds the whole state of
+its (tp, cp, pp) shard and `broadcast_from` restores params and optimizer state from a peer.
 
 Log-probs across shards: the vocabulary-parallel cross entropy gives log p(token) on every TP
 rank from its vocabulary shard (-CE = log p). With cp > 1 the sequence is cut into 2*cp chunks
@@ -50,10 +53,11 @@ import torch.nn.functional as F
 import comms
 from config import Config
 from engine import StepInterrupt, state_digest
+from keeper import keeps_shards
 from host_memory import (HostCopy, carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
                          same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import SavePlanCache, load_sharded, reserve_save_arena, save_sharded
-from megatron_compat import foreach_grad_norm, patch_distributed_optimizer
+from megatron_compat import cpu_stand_ins, foreach_grad_norm, local_param_groups, patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
 from megatron_model import build_gpt_model, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
@@ -72,6 +76,12 @@ def _with_counters(into: dict, state: dict) -> dict:
     if "rollout" in state:
         into["rollout"] = dict(state["rollout"])
     return into
+
+
+def _shard(dims: ParallelDims, rank: int) -> tuple[int, int, int]:
+    """(tp, pp, cp) coordinates of `rank`: which model shard it holds (its DP replicas hold the same)."""
+    c = dims.coords(rank)
+    return c.tp, c.pp, c.cp
 
 
 class MegatronEngine:
@@ -98,14 +108,18 @@ class MegatronEngine:
         if cfg.fault_tolerance.nccl_split_share:
             # NCCL reads it at its first communicator; aborting communicators is faster with it.
             os.environ["NCCL_COMM_SPLIT_SHARE_RESOURCES"] = "1"
-        torch.cuda.set_device(0)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        else:  # a CPU process (tests of the engine's logic over gloo): see `megatron_compat.cpu_stand_ins`
+            cpu_stand_ins()
         foreach_grad_norm()  # gradient clipping without a device sync per parameter
         self.cfg = cfg
         m = cfg.model
         # Pre-warm: imports and the CUDA context; the model needs this generation's groups.
         from megatron.core import dist_checkpointing, parallel_state  # noqa: F401
         from megatron.core.models.gpt import GPTModel  # noqa: F401
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         torch.zeros(1, device=self.device)
         self.bf16 = m.dtype == "bfloat16"
         # HF checkpoint: checked here (a bad model.hf_path fails before any group forms); its
@@ -136,6 +150,8 @@ class MegatronEngine:
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
         self._send_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_host_copy`
         self._send_buffers: dict | None = None  # its buffers (views of the arena) for this layout
+        self._shard_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_shard_copy`
+        self._shard_buffers: dict | None = None  # its buffers for this layout
         self._save_plans: SavePlanCache | None = None  # of this optimizer's layout, see `save_checkpoint`
         self._connected = False
         self._interrupt = StepInterrupt()  # hooks on each model `_build` makes
@@ -156,8 +172,9 @@ class MegatronEngine:
         (`megatron_groups.rebind`), so its state and RNG states are untouched. Otherwise the
         objects are built for the new position: a spare from the model it built while warming
         (`warm_up`, layouts with tp = pp = cp = 1) or from `train.seed`, starting equal to a
-        reference run's step 0; a rank whose position changed carries its training state and
-        RNG states over by copying tensors in place. Returns seconds by part:
+        reference run's step 0; a rank whose DP index changed carries its training state and
+        RNG states over by copying tensors in place; one that now holds another model shard
+        (other tp / pp / cp coordinates) starts as a spare, with no snapshot. Returns seconds by part:
         `process_group_s`, `groups_s`, and `rebind_s` or `build_s` (model), `wrap_s` (DDP,
         optimizer, schedule), `state_copy_s`. Raises ValueError when `dims` has other tp / pp /
         cp sizes than the config."""
@@ -165,9 +182,9 @@ class MegatronEngine:
             raise ValueError(f"dims {dims} do not match the config's parallel sizes {self.cfg.parallel}")
         ft = self.cfg.fault_tolerance
         t_pg = time.perf_counter()
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=dims.world_size,
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=dims.world_size,
                                 timeout=datetime.timedelta(seconds=ft.step_timeout_s),
-                                device_id=torch.device("cuda", 0) if ft.nccl_eager_init else None)
+                                device_id=self.device if ft.nccl_eager_init and self.backend == "nccl" else None)
         parts = {"process_group_s": time.perf_counter() - t_pg}
         self._wait_snapshot_copy()  # a rebuild frees tensors it may still be reading
         t0 = time.perf_counter()
@@ -177,26 +194,35 @@ class MegatronEngine:
         self.dims, self.rank = dims, rank
         if not (same_position and self._rebind([self.ddp, self.optimizer, self.ref_model], old_groups, parts)):
             # Carry the live state over, unless its optimizer shards no longer fit (DP resized
-            # under the distributed optimizer: the state is then restored from a checkpoint).
-            keep = self.ddp is not None and not (self.cfg.model.distributed_optimizer and self._position[0].dp != dims.dp)
+            # under the distributed optimizer: the state is then restored from a checkpoint) or
+            # the rank now holds another model shard (other tp / pp / cp coordinates: a member
+            # of a dropped replica reused as a spare). Such a rank starts as a spare does, from
+            # `train.seed` at step 0; its snapshot and initial copy are of the old shard.
+            moved = self._position is not None and _shard(*self._position) != _shard(dims, rank)
+            if moved:
+                self._snapshot = self._initial = None
+            keep = self.ddp is not None and not moved and not (
+                self.cfg.model.distributed_optimizer and self._position[0].dp != dims.dp)
             old = self._train_state() if keep else None
             rng = self._rng_state() if keep else None
             self._build(parts)
             t2 = time.perf_counter()
-            if old is None:
-                self.step = 0
+            if old is None:  # a fresh build: the seeded step-0 state, clean
+                self.step, self._dirty = 0, False
             else:
                 self._set_train_state(old)
                 self._set_rng_state(rng)
                 torch.cuda.synchronize()
             del old
             parts["state_copy_s"] = time.perf_counter() - t2
+        if self.cfg.model.distributed_optimizer and not same_position:
+            self._snapshot = None  # its optimizer shard is the old position's
         self._position = (dims, rank)
         self._trained_since_connect = False
         self._interrupt.clear()
         self._connected = True
         # Pinned host memory the first steps would otherwise wait for, pinned in the background.
-        self.reserve_host_memory(self.snapshot_nbytes())  # the rollback snapshot (none with dist-opt)
+        self.reserve_host_memory(self.snapshot_nbytes())  # the rollback snapshot (none with dist-opt and no keeper)
         if self.cfg.checkpoint.async_save:
             reserve_save_arena(state_nbytes(self._train_state()))
         return parts
@@ -240,7 +266,8 @@ class MegatronEngine:
         self._connected = False
         if dist.is_initialized():
             comms.abort_process_groups()
-        comms.close_open_nccl_groups()
+        if self.backend == "nccl":
+            comms.close_open_nccl_groups()
 
     def _build(self, parts: dict) -> None:
         """Build model, DDP, optimizer and schedule for this generation's position, from the
@@ -302,12 +329,13 @@ class MegatronEngine:
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                 use_distributed_optimizer=m.distributed_optimizer))
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=0.0, weight_decay=t.weight_decay,
-                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, bf16=self.bf16,
-                            params_dtype=dtype, clip_grad=t.grad_clip,
-                            use_distributed_optimizer=m.distributed_optimizer),
-            [self.ddp], use_gloo_process_groups=False)
+        with local_param_groups():  # no collective: survivors that keep their optimizer make none
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=0.0, weight_decay=t.weight_decay,
+                                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, bf16=self.bf16,
+                                params_dtype=dtype, clip_grad=t.grad_clip,
+                                use_distributed_optimizer=m.distributed_optimizer),
+                [self.ddp], use_gloo_process_groups=False)
         updates = t.steps * (t.global_batch_size // t.mini_batch_size)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=0.0, lr_warmup_steps=0,
@@ -473,7 +501,7 @@ class MegatronEngine:
             if timed:
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
-            self._wait_snapshot_copy(torch.cuda.current_stream())  # the update overwrites its source
+            self._wait_snapshot_copy(torch.cuda.current_stream() if self.backend == "nccl" else None)  # the update overwrites its source
             _, grad_norm, _ = self.optimizer.step()
             phases["forward_backward_s"] += t2 - t1
             phases["optimizer_s"] += time.perf_counter() - t2
@@ -508,9 +536,13 @@ class MegatronEngine:
         return state
 
     def _set_train_state(self, state: dict) -> None:
-        """Copy `state` (same structure as `_train_state`) into the live tensors in place."""
+        """Copy `state` (same structure as `_train_state`) into the live tensors in place; an
+        empty `optimizer` list leaves the live optimizer state as it is (`broadcast_from`)."""
         self._wait_snapshot_copy()  # it may still be reading them
-        copy_state(self._train_state(), state)
+        live = self._train_state()
+        if not state["optimizer"]:
+            live["optimizer"] = []
+        copy_state(live, state)
         torch.cuda.synchronize()
         self.scheduler.num_steps = int(state["sched_steps"])
         self.scheduler.step(increment=0)  # sets lr / weight decay of that update count
@@ -531,7 +563,11 @@ class MegatronEngine:
     def _host_copy_async(self, state: dict, into: dict) -> dict:
         """Start copying `state` into the pinned buffers `into` on a side stream and return at
         once: the copy overlaps the step's forward and backward passes, which only read the
-        state. `_wait_snapshot_copy` orders the optimizer step (and any reader) after it."""
+        state. `_wait_snapshot_copy` orders the optimizer step (and any reader) after it. On CPU
+        the copy is done when this returns."""
+        if self.backend != "nccl":
+            copy_state(into, state)
+            return _with_counters(into, state)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream()
         self._copy_stream.wait_stream(torch.cuda.current_stream())  # the state as of now
@@ -630,7 +666,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         rng = self._rng_state()
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
         try:
             groups = make_groups(ParallelDims(tp=1, pp=1, cp=1, dp=1))
             self.dims = ParallelDims(tp=1, pp=1, cp=1, dp=1)
@@ -645,8 +681,16 @@ class MegatronEngine:
             self._set_rng_state(rng)
 
     def snapshot_nbytes(self) -> int:
-        """Bytes of this rank's rollback snapshot (0 with the distributed optimizer: none kept)."""
-        return 0 if self.cfg.model.distributed_optimizer else state_nbytes(self._train_state())
+        """Bytes of this rank's rollback snapshot (0 with the distributed optimizer and no keeper:
+        none kept)."""
+        return state_nbytes(self._train_state()) if self._keeps_rollback() else 0
+
+    def _keeps_rollback(self) -> bool:
+        """Whether this rank keeps a rollback snapshot: always without the distributed optimizer;
+        with it only when the keeper holds the shards (keeper.py), else no peer restore can use it."""
+        m, dims = self.cfg.model, self.dims
+        return not m.distributed_optimizer or (
+            dims is not None and keeps_shards(True, self.cfg.fault_tolerance.shard_keeper, dims.dp))
 
     def prepare_host_copy(self) -> None:
         """Start pinning the host buffers of `start_host_copy` (~14 bytes per parameter of this
@@ -686,7 +730,40 @@ class MegatronEngine:
         if into is None:
             return None
         into = self._host_copy_async(state, into)
-        return HostCopy(into, self._copy_done.synchronize)
+        return HostCopy(into, self._copy_done.synchronize if self._copy_done is not None else lambda: None)
+
+    def _shard_state(self) -> dict:
+        """This rank's optimizer shard (with the distributed optimizer: its fp32 main params and
+        Adam moments, references) with the schedule count and step: what its keeper holds."""
+        state = self._train_state()
+        return {"optimizer": state["optimizer"], "sched_steps": state["sched_steps"], "step": state["step"]}
+
+    def start_shard_copy(self) -> HostCopy | None:
+        """As `start_host_copy`, of `_shard_state` only, into pinned buffers of its own (pinned
+        in the background at the first call: None until they are). None without the distributed
+        optimizer (every DP peer holds the whole optimizer state)."""
+        if not self.cfg.model.distributed_optimizer:
+            return None
+        state = self._shard_state()
+        if self._shard_buffers is None or not same_layout(self._shard_buffers, state):
+            self._shard_buffers = None
+            arena, need = self._shard_arena, state_nbytes(state)
+            if arena is None or arena.done() and (arena.exception() or arena.result().numel() < need):
+                self._shard_arena = pin_in_background(need)
+            if not self._shard_arena.done():
+                return None
+            self._shard_buffers = carve(state, self._shard_arena.result())  # raises if pinning failed
+        into = self._host_copy_async(state, self._shard_buffers)
+        return HostCopy(into, self._copy_done.synchronize if self._copy_done is not None else lambda: None)
+
+    def load_shard(self, state: dict) -> None:
+        """Copy `state` (a `start_shard_copy` state of this rank position) into the live
+        optimizer shard. Raises ValueError when it is of another step than the live state's."""
+        if int(state["step"]) != self.step:
+            raise ValueError(f"optimizer shard of step {state['step']} given to a rank at step {self.step}")
+        self._wait_snapshot_copy()
+        copy_state(self._shard_state(), state)
+        torch.cuda.synchronize()
 
     def host_state(self) -> dict:
         """`start_host_copy`, waiting for its buffers to be pinned and for the copy: the live
@@ -717,8 +794,8 @@ class MegatronEngine:
     def snapshot(self) -> None:
         """Copy the training state to host memory at the start of a step (the state of the last
         committed step) and mark the live state dirty until the step ends. Step 0 needs no copy
-        (`reset`); with the distributed optimizer no copy is kept (see `rollback`)."""
-        if self.step > 0 and not self.cfg.model.distributed_optimizer:
+        (`reset`); with the distributed optimizer and no keeper none is kept (see `rollback`)."""
+        if self.step > 0 and self._keeps_rollback():
             self._snapshot_to_host()
         self._dirty = True
         self.step_start_progress = self.progress
@@ -755,10 +832,11 @@ class MegatronEngine:
         """Return to the state after committed step `step` without any transfer: the live state
         if it is that step and clean, the snapshot, or `reset()` for step 0. Returns False when
         this rank holds no copy of that step, and always for step > 0 with the distributed
-        optimizer (a replaced rank's optimizer shard exists on no peer: restore from checkpoint)."""
+        optimizer and no keeper (a replaced rank's optimizer shard exists on no peer: restore
+        from checkpoint)."""
         if step == 0:
             return self.reset()
-        if self.cfg.model.distributed_optimizer:
+        if not self._keeps_rollback():
             return False
         if self.step == step and not self._dirty:
             return True
@@ -772,18 +850,26 @@ class MegatronEngine:
         """Make this rank's training state equal to `src_rank`'s (same DP group, i.e. same
         (tp, cp, pp) shard): every tensor is broadcast in place over the DP group (CPU scalars
         through a CUDA copy), the schedule count and step with `broadcast_object_list`.
-        `ranks` is accepted and ignored: the whole DP group takes part (Megatron's DP group is
-        the only group here that holds the source and its replicas).
-        Raises RuntimeError with the distributed optimizer (peers hold other shards)."""
+        Collective over the whole DP group: every member calls (`ranks` None or all of them;
+        `fault_tolerance.plan_peer_restore(subgroups=False)`). Why not a subgroup of the
+        callers: with eagerly initialised NCCL a new group is split from the world's
+        communicator, which every rank of the world must call; the DP group's communicator
+        exists already, and a broadcast's time is set by the bytes, not by the receivers.
+        With the distributed optimizer the optimizer shards are not broadcast (each rank's is
+        its own: a replaced rank gets its from its keeper, `load_shard`).
+        Raises ValueError when `ranks` is a strict subset of the DP group (those outside it
+        would never call: the broadcast would hang)."""
         from megatron.core import parallel_state as ps
 
-        if self.cfg.model.distributed_optimizer and self.dims.dp > 1:
-            raise RuntimeError("broadcast_from: with model.distributed_optimizer each DP rank holds "
-                               "a different optimizer shard; restore from a checkpoint instead")
-        self._wait_snapshot_copy()  # the broadcast overwrites what it may still be reading
         group = ps.get_data_parallel_group()
+        if ranks is not None and sorted(ranks) != sorted(dist.get_process_group_ranks(group)):
+            raise ValueError(f"broadcast_from: ranks {sorted(ranks)} are not the whole DP group "
+                             f"{dist.get_process_group_ranks(group)}; every DP member must call (ranks=None)")
+        self._wait_snapshot_copy()  # the broadcast overwrites what it may still be reading
         self.fault_point("during_restore")  # fault injection: before the first transfer
         state = self._train_state()
+        if self.cfg.model.distributed_optimizer and self.dims.dp > 1:
+            state["optimizer"] = []
         for x in state_tensors(state):
             buf = x if x.is_cuda else x.to(self.device)
             dist.broadcast(buf, src=src_rank, group=group)
@@ -853,7 +939,7 @@ class MegatronEngine:
         passes, whose update waits for it; the host buffers are pinned when the rank joins."""
         if self._save_plans is None or not self._save_plans.matches(self.optimizer):
             self._save_plans = SavePlanCache(self.optimizer)
-        if async_save and self._copy_stream is None:
+        if async_save and self._copy_stream is None and self.backend == "nccl":
             self._copy_stream = torch.cuda.Stream()
         files = save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
                              after_write=lambda: self.fault_point("mid_save"), plans=self._save_plans,

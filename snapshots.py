@@ -193,8 +193,8 @@ class SnapshotSender:
     fails (holder gone, copy interrupted) is logged and counted in `failed`; the holder then
     keeps no part of that step (see `SnapshotHolder.put_part`)."""
 
-    def __init__(self, part_bytes: int = PART_BYTES):
-        self.part_bytes = part_bytes
+    def __init__(self, part_bytes: int = PART_BYTES, what: str = "memory snapshot"):
+        self.part_bytes, self.what = part_bytes, what  # `what`: how the logs name a send
         self.sent = self.skipped = self.failed = 0
         self._thread: threading.Thread | None = None
 
@@ -211,11 +211,11 @@ class SnapshotSender:
                                             name="snapshot-connect")
             self._thread.start()
 
-    def skip(self, step: int) -> None:
-        """Count (and log) the snapshot of `step` as skipped because `busy()`."""
+    def skip(self, step: int, why: str = "the previous one is still being sent") -> None:
+        """Count (and log, with `why`) the snapshot of `step` as skipped."""
         self.skipped += 1
-        log.warning("memory snapshot of step %d skipped: the previous one is still being sent "
-                    "(%d skipped, %d sent so far)", step, self.skipped, self.sent)
+        log.warning("%s of step %d skipped: %s (%d skipped, %d sent so far)", self.what, step, why,
+                    self.skipped, self.sent)
 
     def send(self, holder, key: tuple, step: int, copy, before_last_part: Callable[[], None] = lambda: None) -> None:
         """Send `copy` (a `host_memory.HostCopy` of the state after `step`, possibly still being
@@ -237,10 +237,15 @@ class SnapshotSender:
                 self.sent += 1
             except Exception as exc:  # noqa: BLE001 (a lost snapshot is not a failure of the rank)
                 self.failed += 1
-                log.warning("memory snapshot of step %d not sent: %r", step, exc)
+                log.warning("%s of step %d not sent: %r", self.what, step, exc)
 
         self._thread = threading.Thread(target=run, daemon=True, name="snapshot-send")
         self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the copy or send in flight, if any, has ended (sent or failed)."""
+        if self._thread is not None:
+            self._thread.join()
 
     def counts(self) -> dict:
         """{"sent", "skipped", "failed"} so far."""

@@ -5,6 +5,13 @@ It implements `engine.Engine` (the contract `MegatronActor` drives): `connect` /
 `load_checkpoint`, `snapshot` / `rollback` (host-memory copy of the last committed step),
 `broadcast_from` (peer restore inside the DP group).
 
+ZeRO-1 (`model.distributed_optimizer: true`, off by default here): the AdamW state is sharded
+over DP by `torch.distributed.optim.ZeroRedundancyOptimizer`, made over each generation's DP
+group in `connect` (it partitions by group rank). The rank's shard is then on no DP peer:
+`start_shard_copy` / `load_shard` move it to and from its keeper (keeper.py), and
+`broadcast_from` gives everything else. Its checkpoints hold one optimizer shard per DP rank
+(`zero_dp{d}`) and load at the same dp only.
+
 Determinism: the model is built from `train.seed` with the global RNG reseeded first, every
 rank uses one intra-op thread, and data are a pure function of (seed, step, dp rank), so a
 replayed step computes bitwise the same numbers on CPU.
@@ -93,8 +100,10 @@ class TorchEngine:
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self._snapshot: dict | None = None
-        self._host_buffers: list[torch.Tensor] | None = None  # reused by `start_host_copy`
-        self._host_copy_done: threading.Event | None = None   # set when the copy in flight ends
+        self._host_buffers: dict[str, list[torch.Tensor]] = {}  # per copied part, reused by `_start_copy`
+        self._host_copies: list[threading.Event] = []  # set when each copy in flight ends
+        self.zero = cfg.model.distributed_optimizer  # ZeRO-1: made over the DP group in `connect`
+        self._zero_position: tuple[int, int] | None = None  # (DP rank, dp) the local shard belongs to
         self.in_collective = False     # the compute thread is inside a gloo collective
         self._sockets: dict[int, str] = {}  # what this generation's gloo groups opened (`abort`)
         self._work = None              # the last collective's Work (see `disconnect`)
@@ -133,15 +142,43 @@ class TorchEngine:
         t = self.cfg.train
         self._wait_host_copy()  # it may still be reading the state replaced here
         self.module.load_state_dict(self._initial_model)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr,
-                                           weight_decay=t.weight_decay)
-        total_updates = t.steps * (t.global_batch_size // t.mini_batch_size)
-        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, total_updates)
+        self._make_optimizer()
         self.step = 0                  # number of train steps whose update this state contains
         # Rollout stream position: samples trained on so far. Sampling itself is a pure function
         # of (seed, step, row) and the weights, so this is all the rollout state there is.
         self.rollout = {"seed": t.seed, "samples": 0}
         self._dirty = False            # True while a step may have partly updated the state
+
+    def _make_optimizer(self, keep: bool = False) -> None:
+        """A fresh AdamW (with ZeRO-1 and a DP group: a `ZeroRedundancyOptimizer` over it) and
+        cosine schedule. `keep`: carry the schedule and this rank's optimizer state over into
+        them (a survivor moved to a new generation at the same DP position)."""
+        t = self.cfg.train
+        old = (self._local_optimizer().state_dict(), self.scheduler.state_dict()) if keep else None
+        if self.zero and self.dp_group is not None:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(self.module.parameters(), torch.optim.AdamW,
+                                                     process_group=self.dp_group, lr=t.lr,
+                                                     weight_decay=t.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        total_updates = t.steps * (t.global_batch_size // t.mini_batch_size)
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, total_updates)
+        if old is not None:
+            self._local_optimizer().load_state_dict(old[0])
+            self._load_scheduler(old[1])
+
+    def _local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer holding this rank's state: ZeRO's local AdamW (its shard), else the AdamW."""
+        return getattr(self.optimizer, "optim", self.optimizer)
+
+    def _load_scheduler(self, state: dict) -> None:
+        """Load the schedule's state and set the lr it gives (the optimizer's param groups hold
+        the lr of the next update; ZeRO copies them to its local AdamW at each step)."""
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
 
     # -- process groups ----------------------------------------------------------------------
     def connect(self, store, dims: ParallelDims, rank: int) -> dict[str, float]:
@@ -157,6 +194,17 @@ class TorchEngine:
         # The torch engine is data-parallel only (config validation), so the DP group is WORLD.
         self.dp_group = dist.group.WORLD
         self._interrupt.clear()
+        if self.zero:
+            # ZeRO partitions by the group's rank: a new generation needs a new optimizer. The
+            # local shard carries over at the same DP position; at another one it belongs to
+            # another partition, so the state is dirty until recovery restores it.
+            position = (rank, dims.dp)
+            same = self._zero_position in (None, position)
+            self._wait_host_copy()
+            self._make_optimizer(keep=same and self._zero_position is not None)
+            if not same:
+                self._snapshot, self._dirty = None, True
+            self._zero_position = position
         self.ddp = DDP(self.module, process_group=self.dp_group, broadcast_buffers=False,
                        init_sync=False)
         self.ddp.register_comm_hook(self.dp_group, self._allreduce_hook)
@@ -353,7 +401,8 @@ class TorchEngine:
             if t.grad_clip > 0:
                 norms.append(torch.nn.utils.clip_grad_norm_(self.module.parameters(), t.grad_clip).item())
             self._wait_host_copy()  # the update overwrites what the copy reads
-            self.optimizer.step()
+            with self._collective() if self.zero else contextlib.nullcontext():
+                self.optimizer.step()  # ZeRO: then broadcasts each rank's updated parameters
             self.scheduler.step()
             self.fault_point("after_optimizer_step")
             losses.append(mini_loss)
@@ -367,7 +416,10 @@ class TorchEngine:
     def _train_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        if self.zero:  # the parameters (replicated) and this rank's optimizer shard
+            model_sd, optim_sd = self.module.state_dict(), self._local_optimizer().state_dict()
+        else:
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         state = {"model": model_sd, "optimizer": optim_sd,
                  "scheduler": self.scheduler.state_dict(), "step": self.step}
         if self.rl is not None:  # value head: inside `model`; reference policy + rollout here
@@ -380,9 +432,15 @@ class TorchEngine:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         self._wait_host_copy()
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.zero:  # `state` may lack the optimizer shard (`broadcast_from`)
+            self.module.load_state_dict(state["model"])
+            if "optimizer" in state:
+                self._local_optimizer().load_state_dict(state["optimizer"])
+            self._load_scheduler(state["scheduler"])
+        else:
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
         if "rollout" in state:
             self.rollout = dict(state["rollout"])
         if "reference" in state:
@@ -393,12 +451,17 @@ class TorchEngine:
                         async_save: bool = False) -> list:
         """Write this rank's shards of checkpoint `step` through `ckpt` (a CheckpointManager; no
         collective): the replicated model/optimizer/scheduler state from DP rank 0 only
-        (`model`), and every rank's RNG state (`rng_rank{r}`). Returns the FileEntry list; with
+        (`model`; with ZeRO-1 without the optimizer, which every DP rank writes as its shard
+        `zero_dp{d}`), and every rank's RNG state (`rng_rank{r}`). Returns the FileEntry list; with
         `async_save`, a list of one Future of that list: the state is copied to host memory
         before this returns and written in the background while training goes on."""
         shards = {f"rng_rank{rank}": {"torch_cpu": torch.get_rng_state()}}
         if dims.coords(rank).dp == 0:
             shards["model"] = self._train_state()
+            if self.zero:  # the optimizer is saved per DP rank (below)
+                del shards["model"]["optimizer"]
+        if self.zero:
+            shards[f"zero_dp{dims.coords(rank).dp}"] = self._shard_state()
         if async_save:
             return [ckpt.async_save_shards(step, shards)]  # one background write: the call never waits on storage
         files = []
@@ -414,7 +477,17 @@ class TorchEngine:
         Raises ConfigError when the checkpoint belongs to another model or layout."""
         check_compatible(self.cfg, manifest)
         self._wait_host_copy()  # the load writes into the live tensors
-        self._set_train_state(ckpt.load_shard(manifest.step, "model", self._train_state(), manifest, verified=True))
+        if self.zero:
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(self._local_optimizer())  # the template needs the Adam state's shapes
+        template = self._train_state()
+        if self.zero:  # the shard is its own file (`save_checkpoint`)
+            del template["optimizer"]
+        self._set_train_state(ckpt.load_shard(manifest.step, "model", template, manifest, verified=True))
+        if self.zero:
+            self.load_shard(ckpt.load_shard(manifest.step, f"zero_dp{rank}", self._shard_state(), manifest,
+                                            verified=True))
         name = f"rng_rank{rank}"
         if any(f.path.startswith(name + "/") for f in manifest.files):
             template = {"torch_cpu": torch.get_rng_state()}
@@ -452,11 +525,32 @@ class TorchEngine:
         beside it. The fault point `mid_snapshot` fires in the copy thread half-way through
         (its exception fails the copy: `wait()` raises). The caller is done with the previous
         copy's buffers (SnapshotSender sends one at a time)."""
+        return self._start_copy("all", self._train_state())
+
+    def start_shard_copy(self) -> HostCopy | None:
+        """As `start_host_copy`, of this rank's optimizer shard only (`_shard_state`: what no DP
+        peer holds), into buffers of its own; None without ZeRO (no shard)."""
+        return self._start_copy("shard", self._shard_state()) if self.zero else None
+
+    def _shard_state(self) -> dict:
+        """This rank's ZeRO optimizer shard (its local AdamW's state, references) and the step."""
+        return {"optimizer": self._local_optimizer().state_dict(), "step": self.step}
+
+    def load_shard(self, state: dict) -> None:
+        """Make `state` (a `start_shard_copy` state of this DP position) the live optimizer
+        shard. Raises ValueError when it is of another step than the live state's."""
+        if int(state["step"]) != self.step:
+            raise ValueError(f"optimizer shard of step {state['step']} given to a rank at step {self.step}")
         self._wait_host_copy()
-        leaves, spec = torch.utils._pytree.tree_flatten(self._train_state())
+        self._local_optimizer().load_state_dict(copy.deepcopy(state["optimizer"]))
+
+    def _start_copy(self, part: str, live: dict) -> HostCopy:
+        """`start_host_copy` of the state `live` into the buffers kept for `part`."""
+        self._wait_host_copy()
+        leaves, spec = torch.utils._pytree.tree_flatten(live)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        self._allocate_host_buffers(tensors)
-        buffers = iter(self._host_buffers)
+        self._allocate_host_buffers(tensors, part)
+        buffers = iter(self._host_buffers[part])
         state = torch.utils._pytree.tree_unflatten(
             [next(buffers) if isinstance(x, torch.Tensor) else copy.deepcopy(x) for x in leaves], spec)
         done, errors = threading.Event(), []
@@ -477,8 +571,8 @@ class TorchEngine:
             if errors:
                 raise RuntimeError(f"host copy of step {state['step']} failed: {errors[0]!r}") from errors[0]
 
-        self._host_copy_done = done
-        threading.Thread(target=run, args=(list(zip(self._host_buffers, tensors)),), daemon=True,
+        self._host_copies = [e for e in self._host_copies if not e.is_set()] + [done]
+        threading.Thread(target=run, args=(list(zip(self._host_buffers[part], tensors)),), daemon=True,
                          name="snapshot-copy").start()
         return HostCopy(state, wait)
 
@@ -488,21 +582,21 @@ class TorchEngine:
         AdamW makes its state then, and reading the state earlier (`get_state_dict`) would make
         it with an extra zero-gradient step; plain host memory is cheap to allocate in the
         first copy instead."""
-        if not self.optimizer.state:
+        if not self._local_optimizer().state:
             return
         self._wait_host_copy()
         self._allocate_host_buffers([x for x in torch.utils._pytree.tree_leaves(self._train_state())
                                      if isinstance(x, torch.Tensor)])
 
-    def _allocate_host_buffers(self, tensors: list[torch.Tensor]) -> None:
-        if self._host_buffers is None or [(b.shape, b.dtype) for b in self._host_buffers] != \
-                [(x.shape, x.dtype) for x in tensors]:
-            self._host_buffers = [torch.empty_like(x) for x in tensors]
+    def _allocate_host_buffers(self, tensors: list[torch.Tensor], part: str = "all") -> None:
+        have = self._host_buffers.get(part)
+        if have is None or [(b.shape, b.dtype) for b in have] != [(x.shape, x.dtype) for x in tensors]:
+            self._host_buffers[part] = [torch.empty_like(x) for x in tensors]
 
     def _wait_host_copy(self) -> None:
-        """Block until the copy of `start_host_copy` in flight (if any) has read the state."""
-        if self._host_copy_done is not None:
-            self._host_copy_done.wait()
+        """Block until the copies of `_start_copy` in flight (if any) have read the state."""
+        for done in self._host_copies:
+            done.wait()
 
     def load_state(self, state: dict) -> None:
         """Make `state` (a `start_host_copy` state, possibly of another process) the live state."""
@@ -529,7 +623,10 @@ class TorchEngine:
     def _broadcast_state(self, src_rank: int) -> None:
         self.fault_point("during_restore")  # fault injection: the group made, nothing sent
         self._wait_host_copy()  # the broadcast writes into the live tensors
-        leaves, spec = torch.utils._pytree.tree_flatten(self._train_state())
+        state = self._train_state()
+        if self.zero:  # each rank's own shard (`load_shard` gives a replaced rank its own)
+            del state["optimizer"]
+        leaves, spec = torch.utils._pytree.tree_flatten(state)
         others = [[x for x in leaves if not isinstance(x, torch.Tensor)]]
         with self._collective():
             flat_collective([x for x in leaves if isinstance(x, torch.Tensor)],

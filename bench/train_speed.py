@@ -9,7 +9,9 @@ What the machinery costs per step (read from the code):
   rollback  `MegatronActor.train_step` first calls `engine.snapshot()`: a host-memory copy of
             the last committed step's state (model + optimizer), for peer restore. The torch
             engine deep-copies it; the Megatron engine copies into reused pinned buffers, and
-            skips the copy with `model.distributed_optimizer` (no peer could use it);
+            skips the copy with `model.distributed_optimizer` unless the shard keeper is on
+            (`fault_tolerance.shard_keeper`, dp >= 2; it then also sends each step's optimizer
+            shard to its keeper: keeper.py, measured alone by bench/keeper.py);
   memory    with `fault_tolerance.memory_snapshot_interval: k`, every k steps each rank starts
             a host copy of its state (`engine.start_host_copy()`: Megatron, a side-stream copy
             into pinned buffers pinned at join, overlapped with the next step, whose update
@@ -80,6 +82,7 @@ from pathlib import Path
 
 from bench.reference_llama import run_reference
 from flops import FORMULA, flops_per_token, matmul_params, total_params
+from keeper import keeps_shards
 from parallel_dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -427,8 +430,9 @@ def main(argv=None) -> dict:
     diffs = [abs(ref[s] - r["losses"][s]) for name in names for r in runs[name] for s in r["losses"] if s in ref]
     ph = {name: summarize(merge(runs[name]), fl, peak, gpus) for name in names}
     ft, d, m, t = cfg.fault_tolerance, ParallelDims.from_config(cfg), cfg.model, cfg.train
-    snap = ("no-op: distributed optimizer" if m.engine == "megatron" and m.distributed_optimizer
-            else "model + optimizer to host memory")
+    kept = keeps_shards(m.distributed_optimizer, ft.shard_keeper, d.dp)
+    snap = ("no-op: distributed optimizer" if m.engine == "megatron" and m.distributed_optimizer and not kept
+            else "model + optimizer to host memory" + ("; optimizer shard to its keeper (keeper.py)" if kept else ""))
     stalls = ph["on"].get("save_stalls_s") or []
     result = {
         "device": device, "engine": m.engine,

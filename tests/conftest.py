@@ -111,6 +111,20 @@ def wait_for_senders(group, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def wait_for_shards(group, step: int, timeout_s: float = 30.0) -> None:
+    """Block until the keepers hold every rank's optimizer shard of `step` (keeper.py: sent in
+    the background after the step, so a kill right after it could race the send)."""
+    import time
+
+    from keeper import shard_key
+
+    deadline = time.monotonic() + timeout_s
+    while not all(step in group.held_snapshots().get(shard_key(str(group.dims), r), ())
+                  for r in range(group.dims.world_size)):
+        assert time.monotonic() < deadline, f"shards of step {step} not kept: {group.held_snapshots()}"
+        time.sleep(0.05)
+
+
 _references: dict[str, tuple[dict, list]] = {}
 
 

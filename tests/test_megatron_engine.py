@@ -223,7 +223,7 @@ def _spawn(world, tmp, storage=None) -> list[dict]:
 def _check_common(res: dict, rank: int, world: int) -> None:
     assert f"megatron/__{rank}_0.distcp" in res["files"]
     assert ("megatron/.metadata" in res["files"]) == (rank == 0)
-    assert res["rollback_dist_opt"] is False
+    assert res["rollback_dist_opt"] is (world >= 2)  # kept for the shard keeper at dp >= 2 only
     assert res["reconnect_keeps_state"] and res["load_digest_equal"]
     assert res["reconnect_keeps_objects"]
     assert res["moments_equal"] and res["moments_nonzero"]
@@ -576,3 +576,51 @@ def test_the_dp_size_does_not_change_the_training():
     two = spawn_ranks(_weighted_steps, 2, timeout_s=600)
     mean = [(a + b) / 2 if i % 2 == 0 else a for i, (a, b) in enumerate(zip(*two))]
     assert mean == pytest.approx(one, rel=LOSS_RTOL), (one, two)
+
+
+def _keeper_ranks(rank, world, store) -> dict:
+    """The engine's side of the shard keeper (keeper.py) with the distributed optimizer: the
+    `start_shard_copy` of step 1, overlapped with step 2, holds step 1's shard; a rank put back
+    at step 1 without its shard (world 1: the params from a host copy, the shard zeroed; world
+    2: rank 1 reset to step 0 as a fresh spare, the params broadcast from rank 0, which rolled
+    back) gets it back with `load_shard`: bitwise step 1's state, and step 2 trains the same."""
+    from host_memory import state_tensors
+    from megatron_engine import MegatronEngine
+
+    cfg = _cfg(world=world)
+    dims = ParallelDims.from_config(cfg)
+    e = MegatronEngine(cfg)
+    _join(e, store, 1, rank, dims)
+    e.snapshot()
+    e.train_step(_batch(cfg, 1, dims, rank), 1)
+    step1, full = _digest(e), e._host_copy(e._train_state(), pin=False)
+    if e.start_shard_copy() is None:  # its buffers are pinned in the background first
+        e._shard_arena.result()
+    copy = e.start_shard_copy()
+    e.snapshot()
+    second = e.train_step(_batch(cfg, 2, dims, rank), 2)
+    copy.wait()
+    out = {"pinned": copy.state["optimizer"][0][0].is_pinned(), "rollback": e.rollback(1) if world > 1 else e.load_state(full) is None}
+    lost = world == 1 or rank == 1
+    if lost:
+        for x in state_tensors(e._shard_state()):
+            x.zero_()
+    if world > 1:
+        if rank == 1:
+            e.reset()
+        e.broadcast_from(0)
+    if lost:
+        e.load_shard(copy.state)
+    out["restored"] = _digest(e) == step1
+    again = e.train_step(_batch(cfg, 2, dims, rank), 2)
+    out["same_step_2"] = (second["loss"], second["grad_norm"]) == (again["loss"], again["grad_norm"])
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_kept_shard_restores_a_rank_of_the_distributed_optimizer(world):
+    if NGPU < world:
+        pytest.skip(f"needs {world} CUDA GPU(s)")
+    for res in spawn_ranks(_keeper_ranks, world):
+        assert res == {"pinned": True, "rollback": True, "restored": True, "same_step_2": True}, res

@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from conftest import own_ray, reference_run, wait_for_senders, wait_for_snapshots
+from conftest import own_ray, reference_run, wait_for_senders, wait_for_shards, wait_for_snapshots
 from config import load_config, resolve
 from actor_group import ActorGroup
 from trainer import Trainer
@@ -143,5 +143,36 @@ def test_memory_snapshots_outlive_the_node_of_their_rank(cluster, reference, tmp
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.restored_step, tl.steps_lost) == ("memory", 2, 0)
         assert trainer.losses == reference
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_a_lost_node_s_optimizer_shards_come_back_from_their_keepers(cluster, tmp_path):
+    """dp=4 with a sharded optimizer (the torch engine's ZeRO-1): each rank's shard is kept by
+    the holder of another node (keeper.py). The node holding two ranks is removed: both come
+    back from a DP peer (parameters) and their keeper (shard), 0 steps lost, no checkpoint read,
+    losses and final state bitwise as the run without failure."""
+    c, nodes = cluster[0], three_live_nodes(cluster)
+    sets = ("cluster.num_workers=4", "model.distributed_optimizer=true", "fault_tolerance.health_timeout_s=5")
+    ref = reference_run(make_cfg(tmp_path / "ref", 0, *sets), 4)
+    cfg = make_cfg(tmp_path / "run", 2, *sets)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(2)
+        wait_for_shards(group, 2)
+        ranks_on: dict[str, set[int]] = {}
+        for r, s in enumerate(group.workers):
+            ranks_on.setdefault(s.node_id, set()).add(r)
+        victim, lost = max(ranks_on.items(), key=lambda kv: len(kv[1]))
+        assert len(lost) == 2 and ray.get(group.holder_for(victim).node_id.remote()) != victim
+        c.remove_node(next(n for n in nodes if n.node_id == victim), allow_graceful=False)
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert set(tl.failed_ranks) == lost and tl.failed_nodes == [victim]
+        assert (tl.restore_source, tl.restored_step, tl.steps_lost) == ("peer+keeper", 2, 0)
+        assert trainer.losses == ref[0]
+        assert group.state_digests() == ref[1]
     finally:
         group.shutdown()

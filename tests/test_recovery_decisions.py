@@ -7,7 +7,7 @@ import pytest
 
 from actor_group import ActorSlot, BackupPool
 from failures import RecoveryError
-from fault_tolerance import plan_memory_restore, plan_peer_restore, plan_restore
+from fault_tolerance import plan_memory_restore, plan_peer_restore, plan_restore, same_shard
 from parallel_dims import ParallelDims
 
 DP4 = ParallelDims(tp=1, pp=1, cp=1, dp=4).group_ranks("dp")       # [[0, 1, 2, 3]]
@@ -32,6 +32,39 @@ TP2_DP2 = ParallelDims(tp=2, pp=1, cp=1, dp=2).group_ranks("dp")   # [[0, 2], [1
 ])
 def test_peer_restore_plan(dp_groups, survivors, clean, expected):
     assert plan_peer_restore(dp_groups, survivors, clean) == expected
+
+
+@pytest.mark.parametrize("dp_groups, survivors, expected", [
+    # dp=3, one rank lost: the third member calls too (the Megatron engine broadcasts over its DP group)
+    (ParallelDims(tp=1, pp=1, cp=1, dp=3).group_ranks("dp"), {0, 2}, [(0, [0, 1, 2], None)]),
+    # dp=4 tp=2, two ranks of one DP group lost: that group calls whole, the other makes no call
+    (ParallelDims(tp=2, pp=1, cp=1, dp=4).group_ranks("dp"), {0, 1, 3, 5, 6, 7}, [(0, [0, 2, 4, 6], None)]),
+])
+def test_peer_restore_without_subgroups_calls_whole_dp_groups(dp_groups, survivors, expected):
+    assert plan_peer_restore(dp_groups, survivors, survivors, subgroups=False) == expected
+
+
+TP2_DP3 = ParallelDims(tp=2, pp=1, cp=1, dp=3)   # ranks: tp fastest, dp slowest
+TP2_DP2 = ParallelDims(tp=2, pp=1, cp=1, dp=2)
+
+
+@pytest.mark.parametrize("before, before_dims, after, after_dims, expected", [
+    # nothing moved
+    (list("abcd"), TP2_DP2, list("abcd"), TP2_DP2, {0, 1, 2, 3}),
+    # a spare at rank 1: new, not a survivor
+    (list("abcd"), TP2_DP2, list("aXcd"), TP2_DP2, {0, 2, 3}),
+    # shrink dp 3 -> 2 dropping replica 0 (a, b): replicas 1 and 2 move down a DP index, same shards
+    (list("abcdef"), TP2_DP3, list("cdef"), TP2_DP2, {0, 1, 2, 3}),
+    # ... and in the same recovery d fails and b (tp 1 of the dropped replica) takes its place:
+    # same tp coordinate, so b holds the right shard
+    (list("abcdef"), TP2_DP3, list("cbef"), TP2_DP2, {0, 1, 2, 3}),
+    # c fails instead and b (tp 1) takes rank 0 (tp 0): another shard, not a survivor
+    (list("abcdef"), TP2_DP3, list("bdef"), TP2_DP2, {1, 2, 3}),
+    # two survivors swap tp positions: neither holds its shard
+    (list("abcd"), TP2_DP2, list("bacd"), TP2_DP2, {2, 3}),
+])
+def test_survivors_are_the_ranks_that_kept_their_shard(before, before_dims, after, after_dims, expected):
+    assert same_shard(before, before_dims, after, after_dims) == expected
 
 
 @pytest.mark.parametrize("committed, clean, held, floor, expected", [
