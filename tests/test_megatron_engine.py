@@ -624,3 +624,47 @@ def test_a_kept_shard_restores_a_rank_of_the_distributed_optimizer(world):
         pytest.skip(f"needs {world} CUDA GPU(s)")
     for res in spawn_ranks(_keeper_ranks, world):
         assert res == {"pinned": True, "rollback": True, "restored": True, "same_step_2": True}, res
+
+
+def _generations_ranks(rank, world, store) -> dict:
+    """20 membership generations of one engine, as a rank lives through them: half re-formed
+    cleanly, half after an abort of the NCCL communicators (the failure path), each with a
+    training step; what the process holds is read after the first and after the last: OS
+    threads (NCCL's watchdog and proxy threads), open fds (sockets), GPU memory allocated and
+    reserved, pinned host memory (the CUDA caching host allocator's current bytes)."""
+    from megatron_engine import MegatronEngine
+
+    cfg = _cfg()
+    dims = ParallelDims.from_config(cfg)
+    e = MegatronEngine(cfg)
+
+    def held() -> dict:
+        torch.cuda.synchronize()
+        return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+                "gpu_allocated": torch.cuda.memory_allocated(), "gpu_reserved": torch.cuda.memory_reserved(),
+                "pinned": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)}
+
+    samples = []
+    for gen in range(1, 22):
+        if gen % 2 == 0:
+            e.abort(5.0)
+        _join(e, store, gen, rank, dims)
+        e.snapshot()
+        e.train_step(_batch(cfg, gen, dims, rank), gen)
+        if gen in (2, 21):
+            samples.append(held())
+    return {"before": samples[0], "after": samples[1]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_twenty_generations_leak_no_nccl_communicator_memory_or_socket():
+    """NCCL on one GPU: 20 generations (half after an abort) hold no more threads, fds, GPU
+    memory or pinned host memory than after the first ones (the CPU twin with gloo:
+    `test_scenarios.py::test_twenty_generations_leak_no_threads_or_sockets`)."""
+    (res,) = spawn_ranks(_generations_ranks, 1, timeout_s=300)
+    b, a = res["before"], res["after"]
+    assert a["threads"] <= b["threads"] + 1, res
+    assert a["fds"] <= b["fds"] + 4, res
+    assert a["gpu_allocated"] <= b["gpu_allocated"] and a["gpu_reserved"] <= b["gpu_reserved"] + (64 << 20), res
+    assert a["pinned"] <= b["pinned"], res
