@@ -12,6 +12,8 @@ train : `train.steps` steps with automatic failure detection and recovery (injec
         With fault_tolerance.driver_failover on a cluster, a new driver reattaches to the live
         detached actors of its run instead (no step lost; driver_failover.py).
 stop  : `stop --run NAME`: remove the detached actors and placement group of run NAME.
+data  : `data prepare` (jsonl / parquet -> Megatron .bin/.idx), `data inspect --step S` (what a
+        step trains on; no Ray), `data stdlib` (offline demo corpus); data_prepare.py.
 
 Both write to `run_dir`: recoveries.jsonl, loss.png, recoveries.png, train.json or demo.json.
 Exit status: 0 ok, 1 demo losses differ, 2 config or cluster error (one line on stderr).
@@ -413,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "if still running, fails.")
     stop.add_argument_group("stop options").add_argument("--run", required=True, metavar="NAME",
                                                          help="the run_name of the run to remove")
-    # Listed here for --help; its arguments go to planner.py untouched (see main()).
+    # Listed here for --help; their arguments go to planner.py / data_prepare.py untouched (see main()).
+    modes.add_parser("data", add_help=False, help="datasets: prepare (jsonl/parquet -> Megatron .bin/.idx), "
+                     "inspect --step S, stdlib (offline demo corpus); `main.py data --help`")
     modes.add_parser("plan", add_help=False, help="capacity planner: spares and checkpoint interval "
                      "for 1,000-100,000 GPUs (planner.py; `main.py plan --help`)")
     return p
@@ -441,6 +445,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
         return cmd_plan(argv[1:])
+    if argv[:1] == ["data"]:
+        import data_prepare
+        return data_prepare.main(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args)
     if args.mode == "stop":
