@@ -270,10 +270,11 @@ def plan_train_start(cfg: Config, fresh: bool):
         raise ConfigError(f"checkpoint.uri: {e}") from None
 
 
-def cmd_train(cfg: Config, args, start=None) -> int:
+def cmd_train(cfg: Config, args, start=None, data=None) -> int:
     """`train`: a run from step 0, or `start.run` resumed from its checkpoints (`start`: the
-    `run_identity.StartPlan`, by default `plan_train_start` without --fresh); writes
-    run_dir/train.json (run id, step resumed from, losses)."""
+    `run_identity.StartPlan`, by default `plan_train_start` without --fresh); `data`: the
+    opened `data.Data` (None: opened by the Trainer when data.kind needs it); writes
+    run_dir/train.json (run id, step resumed from, losses, data digests)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -302,7 +303,9 @@ def cmd_train(cfg: Config, args, start=None) -> int:
         with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
                   disable=args.quiet or not sys.stderr.isatty()) as bar, logging_redirect_tqdm():
             trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar),
-                              run=start.run)
+                              run=start.run, data=data)
+            if trainer.data is not None:
+                log.info(trainer.data.describe(cfg.train.steps))
             if record is not None:
                 trainer.run = dataclasses.replace(trainer.run, id=record["run"]["id"])
                 driver_failover.reattach(trainer, record["committed_step"], set(group.dead))
@@ -330,7 +333,8 @@ def cmd_train(cfg: Config, args, start=None) -> int:
                 {"rewards": trainer.rewards, "rollout_stats": trainer.rollout_stats}, indent=1))
         (Path(cfg.run_dir) / "train.json").write_text(json.dumps(
             {"run": trainer.run.id, "resumed_from": trainer.resumed_from, "losses": trainer.losses,
-             "rewards": trainer.rewards, "replayed": trainer.replayed}, indent=1))
+             "rewards": trainer.rewards, "replayed": trainer.replayed,
+             "data_digests": trainer.data_digests}, indent=1))
     finally:
         # With driver_failover, only a run that ended or failed for good removes its actors;
         # KeyboardInterrupt / SIGTERM of the driver leaves them for the next one.
@@ -466,7 +470,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--kill-ranks {bad}: must be in [0, world size={dims.world_size})")
         elif args.mode == "demo" and not 0 <= args.kill_replica < dims.dp:
             raise ConfigError(f"--kill-replica {args.kill_replica}: must be in [0, dp={dims.dp})")
-        start = None
+        start = data = None
         if args.mode == "stop" and not cfg.cluster.ray_address:
             raise ConfigError("cluster.ray_address: `stop` removes a run's detached actors from a cluster; "
                               "pass --set cluster.ray_address=HOST:PORT")
@@ -476,6 +480,9 @@ def main(argv=None) -> int:
             if cfg.cluster.ray_address is None:
                 import local_ray
                 local_ray.reap(cfg.run_dir)  # what a killed driver of this run left running
+            if cfg.data.kind != "synthetic":  # every data file checked before Ray starts
+                from data import open_data
+                data = open_data(cfg)
             if args.mode == "train":
                 start = plan_train_start(cfg, args.fresh)
     except ConfigError as e:
@@ -493,7 +500,7 @@ def main(argv=None) -> int:
         import local_ray
         local_ray.record(cfg.run_dir)
     try:
-        return cmd_demo(cfg, args) if args.mode == "demo" else cmd_train(cfg, args, start)
+        return cmd_demo(cfg, args) if args.mode == "demo" else cmd_train(cfg, args, start, data)
     except ConfigError as e:  # what needs the cluster (preflight) or a checkpoint (its model)
         print(f"config error: {e}", file=sys.stderr)
     except ClusterError as e:

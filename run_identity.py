@@ -4,7 +4,7 @@
 A run is (name, id, fingerprint). `run_name` names it; the id is made when a run starts fresh
 (`<name>-<UTC date-time>-<6 hex>`) and kept by every resume, so two runs of one name never share
 an id; the fingerprint hashes the config fields that define the run's math (`math_fields`:
-model, train, ppo, rl), not where or how it runs (cluster, parallel sizes, micro-batch split,
+model, train, ppo, rl, data), not where or how it runs (cluster, parallel sizes, micro-batch split,
 fault tolerance, checkpoint, paths): a run resumed at another DP size is the same run, a run
 with another seed, learning rate or step count (the LR schedule spans train.steps) is not.
 Every manifest records the identity with those fields (`extra["run"]`), so a mismatch names them.
@@ -34,7 +34,7 @@ from config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
-MATH_SECTIONS = ("model", "train", "ppo", "rl")
+MATH_SECTIONS = ("model", "train", "ppo", "rl", "data")
 NOT_MATH = {"model.distributed_optimizer", "train.micro_batch_size"}  # layout of the same math
 
 
