@@ -256,6 +256,9 @@ def open_data(cfg: Config) -> Data:
     if d.kind not in ("mock", "indexed"):
         raise ValueError(f"data.kind={d.kind!r} has no dataset to open")
     seed = t.seed if d.seed is None else d.seed
+    pairs = parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]
+    headers = [(w, os.path.expanduser(p), index_header(os.path.expanduser(p))) for w, p in pairs] \
+        if d.kind == "indexed" else []  # the files first: numpy only, no slow imports
     tok_path = d.tokenizer or m.hf_path
     tok = load_tokenizer(tok_path) if tok_path else None
     if tok is not None and len(tok) > m.vocab_size:
@@ -274,8 +277,6 @@ def open_data(cfg: Config) -> Data:
         if d.eod_mask_loss and eod is None:
             raise ConfigError("data.eod_mask_loss: no end-of-document id: set data.tokenizer (its EOS) "
                               "or data.eod_id")
-        pairs = parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]
-        headers = [(w, os.path.expanduser(p), index_header(os.path.expanduser(p))) for w, p in pairs]
         for _, p, h in headers:
             check_token_ids(p, h, m.vocab_size)
         from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -141,3 +141,91 @@ def test_ce_peer_recovery_matches_the_run_without_failure_bitwise(ray_session, s
     assert trainer.losses == ref_losses
     assert states == ref_states
     assert trainer.data_digests == {s: data.batch(s).digest() for s in range(1, 5)}
+
+
+def _cli(*args, cwd=None):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, os.path.join(root, "main.py"), *args], cwd=cwd or root,
+                          capture_output=True, text=True)
+
+
+def _damaged(prefix, tmp_path, which: str) -> str:
+    """A copy of dataset `prefix` under tmp_path with `which` done to it."""
+    import shutil
+
+    out = str(tmp_path / "copy_text_document")
+    for ext in (".bin", ".idx"):
+        shutil.copy(prefix + ext, out + ext)
+    if which == "truncated_bin":
+        with open(out + ".bin", "r+b") as f:
+            f.truncate(1000)
+    elif which == "truncated_idx":
+        with open(out + ".idx", "r+b") as f:
+            f.truncate(100)
+    elif which == "corrupt_idx":
+        with open(out + ".idx", "r+b") as f:
+            f.write(b"garbageg!")
+    elif which == "missing_bin":
+        os.remove(out + ".bin")
+    return out
+
+
+import os  # noqa: E402
+
+
+@pytest.mark.parametrize("case, sets, expected", [
+    ("missing_bin", [], "no Megatron dataset there (looked for copy_text_document.bin and copy_text_document.idx; "
+                        "found: copy_text_document.idx)"),
+    ("extension", [], "give the prefix without .bin/.idx"),
+    ("truncated_bin", [], ".bin has 1,000 bytes but its index points to"),
+    ("truncated_idx", [], "(truncated, multimodal, or still being copied?)"),
+    ("corrupt_idx", [], "is not a Megatron index (header b'garbageg!'"),
+    ("vocab", ["model.vocab_size=1000", "data.tokenizer=null"], "but the model has 1,000 (model.vocab_size)"),
+    ("tokenizer", ["model.vocab_size=1000"], "tokens, more than model.vocab_size=1,000"),
+    ("too_small", ["train.global_batch_size=16384", "train.mini_batch_size=16384", "train.seq_len=64"],
+     "fewer than one global batch (train.global_batch_size=16384)"),
+])
+def test_bad_data_stops_train_with_one_line_before_ray(stdlib_corpus, tmp_path, case, sets, expected):
+    tok, prefix = stdlib_corpus
+    path = prefix + ".bin" if case == "extension" else \
+        _damaged(prefix, tmp_path, case) if case in ("missing_bin", "truncated_bin", "truncated_idx", "corrupt_idx") \
+        else prefix
+    proc = _cli("train", "--set", "train.objective=ce", "--set", "data.kind=indexed", "--set", f"data.path={path}",
+                "--set", f"data.tokenizer={tok}", "--set", "model.vocab_size=2048", "--set", f"run_dir={tmp_path}/run",
+                "--set", f"checkpoint.uri={tmp_path}/ckpt", *[a for s in sets for a in ("--set", s)])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Ray" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_prepare_names_a_missing_column(stdlib_corpus, tmp_path):
+    tok, _ = stdlib_corpus
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"content": "hello", "url": "x"}\n')
+    proc = _cli("data", "prepare", "--input", str(rows), "--tokenizer", tok, "--output-prefix", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --json-keys: 'text' is not a column of {rows} (row 1 has: content, url); pass --json-keys COLUMN")
+    assert "Traceback" not in proc.stderr
+
+
+def test_prepare_then_inspect_prints_the_digest_train_logs(stdlib_corpus, tmp_path, data):
+    tok, _ = stdlib_corpus
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"text": "document {i}: the quick brown fox jumps over the lazy dog."}}\n'
+                            for i in range(200)))
+    proc = _cli("data", "prepare", "--input", str(rows), "--tokenizer", tok, "--output-prefix", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == f"{tmp_path}/out_text_document"
+    prefix, _ = stdlib_corpus[1], None
+    proc = _cli("data", "inspect", "--step", "3", "--set", "train.objective=ce", "--set", "data.kind=indexed",
+                "--set", f"data.path={prefix}", "--set", f"data.tokenizer={tok}", "--set", "model.vocab_size=2048",
+                "--set", "cluster.num_workers=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"data_digest={data.batch(3).digest()}" in proc.stdout
+    assert "Ray" not in proc.stderr
