@@ -56,6 +56,11 @@ class Trainer:
             from data import open_data
             data = open_data(cfg)
         self.data = data  # data.Data, or None for synthetic batches
+        if data is not None:
+            from data import data_fingerprint
+            self.data_fingerprint = data_fingerprint(cfg)  # recorded by every checkpoint
+        else:
+            self.data_fingerprint = None
         self.run = run or RunIdentity.new(cfg)
         self.resumed_from: int | None = None
         self.metrics = metrics or RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len)
@@ -255,7 +260,7 @@ class Trainer:
                                     "dp": d.dp, "engine": self.cfg.model.engine},
                              [f for rank_files in per_rank for f in rank_files],
                              {"generation": self.group.generation, "model": model_signature(self.cfg),
-                              "run": self.run.to_dict()})
+                              "run": self.run.to_dict(), "data": self.data_fingerprint})
         except CheckpointError as e:
             log.warning("checkpoint step %d NOT committed (training goes on): %s", step, e)
             self.failed_saves.append(step)

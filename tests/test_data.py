@@ -125,7 +125,7 @@ def test_ce_peer_recovery_matches_the_run_without_failure_bitwise(ray_session, s
     from conftest import reference_run
     from trainer import Trainer
 
-    cfg = data_cfg(stdlib_corpus, "cluster.num_spares=1", tmp_path=tmp_path)
+    cfg = data_cfg(stdlib_corpus, "cluster.num_spares=1", "checkpoint.interval=2", tmp_path=tmp_path)
     ref_losses, ref_states = reference_run(cfg, 4)
     group = ActorGroup(cfg)
     try:
@@ -141,6 +141,8 @@ def test_ce_peer_recovery_matches_the_run_without_failure_bitwise(ray_session, s
     assert trainer.losses == ref_losses
     assert states == ref_states
     assert trainer.data_digests == {s: data.batch(s).digest() for s in range(1, 5)}
+    from data import data_fingerprint
+    assert [m.extra["data"] for m in trainer.ckpt.committed_manifests()] == [data_fingerprint(cfg)] * 2
 
 
 def _cli(*args, cwd=None):
@@ -229,3 +231,26 @@ def test_prepare_then_inspect_prints_the_digest_train_logs(stdlib_corpus, tmp_pa
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"data_digest={data.batch(3).digest()}" in proc.stdout
     assert "Ray" not in proc.stderr
+
+
+def test_resume_on_other_data_files_stops_with_one_line(stdlib_corpus, tmp_path):
+    import shutil
+
+    from checkpoint import Manifest, model_signature
+    from config import ConfigError
+    from data import data_fingerprint
+    from run_identity import RunIdentity, plan_start
+
+    copy = str(tmp_path / "copy_text_document")
+    for ext in (".bin", ".idx"):
+        shutil.copy(stdlib_corpus[1] + ext, copy + ext)
+    cfg = data_cfg(stdlib_corpus, f"data.path={copy}", tmp_path=tmp_path)
+    manifest = Manifest(2, {"world_size": 2, "tp": 1, "pp": 1, "cp": 1, "dp": 2, "engine": "torch"}, [],
+                        {"run": RunIdentity.new(cfg).to_dict(), "model": model_signature(cfg),
+                         "data": data_fingerprint(cfg)}, 0.0)
+    assert plan_start(cfg, [manifest], []).resume_step == 2
+    with open(copy + ".bin", "ab") as f:  # the same prefix, rewritten with more tokens
+        f.write(b"\0\0")
+    with pytest.raises(ConfigError, match=r"^data: checkpoint step 2 was trained on data [0-9a-f]{16}, "
+                                          r"this run's data is [0-9a-f]{16} \(the files"):
+        plan_start(cfg, [manifest], [])
