@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
     insp.add_argument("--step", type=int, required=True, metavar="S")
     insp.add_argument("--rows", type=int, default=2, metavar="N", help="rows to print (default 2)")
     std = modes.add_parser("stdlib", help="offline demo corpus: BPE tokenizer + the stdlib prepared")
-    std.add_argument("--output-dir", default="data/stdlib", metavar="DIR")
+    std.add_argument("--output-dir", default="runs/stdlib_corpus", metavar="DIR")
     std.add_argument("--max-files", type=int, default=None, metavar="N")
     args = p.parse_args(argv)
     try:
