@@ -254,3 +254,16 @@ def test_resume_on_other_data_files_stops_with_one_line(stdlib_corpus, tmp_path)
     with pytest.raises(ConfigError, match=r"^data: checkpoint step 2 was trained on data [0-9a-f]{16}, "
                                           r"this run's data is [0-9a-f]{16} \(the files"):
         plan_start(cfg, [manifest], [])
+
+
+def test_mock_data_is_megatron_mock_text_in_the_same_address():
+    cfg = resolve(load_config("config.yaml", ["cluster.num_workers=2", "train.objective=ce", "data.kind=mock"]),
+                  num_gpus=0)
+    mock = open_data(cfg)
+    batch = mock.batch(3)
+    batch.validate(cfg.model.vocab_size)
+    ids, eod, vocab = batch.input_ids, cfg.model.vocab_size - 1, cfg.model.vocab_size
+    nxt, cur = ids[:, 1:], ids[:, :-1]
+    # megatron's mock documents are 1, 2, 3, ... (mod vocab) then EOD; a new one starts at 1
+    assert ((nxt == (cur + 1) % vocab) | (nxt == eod) | ((cur == eod) & (nxt == 1))).all()
+    assert (np.stack([mock.rows(3, 2, d) for d in range(2)], 1).reshape(ids.shape) == ids.numpy()).all()
