@@ -120,13 +120,23 @@ def test_ce_loss_falls_on_real_text(ray_session, stdlib_corpus, tmp_path):
     assert losses[12] < losses[1] - 1.5, losses
 
 
-def test_ce_peer_recovery_matches_the_run_without_failure_bitwise(ray_session, stdlib_corpus, tmp_path, data):
-    from actor_group import ActorGroup
+@pytest.fixture(scope="module")
+def ce_reference(ray_session, stdlib_corpus, tmp_path_factory):
+    """(losses, final state digests, checkpoint dir) of 4 `ce` steps at dp=2 without failure,
+    checkpoints at steps 2 and 4."""
     from conftest import reference_run
+
+    path = tmp_path_factory.mktemp("ce_reference")
+    losses, states = reference_run(data_cfg(stdlib_corpus, "checkpoint.interval=2", tmp_path=path), 4)
+    return losses, states, path / "ckpt"
+
+
+def test_ce_peer_recovery_matches_the_run_without_failure_bitwise(ce_reference, stdlib_corpus, tmp_path, data):
+    from actor_group import ActorGroup
     from trainer import Trainer
 
     cfg = data_cfg(stdlib_corpus, "cluster.num_spares=1", "checkpoint.interval=2", tmp_path=tmp_path)
-    ref_losses, ref_states = reference_run(cfg, 4)
+    ref_losses, ref_states, _ = ce_reference
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group, data=data)
@@ -267,3 +277,23 @@ def test_mock_data_is_megatron_mock_text_in_the_same_address():
     # megatron's mock documents are 1, 2, 3, ... (mod vocab) then EOD; a new one starts at 1
     assert ((nxt == (cur + 1) % vocab) | (nxt == eod) | ((cur == eod) & (nxt == 1))).all()
     assert (np.stack([mock.rows(3, 2, d) for d in range(2)], 1).reshape(ids.shape) == ids.numpy()).all()
+
+
+def test_a_ce_checkpoint_resumes_at_another_dp_on_the_same_rows(ce_reference, stdlib_corpus, tmp_path, data):
+    from actor_group import ActorGroup
+    from checkpoint import CheckpointManager
+    from trainer import Trainer
+
+    ref_losses, _, ckpt = ce_reference
+    manifests = [m for m in CheckpointManager(str(ckpt)).committed_manifests() if m.step == 2]
+    assert manifests, f"the reference wrote no checkpoint of step 2 under {ckpt}"
+    cfg = data_cfg(stdlib_corpus, "cluster.num_workers=1", f"checkpoint.uri={ckpt}", tmp_path=tmp_path)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group, data=data)
+        trainer.committed_step = min(group.call("load_checkpoint", manifests[0]))
+        trainer.train(4)
+    finally:
+        group.shutdown()
+    assert trainer.data_digests == {s: data.batch(s).digest() for s in (3, 4)}  # the same rows at dp=1
+    assert {s: trainer.losses[s] for s in (3, 4)} == pytest.approx({s: ref_losses[s] for s in (3, 4)}, rel=1e-5)
