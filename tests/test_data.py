@@ -1,6 +1,7 @@
 """The data module (data.py): the sample address is DP-invariant and prefix-stable, windows
 equal megatron-core's own GPTDataset windows, blends follow their weights; the ce objective
 trains on real text (the loss falls) and a peer recovery replays it bitwise."""
+import os
 import types
 
 import numpy as np
@@ -156,7 +157,6 @@ def test_ce_peer_recovery_matches_the_run_without_failure_bitwise(ce_reference, 
 
 
 def _cli(*args, cwd=None):
-    import os
     import subprocess
     import sys
 
@@ -184,9 +184,6 @@ def _damaged(prefix, tmp_path, which: str) -> str:
     elif which == "missing_bin":
         os.remove(out + ".bin")
     return out
-
-
-import os  # noqa: E402
 
 
 @pytest.mark.parametrize("case, sets, expected", [
@@ -297,3 +294,24 @@ def test_a_ce_checkpoint_resumes_at_another_dp_on_the_same_rows(ce_reference, st
         group.shutdown()
     assert trainer.data_digests == {s: data.batch(s).digest() for s in (3, 4)}  # the same rows at dp=1
     assert {s: trainer.losses[s] for s in (3, 4)} == pytest.approx({s: ref_losses[s] for s in (3, 4)}, rel=1e-5)
+
+
+def test_prepare_reads_jsonl_gz_as_jsonl_and_writes_what_megatron_reads(stdlib_corpus, tmp_path):
+    import gzip
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from transformers import AutoTokenizer
+
+    from data_prepare import prepare
+
+    tok, _ = stdlib_corpus
+    lines = "".join(f'{{"text": "row {i}: def f(x): return x + {i}"}}\n' for i in range(50))
+    (tmp_path / "a.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write(lines)
+    a = prepare([str(tmp_path / "a.jsonl")], tok, str(tmp_path / "a"))
+    b = prepare([str(tmp_path / "b.jsonl.gz")], tok, str(tmp_path / "b"))
+    for ext in (".bin", ".idx"):
+        assert open(a + ext, "rb").read() == open(b + ext, "rb").read()
+    ds, t = IndexedDataset(a), AutoTokenizer.from_pretrained(tok)
+    assert len(ds) == 50 and t.decode(ds[7].tolist()) == "row 7: def f(x): return x + 7<|endoftext|>"
