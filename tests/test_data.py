@@ -315,3 +315,22 @@ def test_prepare_reads_jsonl_gz_as_jsonl_and_writes_what_megatron_reads(stdlib_c
         assert open(a + ext, "rb").read() == open(b + ext, "rb").read()
     ds, t = IndexedDataset(a), AutoTokenizer.from_pretrained(tok)
     assert len(ds) == 50 and t.decode(ds[7].tolist()) == "row 7: def f(x): return x + 7<|endoftext|>"
+
+
+def test_any_blend_any_step_any_dp_interleaves_to_the_global_batch(data):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    windows = data.windows[0]
+
+    @settings(max_examples=30, deadline=None, derandomize=True)
+    @given(weights=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=4), step=st.integers(1, 50_000),
+           dp=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31))
+    def check(weights, step, dp, seed):
+        blend = Data([(w, windows) for w in weights], seed, 16)
+        full = blend.addresses(step)
+        parts = [blend.addresses(step, dp, d) for d in range(dp)]
+        assert [parts[j % dp][j // dp] for j in range(16)] == full
+        assert Data([(w, windows) for w in weights], seed, 16).addresses(step) == full  # pure
+
+    check()
