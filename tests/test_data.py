@@ -334,3 +334,23 @@ def test_any_blend_any_step_any_dp_interleaves_to_the_global_batch(data):
         assert Data([(w, windows) for w in weights], seed, 16).addresses(step) == full  # pure
 
     check()
+
+
+def test_a_dp_shrink_with_ce_trains_the_same_rows(ce_reference, stdlib_corpus, tmp_path, data):
+    from actor_group import ActorGroup
+    from trainer import Trainer
+
+    ref_losses, _, _ = ce_reference
+    cfg = data_cfg(stdlib_corpus, "fault_tolerance.min_dp=1", "fault_tolerance.refill_spares=false",
+                   "chaos.events=[{step: 3, rank: 1, kind: kill, point: step_start}]", tmp_path=tmp_path)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group, data=data)
+        trainer.train(4)
+        dp = group.dims.dp
+    finally:
+        group.shutdown()
+    assert dp == 1 and trainer.recoveries[0].restore_source == "peer"
+    assert trainer.data_digests == {s: data.batch(s).digest() for s in range(1, 5)}
+    assert [trainer.losses[s] for s in (1, 2)] == [ref_losses[s] for s in (1, 2)]
+    assert [trainer.losses[s] for s in (3, 4)] == pytest.approx([ref_losses[s] for s in (3, 4)], rel=1e-5)
