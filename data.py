@@ -303,6 +303,7 @@ def data_fingerprint(cfg: Config) -> str | None:
     if d.kind == "indexed":
         for _, p in parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]:
             p = os.path.expanduser(p)
-            h.update(hashlib.sha256(Path(p + ".idx").read_bytes()).digest())
+            with open(p + ".idx", "rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
             h.update(str(Path(p + ".bin").stat().st_size).encode())
     return h.hexdigest()[:16]

@@ -22,6 +22,7 @@ from pathlib import Path
 from actor_group import ActorGroup
 from checkpoint import CheckpointError, CheckpointManager, check_compatible, model_signature
 from config import Config, ConfigError
+from data import data_fingerprint, open_data
 from failures import RecoveryTimeline, WorkerFailure, slowest
 from fault_tolerance import recover, restore_checkpoint
 from metrics import RunMetrics
@@ -53,14 +54,9 @@ class Trainer:
                  run: RunIdentity | None = None, data=None):
         self.cfg, self.group = cfg, group
         if data is None and cfg.data.kind != "synthetic":
-            from data import open_data
             data = open_data(cfg)
         self.data = data  # data.Data, or None for synthetic batches
-        if data is not None:
-            from data import data_fingerprint
-            self.data_fingerprint = data_fingerprint(cfg)  # recorded by every checkpoint
-        else:
-            self.data_fingerprint = None
+        self.data_fingerprint = data_fingerprint(cfg)  # recorded by every checkpoint (None: synthetic)
         self.run = run or RunIdentity.new(cfg)
         self.resumed_from: int | None = None
         self.metrics = metrics or RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len)
