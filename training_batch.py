@@ -66,8 +66,8 @@ class TrainingBatch:
     def digest(self) -> str:
         """SHA-256 (hex) of input_ids (as int64) and loss_mask (as float32), row-major: equal
         digests, equal tokens trained on with equal masks (the step's `data_digest`)."""
-        h = hashlib.sha256(self.input_ids.to(torch.int64).contiguous().numpy().tobytes())
-        h.update(self.loss_mask.to(torch.float32).contiguous().numpy().tobytes())
+        h = hashlib.sha256(self.input_ids.to("cpu", torch.int64).contiguous().numpy().tobytes())
+        h.update(self.loss_mask.to("cpu", torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def strided(self, i: int, n: int) -> TrainingBatch:
