@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import logging
 import os
 import struct
@@ -251,7 +252,8 @@ def open_data(cfg: Config) -> Data:
     """The run's `Data` for data.kind mock or indexed, every file checked first (see
     `index_header`, `check_token_ids`), the tokenizer (data.tokenizer, else model.hf_path)
     checked against model.vocab_size. Raises ConfigError (one line naming the field) for bad
-    input or fewer windows than one global batch in a dataset."""
+    input, fewer windows than one global batch in a dataset, or megatron-core without its
+    compiled dataset helpers."""
     d, t, m = cfg.data, cfg.train, cfg.model
     if d.kind not in ("mock", "indexed"):
         raise ValueError(f"data.kind={d.kind!r} has no dataset to open")
@@ -282,6 +284,12 @@ def open_data(cfg: Config) -> Data:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         sources = [(w, p, IndexedDataset(p)) for w, p, _ in headers]
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        raise ConfigError("data.path: megatron-core has no C++ dataset helpers (megatron.core.datasets."
+                          "helpers_cpp): it was built without a C++ compiler; reinstall it from a PyPI wheel "
+                          "(cp311-cp313 x86_64, cp312 aarch64) or with g++ available") from None
     windows = [(w, Windows(low, t.seq_len, seed)) for w, _, low in sources]
     names = [p for _, p, _ in sources]
     for (_, ds), name in zip(windows, names):

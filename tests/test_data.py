@@ -354,3 +354,13 @@ def test_a_dp_shrink_with_ce_trains_the_same_rows(ce_reference, stdlib_corpus, t
     assert trainer.data_digests == {s: data.batch(s).digest() for s in range(1, 5)}
     assert [trainer.losses[s] for s in (1, 2)] == [ref_losses[s] for s in (1, 2)]
     assert [trainer.losses[s] for s in (3, 4)] == pytest.approx([ref_losses[s] for s in (3, 4)], rel=1e-5)
+
+
+def test_megatron_core_without_its_compiled_helpers_is_one_line(stdlib_corpus, monkeypatch):
+    import sys
+
+    from config import ConfigError
+
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)  # as a build without g++
+    with pytest.raises(ConfigError, match=r"^data.path: megatron-core has no C\+\+ dataset helpers"):
+        open_data(data_cfg(stdlib_corpus))
