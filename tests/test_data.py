@@ -364,3 +364,12 @@ def test_megatron_core_without_its_compiled_helpers_is_one_line(stdlib_corpus, m
     monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)  # as a build without g++
     with pytest.raises(ConfigError, match=r"^data.path: megatron-core has no C\+\+ dataset helpers"):
         open_data(data_cfg(stdlib_corpus))
+
+
+def test_the_pretrain_cpu_preset_opens_on_the_stdlib_corpus(stdlib_corpus):
+    tok, prefix = stdlib_corpus
+    cfg = resolve(load_config("configs/pretrain_cpu.yaml", [f"data.path={prefix}", f"data.tokenizer={tok}"]),
+                  num_gpus=0)
+    preset = open_data(cfg)
+    assert preset.batch(1).input_ids.shape == (cfg.train.global_batch_size, cfg.train.seq_len)
+    assert len(preset.tokenizer) == cfg.model.vocab_size == 2048
