@@ -128,6 +128,10 @@ class TrainConfig:
     """Max gradient norm (0: no clipping); >= 0."""
     seed: int = 1234
     """Seed of the model init and the data order; data = f(seed, step, dp rank)."""
+    objective: Literal["ppo", "ce"] = "ppo"
+    """ppo: the clipped PPO loss (synthetic batches or rl.enabled); ce: next-token cross
+    entropy over the loss mask (data.kind mock or indexed), token-mean over each global
+    mini-batch, no extra forward pass."""
 
 
 @dataclass
@@ -190,6 +194,31 @@ class RLConfig:
     """Per-token KL estimator (Schulman 2020): k1 = -log ratio, k3 = ratio - log ratio - 1."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (0: none); >= 0."""
+
+
+@dataclass
+class DataConfig:
+    """What the run trains on (docs/data.md): synthetic PPO batches, Megatron's mock data, or
+    Megatron indexed datasets (.bin/.idx) as packed windows of train.seq_len tokens. The rows
+    of step s are a pure function of (data, seed, s): the same at any dp and any train.steps."""
+
+    kind: Literal["synthetic", "mock", "indexed"] = "synthetic"
+    """synthetic: random tokens and advantages (PPO); mock: megatron-core's mock dataset
+    (Megatron-LM --mock-data); indexed: the dataset(s) of data.path or data.blend."""
+    path: str | None = None
+    """indexed: a Megatron dataset prefix, without .bin/.idx (e.g. /data/c4_text_document)."""
+    blend: str | None = None
+    """indexed: weights and prefixes in Megatron's --data-path form, "0.7 /data/a_text_document
+    0.3 /data/b_text_document" (instead of data.path); weights > 0, normalised."""
+    tokenizer: str | None = None
+    """Local Hugging Face tokenizer directory (null: model.hf_path, if any): its size is checked
+    against model.vocab_size, its EOS is the end-of-document id; `data inspect` decodes with it."""
+    eod_id: int | None = None
+    """End-of-document token id (null: the tokenizer's EOS; mock: model.vocab_size - 1)."""
+    eod_mask_loss: bool = False
+    """No loss on the token right after an end-of-document token (Megatron --eod-mask-loss)."""
+    seed: int | None = None
+    """Seed of the document and window order (null: train.seed)."""
 
 
 @dataclass
@@ -298,6 +327,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
@@ -445,6 +475,7 @@ def validate(cfg: Config) -> None:
     require(o.clip_ratio_c > 1, "ppo.clip_ratio_c", "must be > 1 (dual-clip bound, e.g. 3.0)")
     if cfg.rl.enabled:
         _validate_rl(cfg)
+    _validate_data(cfg)
     k = cfg.checkpoint
     require(cfg.run_name is None or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", cfg.run_name) is not None,
             "run_name", f"{cfg.run_name!r}: use letters, digits, '_', '.', '-' (starting with a letter or digit)")
@@ -499,6 +530,43 @@ def _validate_rl(cfg: Config) -> None:
     require(r.value_clip >= 0, "rl.value_clip", "must be >= 0 (0: no value clipping)")
     require(r.kl_coef >= 0, "rl.kl_coef", "must be >= 0 (0: no KL penalty, no reference model)")
     require(r.entropy_coef >= 0, "rl.entropy_coef", "must be >= 0 (0: no entropy bonus)")
+
+
+def parse_blend(text: str) -> list[tuple[float, str]]:
+    """Megatron's --data-path form "w1 prefix1 w2 prefix2 ..." (or one bare prefix, weight 1)
+    -> [(weight, prefix)], weights as given. Raises ConfigError naming data.blend."""
+    parts = text.split()
+    if len(parts) == 1:
+        return [(1.0, parts[0])]
+    try:
+        pairs = [(float(w), p) for w, p in zip(parts[::2], parts[1::2])]
+    except ValueError:
+        pairs = []
+    require(bool(pairs) and len(parts) % 2 == 0 and all(w > 0 for w, _ in pairs), "data.blend",
+            f"{text!r}: expected 'weight prefix weight prefix ...' with weights > 0, "
+            "e.g. '0.7 /data/a_text_document 0.3 /data/b_text_document'")
+    return pairs
+
+
+def _validate_data(cfg: Config) -> None:
+    """data.* against the objective: ce needs real windows (mock / indexed), PPO needs
+    advantages (synthetic or RL). The files themselves are checked by `data.open_data`."""
+    d, t = cfg.data, cfg.train
+    if t.objective == "ce":
+        require(d.kind != "synthetic", "train.objective",
+                "ce trains on text: set data.kind=mock or data.kind=indexed with data.path")
+        require(not cfg.rl.enabled, "train.objective", "ce with rl.enabled: RL trains with ppo; set one of them")
+    else:
+        require(d.kind == "synthetic", "data.kind",
+                f"{d.kind} data has no advantages for the ppo objective; set train.objective=ce")
+    if d.kind == "indexed":
+        require((d.path is None) != (d.blend is None), "data.path",
+                "data.kind=indexed needs exactly one of data.path (a prefix) or data.blend "
+                "('0.7 /data/a_text_document 0.3 /data/b_text_document')")
+        if d.blend is not None:
+            parse_blend(d.blend)
+    require(d.eod_id is None or 0 <= d.eod_id < cfg.model.vocab_size, "data.eod_id",
+            f"must be in [0, model.vocab_size={cfg.model.vocab_size})")
 
 
 def _validate_hf_path(m: ModelConfig) -> None:

@@ -12,6 +12,8 @@ train : `train.steps` steps with automatic failure detection and recovery (injec
         With fault_tolerance.driver_failover on a cluster, a new driver reattaches to the live
         detached actors of its run instead (no step lost; driver_failover.py).
 stop  : `stop --run NAME`: remove the detached actors and placement group of run NAME.
+data  : `data prepare` (jsonl / parquet -> Megatron .bin/.idx), `data inspect --step S` (what a
+        step trains on; no Ray), `data stdlib` (offline demo corpus); data_prepare.py.
 
 Both write to `run_dir`: recoveries.jsonl, loss.png, recoveries.png, train.json or demo.json.
 Exit status: 0 ok, 1 demo losses differ, 2 config or cluster error (one line on stderr).
@@ -273,10 +275,11 @@ def plan_train_start(cfg: Config, fresh: bool):
         raise ConfigError(f"checkpoint.uri: {e}") from None
 
 
-def cmd_train(cfg: Config, args, start=None) -> int:
+def cmd_train(cfg: Config, args, start=None, data=None) -> int:
     """`train`: a run from step 0, or `start.run` resumed from its checkpoints (`start`: the
-    `run_identity.StartPlan`, by default `plan_train_start` without --fresh); writes
-    run_dir/train.json (run id, step resumed from, losses)."""
+    `run_identity.StartPlan`, by default `plan_train_start` without --fresh); `data`: the
+    opened `data.Data` (None: opened by the Trainer when data.kind needs it); writes
+    run_dir/train.json (run id, step resumed from, losses, data digests)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -314,7 +317,9 @@ def cmd_train(cfg: Config, args, start=None) -> int:
         with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
                   disable=args.quiet or not sys.stderr.isatty()) as bar, logging_redirect_tqdm():
             trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar),
-                              run=start.run)
+                              run=start.run, data=data)
+            if trainer.data is not None:
+                log.info(trainer.data.describe(cfg.train.steps))
             if record is not None:
                 trainer.run = dataclasses.replace(trainer.run, id=record["run"]["id"])
                 driver_failover.reattach(trainer, record["committed_step"], set(group.dead))
@@ -344,7 +349,8 @@ def cmd_train(cfg: Config, args, start=None) -> int:
                 {"rewards": trainer.rewards, "rollout_stats": trainer.rollout_stats}, indent=1))
         (Path(cfg.run_dir) / "train.json").write_text(json.dumps(
             {"run": trainer.run.id, "resumed_from": trainer.resumed_from, "losses": trainer.losses,
-             "rewards": trainer.rewards, "replayed": trainer.replayed}, indent=1))
+             "rewards": trainer.rewards, "replayed": trainer.replayed,
+             "data_digests": trainer.data_digests}, indent=1))
     except LeaseLost as e:  # the run is another driver's now: leave its actors alone
         superseded = True
         print(f"driver superseded: {e}", file=sys.stderr)
@@ -445,7 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "if still running, fails.")
     stop.add_argument_group("stop options").add_argument("--run", required=True, metavar="NAME",
                                                          help="the run_name of the run to remove")
-    # Listed here for --help; its arguments go to planner.py untouched (see main()).
+    # Listed here for --help; their arguments go to planner.py / data_prepare.py untouched (see main()).
+    modes.add_parser("data", add_help=False, help="datasets: prepare (jsonl/parquet -> Megatron .bin/.idx), "
+                     "inspect --step S, stdlib (offline demo corpus); `main.py data --help`")
     modes.add_parser("plan", add_help=False, help="capacity planner: spares and checkpoint interval "
                      "for 1,000-100,000 GPUs (planner.py; `main.py plan --help`)")
     return p
@@ -473,6 +481,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
         return cmd_plan(argv[1:])
+    if argv[:1] == ["data"]:
+        import data_prepare
+        return data_prepare.main(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args)
     if args.mode == "stop":
@@ -491,7 +502,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--kill-ranks {bad}: must be in [0, world size={dims.world_size})")
         elif args.mode == "demo" and not 0 <= args.kill_replica < dims.dp:
             raise ConfigError(f"--kill-replica {args.kill_replica}: must be in [0, dp={dims.dp})")
-        start = None
+        start = data = None
         if args.mode == "stop" and not cfg.cluster.ray_address:
             raise ConfigError("cluster.ray_address: `stop` removes a run's detached actors from a cluster; "
                               "pass --set cluster.ray_address=HOST:PORT")
@@ -504,6 +515,9 @@ def main(argv=None) -> int:
                 # A local Ray's size is known before it starts: refuse a layout that cannot fit now.
                 preflight(cfg, {"CPU": local_ray_cpus(cfg), "GPU": gpus_visible()})
                 local_ray.reap(cfg.run_dir)  # what a killed driver of this run left running
+            if cfg.data.kind != "synthetic":  # every data file checked before Ray starts
+                from data import open_data
+                data = open_data(cfg)
             if args.mode == "train":
                 start = plan_train_start(cfg, args.fresh)
     except ConfigError as e:
@@ -521,7 +535,7 @@ def main(argv=None) -> int:
         import local_ray
         local_ray.record(cfg.run_dir)
     try:
-        return cmd_demo(cfg, args) if args.mode == "demo" else cmd_train(cfg, args, start)
+        return cmd_demo(cfg, args) if args.mode == "demo" else cmd_train(cfg, args, start, data)
     except ConfigError as e:  # what needs the cluster (preflight) or a checkpoint (its model)
         print(f"config error: {e}", file=sys.stderr)
     except ClusterError as e:

@@ -63,7 +63,7 @@ from megatron_model import build_gpt_model, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
                           vocab_parallel_entropy)
 from parallel_dims import ParallelDims
-from ppo import ppo_objective
+from ppo import ce_objective, ppo_objective
 from training_batch import TrainingBatch, synthetic_batch
 
 log = logging.getLogger(__name__)
@@ -387,7 +387,8 @@ class MegatronEngine:
         """Last stage: logits float32 [B, S/cp, V_pad/tp] -> (loss to backprop, reported dict).
         A behaviour pass (forward only: old or reference policy) reports `log_probs` [B, S].
 
-        Training: `ppo.ppo_objective`, as `TorchEngine._loss`: the dual-clip PPO policy loss;
+        Training: `ppo.ce_objective` for train.objective=ce; else `ppo.ppo_objective`, as
+        `TorchEngine._loss`: the dual-clip PPO policy loss;
         with RL plus `value_coef` x clipped value loss (GAE, `values` float32 [B, S] of the
         value head), `kl_coef` x KL(policy || reference) (`rl.kl_estimator`), - `entropy_coef` x
         entropy, each aggregated with `ppo.loss_agg_mode`. RL logits are divided by
@@ -410,7 +411,10 @@ class MegatronEngine:
         log_probs = F.pad(lp_next[:, :-1], (1, 0))                              # [B, S]
         if behaviour:
             return torch.zeros((), device=self.device), {"log_probs": log_probs.detach()}
-        loss, metrics = ppo_objective(log_probs, mb, self.cfg.ppo, r, values, entropy)
+        if self.cfg.train.objective == "ce":  # no old log-probs: no behaviour pass ran
+            loss, metrics = ce_objective(log_probs, mb)
+        else:
+            loss, metrics = ppo_objective(log_probs, mb, self.cfg.ppo, r, values, entropy)
         # Every CP rank computes the same loss; the gather's backward sums cp copies and the
         # schedule multiplies by cp (gradients are averaged over dp*cp): divide by cp once.
         return loss / cp, {"loss": loss.detach(), **metrics}
@@ -459,7 +463,8 @@ class MegatronEngine:
                                self.rl, self.cfg.model.vocab_size, self.rl.advantage == "gae", on_round)
 
     def train_step(self, batch: TrainingBatch, step: int) -> dict:
-        """One PPO step on this replica's shard of the global batch (as `TorchEngine.train_step`).
+        """One PPO (or cross-entropy: train.objective=ce, no behaviour pass) step on this
+        replica's shard of the global batch (as `TorchEngine.train_step`).
 
         batch: this DP replica's sequences (CPU or GPU), B = global_batch_size / dp, S =
         train.seq_len (S % (2*cp) == 0 when cp > 1). Old log-probs, when absent, come from a
@@ -484,7 +489,7 @@ class MegatronEngine:
         if self.step == 0 and self._initial is None:  # before the first update: for `reset`
             self._initial = self._host_copy(self._train_state(), pin=False)
         batch = batch.to(self.device)
-        if batch.old_log_probs is None:
+        if t.objective == "ppo" and batch.old_log_probs is None:
             batch = batch.with_old_log_probs(self._behaviour_log_probs(self.ddp, batch))
         if self.ref_model is not None and batch.ref_log_probs is None:
             batch = dataclasses.replace(batch, ref_log_probs=self._behaviour_log_probs(self.ref_model, batch))

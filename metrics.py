@@ -67,9 +67,10 @@ class RunMetrics:
         self.num_recoveries = 0
 
     def on_step(self, step: int, loss: float, step_s: float, spares: int,
-                reward: float | None = None) -> None:
+                reward: float | None = None, data_digest: str = "") -> None:
         """Step `step` committed with `loss` after `step_s` seconds; `spares` in the pool;
-        `reward`: RL runs' mean reward of the step (None otherwise)."""
+        `reward`: RL runs' mean reward of the step (None otherwise); `data_digest`: its global
+        batch's digest (logged as its first 16 hex digits)."""
         tokens_per_s = self.tokens_per_step / step_s if step_s > 0 else 0.0
         self.step_seconds.observe(step_s)
         self.throughput.set(tokens_per_s)
@@ -78,8 +79,9 @@ class RunMetrics:
         extra = {} if reward is None else {"reward": f"{reward:.4f}"}
         if reward is not None:
             self.reward.set(reward)
-        log.info("event=step step=%d loss=%.6f step_s=%.3f tokens_per_s=%.0f spares=%d%s",
-                 step, loss, step_s, tokens_per_s, spares, "".join(f" {k}={v}" for k, v in extra.items()))
+        log.info("event=step step=%d loss=%.6f step_s=%.3f tokens_per_s=%.0f spares=%d%s%s",
+                 step, loss, step_s, tokens_per_s, spares, "".join(f" {k}={v}" for k, v in extra.items()),
+                 f" data_digest={data_digest[:16]}" if data_digest else "")
         if self.progress is not None:
             self.progress.n = step
             self.progress.set_postfix(loss=f"{loss:.4f}", **extra, tok_s=f"{tokens_per_s:.0f}",

@@ -1,4 +1,5 @@
-"""PPO policy loss: token log-probabilities and the dual-clip clipped surrogate.
+"""PPO policy loss: token log-probabilities and the dual-clip clipped surrogate; the
+cross-entropy objective (`ce_objective`) shares their global-batch reduction.
 
 References:
     PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
@@ -291,6 +292,15 @@ def global_loss_weights(loss_mask: Tensor, mode: str, mini_batch_size: int, scal
     else:
         norm = minis.sum(dim=2, keepdim=True) * mini_batch_size          # [K, m, 1]
     return (minis * scale / norm.clamp(min=1)).view_as(loss_mask)
+
+
+def ce_objective(log_probs: Tensor, mb) -> tuple[Tensor, dict[str, float]]:
+    """Next-token cross entropy of one micro-batch: -sum(log_probs * w), w = the micro-batch's
+    `loss_weights` (`global_loss_weights` with token-mean: its share of the token-mean over
+    the global mini-batch, Megatron's per-token loss), else the token-mean over its own mask.
+    log_probs: float32 [B, S] (`token_log_probs`, carries the gradient); mb: a TrainingBatch
+    (loss_mask, loss_weights). Returns (loss, {}): a scalar tensor, no metrics."""
+    return -_aggregate(log_probs, mb.loss_mask, "token-mean", mb.loss_weights), {}
 
 
 def ppo_objective(log_probs: Tensor, mb, ppo_cfg, rl_cfg=None, values: Tensor | None = None,

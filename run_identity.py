@@ -4,7 +4,7 @@
 A run is (name, id, fingerprint). `run_name` names it; the id is made when a run starts fresh
 (`<name>-<UTC date-time>-<6 hex>`) and kept by every resume, so two runs of one name never share
 an id; the fingerprint hashes the config fields that define the run's math (`math_fields`:
-model, train, ppo, rl), not where or how it runs (cluster, parallel sizes, micro-batch split,
+model, train, ppo, rl, data), not where or how it runs (cluster, parallel sizes, micro-batch split,
 fault tolerance, checkpoint, paths): a run resumed at another DP size is the same run, a run
 with another seed, learning rate or step count (the LR schedule spans train.steps) is not.
 Every manifest records the identity with those fields (`extra["run"]`), so a mismatch names them.
@@ -15,7 +15,8 @@ Every manifest records the identity with those fields (`extra["run"]`), so a mis
 - only checkpoints of a run of this name and fingerprint: resume it (keep its id), from its
   newest checkpoint that verifies and loads (the ranks check; older ones are the fallback);
 - a checkpoint of another run (another name or fingerprint, or none recorded): ConfigError
-  naming both runs and the fields that differ. `main.py train --fresh` deletes the checkpoints
+  naming both runs and the fields that differ; also a checkpoint of this run trained on other
+  data files (the data fingerprint its manifest records, `data.data_fingerprint`). `main.py train --fresh` deletes the checkpoints
   under checkpoint.uri first and starts a new run.
 Recovery, during a run, loads only checkpoints of the run's own id (`fault_tolerance.recover`).
 """
@@ -34,7 +35,7 @@ from config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
-MATH_SECTIONS = ("model", "train", "ppo", "rl")
+MATH_SECTIONS = ("model", "train", "ppo", "rl", "data")
 NOT_MATH = {"model.distributed_optimizer", "train.micro_batch_size"}  # layout of the same math
 
 
@@ -104,6 +105,21 @@ def differences(theirs: RunIdentity, ours: RunIdentity) -> list[str]:
     return out
 
 
+def _check_same_data(cfg: Config, manifest: Manifest) -> None:
+    """Raise ConfigError when the checkpoint was trained on other data than this run reads
+    (`data.data_fingerprint`: same data.* config but other files, e.g. a dataset rewritten under
+    the same prefix): its steps would not continue the run it belongs to."""
+    if cfg.data.kind == "synthetic":
+        return
+    from data import data_fingerprint
+
+    saved, ours = manifest.extra.get("data"), data_fingerprint(cfg)
+    if saved != ours:
+        raise ConfigError(f"data: checkpoint step {manifest.step} was trained on data {saved}, this run's data "
+                          f"is {ours} (the files of data.path / data.blend changed: .idx content or .bin "
+                          "size); restore that data, point checkpoint.uri elsewhere, or pass --fresh")
+
+
 def plan_start(cfg: Config, manifests: list[Manifest], uncommitted: list[int]) -> StartPlan:
     """The start of a `train` run of the resolved `cfg` whose checkpoint.uri holds the committed
     `manifests` (ascending) and the `uncommitted` step directories (see the module docstring).
@@ -128,4 +144,5 @@ def plan_start(cfg: Config, manifests: list[Manifest], uncommitted: list[int]) -
                               f"another run than this one ({ours.name}): {'; '.join(differences(theirs, ours))}; "
                               f"{hint}")
     check_compatible(cfg, manifests[-1])
+    _check_same_data(cfg, manifests[-1])
     return StartPlan(dataclasses.replace(ours, id=RunIdentity.of(manifests[-1]).id), manifests[-1].step)

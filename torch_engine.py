@@ -36,7 +36,7 @@ from comms import abort_process_groups, left_collective, recording_new_sockets, 
 from engine import StepInterrupt, state_digest
 from host_memory import HostCopy
 from parallel_dims import ParallelDims
-from ppo import ppo_objective, token_entropy, token_log_probs
+from ppo import ce_objective, ppo_objective, token_entropy, token_log_probs
 from training_batch import TrainingBatch
 
 # Every gloo group's set-up reads each rank's address record from the driver's store. gloo's
@@ -331,8 +331,10 @@ class TorchEngine:
 
     def _loss(self, mb: TrainingBatch) -> tuple[torch.Tensor, dict]:
         """Loss of one micro-batch through DDP (`ppo.ppo_objective`: the PPO policy loss, and
-        with RL the value, KL and entropy terms)."""
+        with RL the value, KL and entropy terms; `ppo.ce_objective` for train.objective=ce)."""
         logits, values = self._forward(self.ddp, mb)
+        if self.cfg.train.objective == "ce":
+            return ce_objective(token_log_probs(logits, mb.input_ids), mb)
         r = self.rl
         entropy = token_entropy(logits) if r is not None and r.entropy_coef > 0 else None
         return ppo_objective(token_log_probs(logits, mb.input_ids), mb, self.cfg.ppo, r, values, entropy)
@@ -366,10 +368,12 @@ class TorchEngine:
         return out
 
     def train_step(self, batch: TrainingBatch, step: int) -> dict:
-        """One PPO step on this replica's shard of the global batch.
+        """One PPO (or, with train.objective=ce, cross-entropy) step on this replica's shard of
+        the global batch.
 
-        batch: this DP replica's sequences, B = global_batch_size / dp. Old log-probs, when
-        absent, are computed with the current (pre-update) policy. The batch is cut into
+        batch: this DP replica's sequences, B = global_batch_size / dp. PPO: old log-probs, when
+        absent, are computed with the current (pre-update) policy; ce needs none (no extra
+        forward). The batch is cut into
         global_batch_size / mini_batch_size mini-batches, one optimizer step each; every
         mini-batch is cut into micro-batches of `train.micro_batch_size` whose gradients
         accumulate (DDP syncs on the last one). Returns python floats: `loss` (mean over
@@ -380,7 +384,8 @@ class TorchEngine:
             raise RuntimeError("train_step called before connect(): no process group generation")
         t = self.cfg.train
         micro = t.micro_batch_size
-        batch = self._with_behaviour(batch)
+        if t.objective == "ppo":
+            batch = self._with_behaviour(batch)
         minis = batch.chunk(t.global_batch_size // t.mini_batch_size)
         losses, norms, metrics = [], [], {}
         for mini in minis:

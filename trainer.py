@@ -22,6 +22,7 @@ from pathlib import Path
 from actor_group import ActorGroup
 from checkpoint import CheckpointError, CheckpointManager, check_compatible, model_signature
 from config import Config, ConfigError
+from data import data_fingerprint, open_data
 from failures import RecoveryTimeline, WorkerFailure, slowest
 from fault_tolerance import recover, restore_checkpoint
 from metrics import RunMetrics
@@ -41,6 +42,9 @@ class Trainer:
     `rewards` (RL: step -> mean reward of the step's samples), `replayed_rewards`,
     `rollout_stats` (RL: step -> reward, exact, response_len),
     `replayed` (step -> loss of each re-run of a step that had been committed before),
+    `data_digests` (step -> SHA-256 of its global batch's tokens and loss mask, as first
+    committed; a replay that reads other data logs `event=data_mismatch`), `data` (the
+    `data.Data` of data.kind mock / indexed, else None),
     `recoveries` (list of RecoveryTimeline), `committed_step`, `checkpoints` (committed steps),
     `run` (the RunIdentity its checkpoints record; a new run unless given), `resumed_from`
     (the step `resume` continued from, else None), `fence` (called before each checkpoint
@@ -49,8 +53,12 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, group: ActorGroup, metrics: RunMetrics | None = None,
-                 run: RunIdentity | None = None):
+                 run: RunIdentity | None = None, data=None):
         self.cfg, self.group = cfg, group
+        if data is None and cfg.data.kind != "synthetic":
+            data = open_data(cfg)
+        self.data = data  # data.Data, or None for synthetic batches
+        self.data_fingerprint = data_fingerprint(cfg)  # recorded by every checkpoint (None: synthetic)
         self.run = run or RunIdentity.new(cfg)
         self.resumed_from: int | None = None
         self.metrics = metrics or RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len)
@@ -61,6 +69,8 @@ class Trainer:
         self.losses: dict[int, float] = {}
         self.grad_norms: dict[int, float] = {}  # step -> the largest gradient norm of its mini-batches
         self.replayed: dict[int, list[float]] = {}
+        self.data_digests: dict[int, str] = {}  # step -> its global batch's digest (TrainingBatch.digest)
+        self._digest = ""  # digest of the step in flight
         self.rewards: dict[int, float] = {}
         self.replayed_rewards: dict[int, list[float]] = {}
         self.rollout_stats: dict[int, dict] = {}
@@ -81,8 +91,13 @@ class Trainer:
         self.fence = lambda: None
 
     def batch(self, step: int):
+        """The global batch of `step`: the data's rows (`data.Data.batch`) or, for
+        data.kind=synthetic, `synthetic_batch`; validated against the vocabulary."""
         t, m = self.cfg.train, self.cfg.model
-        batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
+        if self.data is not None:
+            batch = self.data.batch(step)
+        else:
+            batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
         batch.validate(m.vocab_size)  # a malformed batch fails here, before any rank sees it
         return batch
 
@@ -93,7 +108,8 @@ class Trainer:
         scale undoes the engines' mean over a replica's micro-batches and DDP's mean over dp."""
         t, dp = self.cfg.train, self.group.dims.dp
         scale = dp * (t.mini_batch_size // dp // t.micro_batch_size)
-        weights = global_loss_weights(batch.loss_mask, self.cfg.ppo.loss_agg_mode, t.mini_batch_size, scale)
+        mode = "token-mean" if t.objective == "ce" else self.cfg.ppo.loss_agg_mode
+        weights = global_loss_weights(batch.loss_mask, mode, t.mini_batch_size, scale)
         return dataclasses.replace(batch, loss_weights=weights)
 
     def step_deadline(self) -> float:
@@ -139,6 +155,7 @@ class Trainer:
         self._arm_chaos(step)
         t0 = time.perf_counter()
         batch = self.with_loss_weights(self.batch(step) if self.rollouts is None else self.experience(step))
+        self._digest = batch.digest()
         results = self.group.call("train_step", step, batch, dispatch="mesh",
                                   timeout=self.step_deadline())
         self.step_times.append(time.perf_counter() - t0)
@@ -176,6 +193,10 @@ class Trainer:
 
     def _commit_step(self, step: int, loss: float) -> None:
         reward = self._stats.get("reward")
+        if step in self.data_digests and self.data_digests[step] != self._digest:
+            log.error("event=data_mismatch step=%d first=%s replay=%s: a replayed step read other data",
+                      step, self.data_digests[step][:16], self._digest[:16])
+        self.data_digests.setdefault(step, self._digest)
         if step in self.losses:
             self.replayed.setdefault(step, []).append(loss)
             if reward is not None:
@@ -191,7 +212,7 @@ class Trainer:
             self.recoveries[-1].append_jsonl(self.run_dir / "recoveries.jsonl")
             self.metrics.on_recovery(self.recoveries[-1])
             self._resume_t = None
-        self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool), reward)
+        self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool), reward, self._digest)
 
     def save(self, step: int) -> None:
         """Every rank writes its shards; the driver commits the manifest last. With
@@ -239,7 +260,7 @@ class Trainer:
                                     "dp": d.dp, "engine": self.cfg.model.engine},
                              [f for rank_files in per_rank for f in rank_files],
                              {"generation": self.group.generation, "model": model_signature(self.cfg),
-                              "run": self.run.to_dict()})
+                              "run": self.run.to_dict(), "data": self.data_fingerprint})
         except CheckpointError as e:
             log.warning("checkpoint step %d NOT committed (training goes on): %s", step, e)
             self.failed_saves.append(step)

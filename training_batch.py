@@ -18,7 +18,7 @@ class TrainingBatch:
     attention_mask: int64 [B, S] (1 = real token, 0 = padding).
     loss_mask: float32 [B, S] (1 where the token at t is a response token trained on;
         column 0 is always 0, since no logit predicts the first token).
-    advantages: float32 [B, S].
+    advantages: float32 [B, S], or None for the ce objective (next-token cross entropy).
     old_log_probs: float32 [B, S] or None (log p(input_ids[:, t] | input_ids[:, :t]) under
         the behaviour policy, column 0 = 0); None until the old policy has been evaluated.
     returns: float32 [B, S] or None: value targets (GAE lambda-returns, rl.py); None without
@@ -35,7 +35,7 @@ class TrainingBatch:
     input_ids: Tensor
     attention_mask: Tensor
     loss_mask: Tensor
-    advantages: Tensor
+    advantages: Tensor | None
     old_log_probs: Tensor | None = None
     returns: Tensor | None = None
     old_values: Tensor | None = None
@@ -62,6 +62,13 @@ class TrainingBatch:
                 for f in dataclasses.fields(self)
             }
         )
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of input_ids (as int64) and loss_mask (as float32), row-major: equal
+        digests, equal tokens trained on with equal masks (the step's `data_digest`)."""
+        h = hashlib.sha256(self.input_ids.to("cpu", torch.int64).contiguous().numpy().tobytes())
+        h.update(self.loss_mask.to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def strided(self, i: int, n: int) -> TrainingBatch:
         """Rows i, i+n, i+2n, ... (part i of n interleaved parts). Raises ValueError unless

@@ -132,14 +132,14 @@ def reference_run(cfg, steps: int) -> tuple[dict, list]:
     """(losses, each rank's final state digest) of `steps` steps of the resolved `cfg` trained
     in-process with no failure and no spare: the reference a run with failures is compared to.
     Run once per session for the same ranks and math (`cluster.num_workers`, `cluster.device`
-    and the parallel, model, train, ppo and rl sections; spares, nodes, checkpoints and timeouts
+    and the parallel, model, train, ppo, rl and data sections; spares, nodes, checkpoints and timeouts
     change no result), so modules with the same reference share one run."""
     from actor_group import ActorGroup
     from trainer import Trainer
 
     assert not cfg.chaos.events, "a reference has no failure"
     fields = dataclasses.asdict(cfg)
-    math = [fields[section] for section in ("parallel", "model", "train", "ppo", "rl")]
+    math = [fields[section] for section in ("parallel", "model", "train", "ppo", "rl", "data")]
     key = json.dumps([steps, cfg.cluster.num_workers, cfg.cluster.device, *math], sort_keys=True, default=str)
     if key not in _references:
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0))
@@ -160,3 +160,14 @@ def uninterrupted_losses(path, sets: list[str], steps: int) -> dict:
 
     cfg = resolve(load_config("config.yaml", [*sets, f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]), num_gpus=0)
     return reference_run(cfg, steps)[0]
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus(tmp_path_factory):
+    """(tokenizer dir, dataset prefix) of the offline corpus (`data_prepare.stdlib_corpus`): a
+    2048-token byte-level BPE trained on pydoc_data/topics.py and the first 40 standard-library
+    .py files prepared with it (about 11,000 windows of 32 tokens); made once per session."""
+    from data_prepare import stdlib_corpus as make
+
+    tok, prefix = make(tmp_path_factory.mktemp("stdlib"), max_files=40)
+    return str(tok), prefix

@@ -149,3 +149,21 @@ def test_global_loss_weights_make_each_mini_batch_exact_under_any_split(mode):
         assert torch.allclose(halves, expected, atol=1e-6) and torch.allclose(
             aggregate(loss[rows], mask[rows], mode, w[rows]), expected, atol=1e-6)
     assert torch.allclose(global_loss_weights(mask, mode, 4, scale=3.0), 3.0 * w)
+
+
+def test_ce_objective_is_the_global_token_mean_however_the_rows_are_split():
+    from ppo import ce_objective, global_loss_weights
+    from training_batch import TrainingBatch
+
+    g = torch.Generator().manual_seed(3)
+    log_probs = -torch.rand(8, 6, generator=g)
+    mask = (torch.rand(8, 6, generator=g) > 0.3).float()
+    mask[:, 0] = 0
+    batch = TrainingBatch(torch.zeros(8, 6, dtype=torch.long), torch.ones(8, 6, dtype=torch.long), mask, None,
+                          loss_weights=global_loss_weights(mask, "token-mean", 8))
+    whole, metrics = ce_objective(log_probs, batch)
+    assert metrics == {} and whole.item() == pytest.approx(-(log_probs * mask).sum().item() / mask.sum().item())
+    parts = sum(ce_objective(log_probs[i::2], batch.strided(i, 2))[0] for i in range(2))
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+    unweighted, _ = ce_objective(log_probs, TrainingBatch(batch.input_ids, batch.attention_mask, mask, None))
+    assert unweighted.item() == pytest.approx(whole.item(), rel=1e-6)

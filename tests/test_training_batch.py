@@ -165,3 +165,13 @@ def test_a_batch_travels_as_numpy_and_comes_back_bitwise(ray_session):
         back.advantages += 1  # writable (Ray hands numpy buffers over read-only)
     bf = b.with_old_log_probs(b.old_log_probs.to(torch.bfloat16))
     assert torch.equal(ray.get(ray.put(bf)).old_log_probs, bf.old_log_probs)
+
+
+def test_digest_names_the_tokens_and_the_mask():
+    from training_batch import synthetic_batch
+
+    a, b = synthetic_batch(1, 1, 4, 8, 50), synthetic_batch(1, 1, 4, 8, 50)
+    assert a.digest() == b.digest() and len(a.digest()) == 64
+    b.loss_mask[0, -1] = 1 - b.loss_mask[0, -1]
+    assert a.digest() != b.digest()
+    assert a.digest() != synthetic_batch(1, 2, 4, 8, 50).digest()

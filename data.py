@@ -1,0 +1,317 @@
+"""Training data as a pure function of (data, seed, step): the sample address and its rows.
+
+Sources are Megatron indexed datasets (.bin/.idx, read with megatron-core's `IndexedDataset`),
+weighted blends of them, and megatron-core's mock dataset. A sample is a packed window of
+`train.seq_len` tokens: megatron-core's `build_sample_idx` with sequence length seq_len - 1 and
+the extra label token, over the document order `RandomState(seed).shuffle` - the windows of
+Megatron's own `GPTDataset(sequence_length=seq_len - 1)`, bit for bit. Only the order is ours:
+
+    g      = (step - 1) * GBS + j                 row j of step `step`, j in [0, GBS)
+    (k, c) = blend(g)                             megatron's greedy blending (prefix-stable)
+    (e, i) = divmod(c, N_k)                       N_k = windows in one epoch of dataset k
+    w      = P_{k,e}(i)                           a seeded permutation of [0, N_k) per (seed, k, e)
+    row    = window w of dataset k
+
+Nothing here depends on `train.steps` or dp (GPTDataset's order depends on the sample count:
+a longer run would reshuffle everything), and nothing is state: no loader position goes into
+checkpoints. DP replica d of dp trains rows j = d, d + dp, ... (`dispatch.MeshDispatch`), so
+`rows(step, dp, d)` is what that replica needs and the global batch is the same at any dp.
+
+Files are checked when opened (`open_data`): one `ConfigError` line per problem (missing or
+truncated .bin/.idx, a path with its extension, token ids beyond the model's vocabulary, fewer
+windows than one global batch) before any actor starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import logging
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from config import Config, ConfigError, parse_blend
+from training_batch import TrainingBatch
+
+log = logging.getLogger(__name__)
+
+_INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+           7: np.float32, 8: np.uint16}  # indexed_dataset.DType codes
+_SCAN_TOKENS = 1 << 26  # token-id range check: every token up to this many, else spread samples
+
+
+def index_header(prefix: str) -> dict:
+    """Check the files of Megatron dataset `prefix` against each other, without megatron-core:
+    both exist, the .idx header, version and dtype code are Megatron's, its size matches its
+    counts, and the .bin holds every byte the index points to. Returns {dtype, sequences,
+    documents, lengths (int32 [sequences]), tokens}. Raises ConfigError naming data.path."""
+    base = os.path.basename(prefix)
+    if prefix.endswith((".bin", ".idx")):
+        raise ConfigError(f"data.path: give the prefix without .bin/.idx: {prefix[:-4]}")
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    if not (idx.is_file() and bin_.is_file()):
+        folder = idx.parent
+        found = sorted(p.name for p in folder.glob(base + ".*")) if folder.is_dir() else []
+        raise ConfigError(f"data.path: {prefix}: no Megatron dataset there (looked for {bin_.name} and "
+                          f"{idx.name}; found: {', '.join(found) if found else 'nothing'})")
+    size = idx.stat().st_size
+    with idx.open("rb") as f:
+        head = f.read(34)
+    if head[:9] != _INDEX_HEADER:
+        raise ConfigError(f"data.path: {idx} is not a Megatron index (header {head[:9]!r} is not "
+                          f"{_INDEX_HEADER!r}; partial copy, or written by another tool?)")
+    if len(head) < 34:
+        raise ConfigError(f"data.path: {idx} has {size:,} bytes, less than its 34-byte header (truncated?)")
+    version, code, sequences, documents = struct.unpack("<QBQQ", head[9:34])
+    if version != 1 or code not in _DTYPES:
+        raise ConfigError(f"data.path: {idx}: version {version}, dtype code {code}: not a Megatron "
+                          "index this megatron-core reads (version 1, codes 1-8)")
+    want = 34 + sequences * (4 + 8) + documents * 8
+    if size != want:
+        raise ConfigError(f"data.path: {idx} has {size:,} bytes but its counts ({sequences:,} sequences, "
+                          f"{documents:,} document marks) need {want:,} (truncated, multimodal, or still "
+                          "being copied?)")
+    mm = np.memmap(idx, mode="r")
+    lengths = np.frombuffer(mm, np.int32, sequences, 34)
+    pointers = np.frombuffer(mm, np.int64, sequences, 34 + 4 * sequences)
+    dtype = _DTYPES[code]
+    end = int(pointers[-1]) + int(lengths[-1]) * np.dtype(dtype).itemsize if sequences else 0
+    if bin_.stat().st_size < end:
+        raise ConfigError(f"data.path: {bin_} has {bin_.stat().st_size:,} bytes but its index points to "
+                          f"{end:,} (truncated, or still being copied?)")
+    return {"dtype": dtype, "sequences": sequences, "documents": documents,
+            "lengths": np.array(lengths), "tokens": int(lengths.sum(dtype=np.int64))}
+
+
+def check_token_ids(prefix: str, header: dict, vocab_size: int) -> None:
+    """Every token id of `prefix`'s .bin (or, beyond 2^26 tokens, 4,096 evenly spread runs of
+    it) is below `vocab_size` (the embedding rows). Raises ConfigError naming the largest id."""
+    tokens = np.memmap(prefix + ".bin", dtype=header["dtype"], mode="r", shape=(header["tokens"],))
+    if header["tokens"] <= _SCAN_TOKENS:
+        top, what = int(tokens.max(initial=0)), "all tokens"
+    else:
+        step = header["tokens"] // 4096
+        top, what = max(int(tokens[s:s + 1024].max()) for s in range(0, header["tokens"], step)), \
+            "4,096 sampled runs"
+    if top >= vocab_size:
+        raise ConfigError(f"data.path: token ids up to {top:,} in {prefix} ({what}) but the model has "
+                          f"{vocab_size:,} (model.vocab_size); tokenized with another tokenizer?")
+
+
+def _stable_seed(*parts) -> int:
+    """A 63-bit seed that is a pure function of `parts` (no global RNG, no Python hash)."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+class Windows:
+    """The packed windows of one low-level dataset (an `IndexedDataset` or megatron-core's
+    `MockGPTLowLevelDataset`): Megatron's `build_sample_idx` over the documents in the order
+    `numpy.random.RandomState(seed).shuffle(arange(documents))` (GPTDataset's one-epoch order),
+    windows of `seq_len` tokens (seq_len - 1 inputs and labels plus the shared extra token).
+    `len(self)` windows; `window(w)` int64 [seq_len]."""
+
+    def __init__(self, low, seq_len: int, seed: int):
+        from megatron.core.datasets import helpers
+
+        self.low, self.seq_len = low, seq_len
+        sizes = np.asarray(low.sequence_lengths, dtype=np.int32)
+        self.document_index = np.arange(len(sizes), dtype=np.int32)
+        np.random.RandomState(seed % 2**32).shuffle(self.document_index)
+        self.sample_index = helpers.build_sample_idx(sizes, self.document_index, seq_len - 1, 1,
+                                                     int(sizes.sum(dtype=np.int64)), True, True)
+
+    def __len__(self) -> int:
+        return len(self.sample_index) - 1
+
+    def window(self, w: int) -> np.ndarray:
+        """Tokens of window `w` (int64 [seq_len]), read as GPTDataset reads sample text."""
+        (beg, beg_off), (end, end_off) = self.sample_index[w], self.sample_index[w + 1]
+        docs = self.document_index
+        if beg == end:
+            parts = [self.low.get(int(docs[beg]), offset=int(beg_off), length=int(end_off - beg_off + 1))]
+        else:
+            parts = [self.low.get(int(docs[i]), offset=int(beg_off) if i == beg else 0,
+                                  length=int(end_off + 1) if i == end else None)
+                     for i in range(int(beg), int(end) + 1)]
+        out = np.concatenate(parts).astype(np.int64)
+        if len(out) != self.seq_len:
+            raise RuntimeError(f"window {w} has {len(out)} tokens, not {self.seq_len}")
+        return out
+
+
+class Data:
+    """The rows of every step of one run: `rows(step, dp, d)` / `batch(step)`, pure functions
+    of (datasets, weights, seed, seq_len, global_batch_size, eod settings) and their arguments.
+
+    Args:
+        datasets: [(weight, Windows)], weights > 0 (normalised here).
+        seed: seed of the window permutations (each dataset's document order has its own).
+        global_batch_size: GBS, rows per step.
+        eod_id / eod_mask_loss: with eod_mask_loss, no loss on a token that follows eod_id.
+        names: the datasets' names, for messages and `describe`.
+        tokenizer: the HF tokenizer the data were made with, or None (`data inspect` decodes).
+    """
+
+    _BLEND_MIN = 1 << 16  # blending indices are built for at least this many samples
+
+    def __init__(self, datasets: list[tuple[float, Windows]], seed: int, global_batch_size: int,
+                 eod_id: int | None = None, eod_mask_loss: bool = False, names: list[str] | None = None,
+                 tokenizer=None):
+        total = sum(w for w, _ in datasets)
+        self.weights = np.array([w / total for w, _ in datasets], dtype=np.float64)
+        self.windows = [ds for _, ds in datasets]
+        self.names = names or [f"dataset{k}" for k in range(len(datasets))]
+        self.seed, self.gbs = seed, global_batch_size
+        self.eod_id, self.eod_mask_loss, self.tokenizer = eod_id, eod_mask_loss, tokenizer
+        self._blend = (np.zeros(0, np.int16), np.zeros(0, np.int64))
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+
+    def _locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset k, its sample count c before g) for global samples `g`. Megatron's greedy
+        blending is prefix-stable, so the arrays grow (doubling) without changing their prefix."""
+        if len(self.windows) == 1:
+            return np.zeros_like(g), g
+        need = int(g.max()) + 1
+        if need > len(self._blend[0]):
+            from megatron.core.datasets import helpers
+
+            size = max(self._BLEND_MIN, 1 << (need - 1).bit_length())
+            index, sample = np.zeros(size, np.int16), np.zeros(size, np.int64)
+            helpers.build_blending_indices(index, sample, self.weights, len(self.windows), size, False)
+            self._blend = (index, sample)
+        return self._blend[0][g].astype(np.int64), self._blend[1][g]
+
+    def _permutation(self, k: int, epoch: int) -> np.ndarray:
+        """P_{k,epoch}: the window order of dataset k in that epoch (a few kept)."""
+        key = (k, epoch)
+        if key not in self._perms:
+            if len(self._perms) >= 4 * len(self.windows):
+                self._perms.pop(next(iter(self._perms)))
+            rng = np.random.default_rng(_stable_seed("perm", self.seed, k, epoch))
+            self._perms[key] = rng.permutation(len(self.windows[k]))
+        return self._perms[key]
+
+    def addresses(self, step: int, dp: int = 1, d: int = 0) -> list[tuple[int, int, int, int]]:
+        """(g, dataset k, epoch e, window w) of the rows replica d of dp trains at `step`:
+        global rows j = d, d + dp, ... < GBS. Raises ValueError for step < 1 or a d/dp that does
+        not split GBS."""
+        if step < 1 or not 0 <= d < dp or self.gbs % dp:
+            raise ValueError(f"no rows for step {step}, replica {d} of dp={dp} (GBS {self.gbs})")
+        g = np.arange(d, self.gbs, dp, dtype=np.int64) + (step - 1) * self.gbs
+        ks, cs = self._locate(g)
+        out = []
+        for gi, k, c in zip(g.tolist(), ks.tolist(), cs.tolist()):
+            e, i = divmod(c, len(self.windows[k]))
+            out.append((gi, k, e, int(self._permutation(k, e)[i])))
+        return out
+
+    def rows(self, step: int, dp: int = 1, d: int = 0) -> np.ndarray:
+        """Token ids (int64 [GBS / dp, seq_len]) of the rows replica d of dp trains at `step`."""
+        return np.stack([self.windows[k].window(w) for _, k, _, w in self.addresses(step, dp, d)])
+
+    def batch(self, step: int, dp: int = 1, d: int = 0) -> TrainingBatch:
+        """`rows` as a TrainingBatch: attention_mask all ones, loss_mask 1 from column 1 on (no
+        logit predicts column 0), 0 after an EOD with eod_mask_loss; no advantages."""
+        ids = torch.from_numpy(self.rows(step, dp, d))
+        mask = torch.ones(ids.shape, dtype=torch.float32)
+        mask[:, 0] = 0
+        if self.eod_mask_loss and self.eod_id is not None:
+            mask[:, 1:] *= (ids[:, :-1] != self.eod_id).float()
+        return TrainingBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask, advantages=None)
+
+    def describe(self, steps: int) -> str:
+        """One `event=data` line: windows per epoch, weights, epochs `steps` steps need."""
+        seq = self.windows[0].seq_len
+        per = ", ".join(f"{n}:{len(ds)}" for n, ds in zip(self.names, self.windows))
+        epochs = max(steps * self.gbs * w / len(ds) for w, ds in zip(self.weights, self.windows))
+        return (f"event=data windows_per_epoch={per} weights={','.join(f'{w:.4g}' for w in self.weights)} "
+                f"epochs={epochs:.3g} tokens_per_step={self.gbs * seq}")
+
+
+def load_tokenizer(path: str):
+    """A local Hugging Face tokenizer directory through `AutoTokenizer` (never a class built
+    directly: a wrong class silently gives a 3-token tokenizer). Raises ConfigError."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"data.tokenizer: {path!r} is not a local directory (tokenizer.json, "
+                          "tokenizer_config.json); nothing is downloaded at run time")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer: {path}: cannot load it with AutoTokenizer: {e}") from None
+    return tok
+
+
+def open_data(cfg: Config) -> Data:
+    """The run's `Data` for data.kind mock or indexed, every file checked first (see
+    `index_header`, `check_token_ids`), the tokenizer (data.tokenizer, else model.hf_path)
+    checked against model.vocab_size. Raises ConfigError (one line naming the field) for bad
+    input, fewer windows than one global batch in a dataset, or megatron-core without its
+    compiled dataset helpers."""
+    d, t, m = cfg.data, cfg.train, cfg.model
+    if d.kind not in ("mock", "indexed"):
+        raise ValueError(f"data.kind={d.kind!r} has no dataset to open")
+    seed = t.seed if d.seed is None else d.seed
+    pairs = parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]
+    headers = [(w, os.path.expanduser(p), index_header(os.path.expanduser(p))) for w, p in pairs] \
+        if d.kind == "indexed" else []  # the files first: numpy only, no slow imports
+    tok_path = d.tokenizer or m.hf_path
+    tok = load_tokenizer(tok_path) if tok_path else None
+    if tok is not None and len(tok) > m.vocab_size:
+        raise ConfigError(f"data.tokenizer: {tok_path} has {len(tok):,} tokens, more than model.vocab_size="
+                          f"{m.vocab_size:,} (the embedding rows); raise model.vocab_size or use the "
+                          "model's own tokenizer")
+    eod = d.eod_id if d.eod_id is not None else getattr(tok, "eos_token_id", None)
+    if d.kind == "mock":
+        from types import SimpleNamespace
+
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+        eod = m.vocab_size - 1 if eod is None else eod
+        sources = [(1.0, "mock", MockGPTLowLevelDataset(SimpleNamespace(vocab_size=m.vocab_size, eod=eod)))]
+    else:
+        if d.eod_mask_loss and eod is None:
+            raise ConfigError("data.eod_mask_loss: no end-of-document id: set data.tokenizer (its EOS) "
+                              "or data.eod_id")
+        for _, p, h in headers:
+            check_token_ids(p, h, m.vocab_size)
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        sources = [(w, p, IndexedDataset(p)) for w, p, _ in headers]
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        raise ConfigError("data.path: megatron-core has no C++ dataset helpers (megatron.core.datasets."
+                          "helpers_cpp): it was built without a C++ compiler; reinstall it from a PyPI wheel "
+                          "(cp311-cp313 x86_64, cp312 aarch64) or with g++ available") from None
+    windows = [(w, Windows(low, t.seq_len, seed)) for w, _, low in sources]
+    names = [p for _, p, _ in sources]
+    for (_, ds), name in zip(windows, names):
+        if len(ds) < t.global_batch_size:
+            raise ConfigError(f"data.path: {len(ds):,} windows of {t.seq_len:,} tokens in {name}, fewer than "
+                              f"one global batch (train.global_batch_size={t.global_batch_size}); add data "
+                              "or lower train.seq_len / train.global_batch_size")
+    return Data(windows, seed, t.global_batch_size, eod, d.eod_mask_loss, names, tok)
+
+
+def data_fingerprint(cfg: Config) -> str | None:
+    """16 hex digits naming the data a run trains on: data.* and, per indexed dataset, the
+    SHA-256 of its .idx and the size of its .bin (None for synthetic batches). Two runs with
+    equal fingerprints read the same rows at every step."""
+    d = cfg.data
+    if d.kind == "synthetic":
+        return None
+    h = hashlib.sha256(repr(sorted(dataclasses.asdict(d).items())).encode())
+    if d.kind == "indexed":
+        for _, p in parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]:
+            p = os.path.expanduser(p)
+            with open(p + ".idx", "rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+            h.update(str(Path(p + ".bin").stat().st_size).encode())
+    return h.hexdigest()[:16]

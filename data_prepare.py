@@ -1,0 +1,194 @@
+"""`main.py data {prepare,inspect,stdlib}`: make Megatron indexed datasets and look at what a
+step trains on, with no Ray and no GPU.
+
+prepare : jsonl / jsonl.gz / parquet rows -> `{prefix}_{key}_document.bin/.idx` (the names and
+          format Megatron-LM's tools/preprocess_data.py writes), tokenized with a local Hugging
+          Face tokenizer, one document per row, EOD appended; written with megatron-core's
+          `IndexedDatasetBuilder`, so Megatron-LM reads them too.
+inspect : `--step S` with the run's config: the datasets' windows, the step's data digest (the
+          one `train` logs) and its first rows decoded.
+stdlib  : an offline corpus for demos and tests: a byte-level BPE tokenizer trained on Python's
+          own `pydoc_data/topics.py`, and the standard library's .py files prepared with it.
+
+Bad input (a missing column, an unreadable file, a tokenizer that is not a local directory)
+ends with one line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+from config import ConfigError, load_config, resolve
+
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def read_rows(path: str):
+    """Yield the rows (dicts) of a .jsonl, .jsonl.gz or .parquet file. Raises ConfigError for
+    another suffix, a line that is not JSON, or parquet without pyarrow."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--input: {path}: no such file")
+    if p.name.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"--input: {path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        yield from pq.read_table(p).to_pylist()
+        return
+    if not p.name.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
+        raise ConfigError(f"--input: {path}: expected .jsonl, .jsonl.gz or .parquet")
+    opener = gzip.open if p.name.endswith(".gz") else open
+    with opener(p, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError as e:
+                    raise ConfigError(f"--input: {path} line {n} is not JSON: {e}") from None
+
+
+def prepare(inputs: list[str], tokenizer: str, output_prefix: str, key: str = "text",
+            append_eod: bool = True, batch_rows: int = 256) -> str:
+    """Tokenize column `key` of every row of `inputs` (in order) into one Megatron dataset
+    `{output_prefix}_{key}_document` (.bin/.idx; uint16 ids below 65,500 tokens, else int32),
+    each row one document, the tokenizer's EOS appended. Returns the prefix. Raises
+    ConfigError: a row without `key` (naming its keys), a non-string value, a bad file or
+    tokenizer, no document at all."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    from data import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    eod = tok.eos_token_id
+    if append_eod and eod is None:
+        raise ConfigError(f"--tokenizer: {tokenizer} has no EOS token to end documents with; pass --no-append-eod")
+    prefix = f"{output_prefix}_{key}_document"
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(len(tok)))
+    docs = 0
+
+    def flush(texts):
+        nonlocal docs
+        for ids in tok(texts, add_special_tokens=False)["input_ids"]:
+            ids = ids + [eod] if append_eod else ids
+            if ids:
+                builder.add_document(np.array(ids, dtype=np.int64), [len(ids)])
+                docs += 1
+
+    for path in inputs:
+        texts = []
+        for n, row in enumerate(read_rows(path), 1):
+            if key not in row:
+                raise ConfigError(f"--json-keys: {key!r} is not a column of {path} (row {n} has: "
+                                  f"{', '.join(sorted(row)) or 'nothing'}); pass --json-keys COLUMN")
+            if not isinstance(row[key], str):
+                raise ConfigError(f"--json-keys: {key!r} of row {n} of {path} is {type(row[key]).__name__}, not text")
+            texts.append(row[key])
+            if len(texts) == batch_rows:
+                flush(texts)
+                texts = []
+        flush(texts)
+    builder.finalize(prefix + ".idx")
+    if not docs:
+        raise ConfigError(f"--input: no documents in {', '.join(inputs)}")
+    return prefix
+
+
+def train_stdlib_tokenizer(out_dir: str | Path, vocab_size: int = 2048) -> Path:
+    """A byte-level BPE tokenizer of `vocab_size` tokens trained on Python's
+    `pydoc_data/topics.py` (real English text, no download; the same bytes on every run of one
+    Python), special tokens `SPECIAL_TOKENS`, saved as a Hugging Face directory that
+    `AutoTokenizer` loads (EOS <|endoftext|>, pad <|pad|>). Returns the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py").read_text(encoding="utf-8")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(text.splitlines(keepends=True), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out = Path(out_dir)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|pad|>").save_pretrained(out)
+    return out
+
+
+def stdlib_corpus(out_dir: str | Path, max_files: int | None = None) -> tuple[Path, str]:
+    """The offline demo corpus in `out_dir`: `tokenizer/` (`train_stdlib_tokenizer`),
+    `stdlib.jsonl` (one row {"text", "path"} per standard-library .py file, sorted by path,
+    tests and site-packages left out; the first `max_files` of them) and its prepared dataset
+    `stdlib_text_document`. Returns (tokenizer dir, dataset prefix)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_stdlib_tokenizer(out / "tokenizer")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not {"site-packages", "test", "tests", "idlelib"}
+                   & set(p.relative_to(root).parts))[:max_files]
+    with (out / "stdlib.jsonl").open("w", encoding="utf-8") as f:
+        for p in files:
+            f.write(json.dumps({"text": p.read_text(encoding="utf-8", errors="replace"),
+                                "path": str(p.relative_to(root))}) + "\n")
+    return tok, prepare([str(out / "stdlib.jsonl")], str(tok), str(out / "stdlib"))
+
+
+def inspect_step(cfg, step: int, rows: int = 2, dp: int | None = None) -> str:
+    """What step `step` of `cfg` (resolved) trains on: the data line, the global batch's digest
+    (`TrainingBatch.digest`, as `train` logs it) and its first `rows` rows (with dp, replica 0
+    of dp's), decoded when a tokenizer is known."""
+    from data import open_data
+    from parallel_dims import ParallelDims
+
+    data = open_data(cfg)
+    dp = dp or ParallelDims.from_config(cfg).dp
+    batch = data.batch(step)
+    lines = [data.describe(cfg.train.steps), f"step {step}: data_digest={batch.digest()} "
+             f"rows={len(batch)} seq_len={batch.input_ids.shape[1]} dp={dp}"]
+    for (g, k, e, w), ids in zip(data.addresses(step, dp, 0)[:rows], data.rows(step, dp, 0)[:rows]):
+        text = data.tokenizer.decode(ids.tolist()) if data.tokenizer is not None else " ".join(map(str, ids[:32]))
+        lines.append(f"row g={g} dataset={data.names[k]} epoch={e} window={w}: {text!r}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """`main.py data MODE ...`; returns the exit status (2 with one line for bad input)."""
+    p = argparse.ArgumentParser(prog="main.py data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = p.add_subparsers(dest="mode", required=True, metavar="MODE")
+    prep = modes.add_parser("prepare", help="jsonl / jsonl.gz / parquet -> Megatron .bin/.idx")
+    prep.add_argument("--input", nargs="+", required=True, metavar="FILE", help="input files, read in order")
+    prep.add_argument("--tokenizer", required=True, metavar="DIR", help="local Hugging Face tokenizer directory")
+    prep.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                      help="writes PREFIX_KEY_document.bin/.idx (Megatron-LM's naming)")
+    prep.add_argument("--json-keys", default="text", metavar="KEY", help="the text column (default: text)")
+    prep.add_argument("--no-append-eod", action="store_true", help="do not end each document with the EOS id")
+    insp = modes.add_parser("inspect", help="what step S trains on (no Ray, no GPU)")
+    insp.add_argument("--config", default="config.yaml", metavar="FILE")
+    insp.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
+    insp.add_argument("--step", type=int, required=True, metavar="S")
+    insp.add_argument("--rows", type=int, default=2, metavar="N", help="rows to print (default 2)")
+    std = modes.add_parser("stdlib", help="offline demo corpus: BPE tokenizer + the stdlib prepared")
+    std.add_argument("--output-dir", default="runs/stdlib_corpus", metavar="DIR")
+    std.add_argument("--max-files", type=int, default=None, metavar="N")
+    args = p.parse_args(argv)
+    try:
+        if args.mode == "prepare":
+            print(prepare(args.input, args.tokenizer, args.output_prefix, args.json_keys, not args.no_append_eod))
+        elif args.mode == "inspect":
+            if args.step < 1:
+                raise ConfigError(f"--step {args.step}: steps count from 1")
+            raw = load_config(args.config, args.overrides)
+            print(inspect_step(resolve(raw, num_gpus=raw.cluster.gpus_per_node or None), args.step, args.rows))
+        else:
+            tok, prefix = stdlib_corpus(args.output_dir, args.max_files)
+            print(f"tokenizer {tok}\ndataset {prefix}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
