@@ -296,8 +296,11 @@ def test_a_ce_checkpoint_resumes_at_another_dp_on_the_same_rows(ce_reference, st
     assert {s: trainer.losses[s] for s in (3, 4)} == pytest.approx({s: ref_losses[s] for s in (3, 4)}, rel=1e-5)
 
 
-def test_prepare_reads_jsonl_gz_as_jsonl_and_writes_what_megatron_reads(stdlib_corpus, tmp_path):
+def test_prepare_reads_jsonl_gz_and_parquet_as_jsonl_and_writes_what_megatron_reads(stdlib_corpus, tmp_path):
     import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from transformers import AutoTokenizer
@@ -309,10 +312,12 @@ def test_prepare_reads_jsonl_gz_as_jsonl_and_writes_what_megatron_reads(stdlib_c
     (tmp_path / "a.jsonl").write_text(lines)
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
         f.write(lines)
+    pq.write_table(pa.table({"text": [f"row {i}: def f(x): return x + {i}" for i in range(50)]}), tmp_path / "c.parquet")
     a = prepare([str(tmp_path / "a.jsonl")], tok, str(tmp_path / "a"))
     b = prepare([str(tmp_path / "b.jsonl.gz")], tok, str(tmp_path / "b"))
+    c = prepare([str(tmp_path / "c.parquet")], tok, str(tmp_path / "c"))
     for ext in (".bin", ".idx"):
-        assert open(a + ext, "rb").read() == open(b + ext, "rb").read()
+        assert open(a + ext, "rb").read() == open(b + ext, "rb").read() == open(c + ext, "rb").read()
     ds, t = IndexedDataset(a), AutoTokenizer.from_pretrained(tok)
     assert len(ds) == 50 and t.decode(ds[7].tolist()) == "row 7: def f(x): return x + 7<|endoftext|>"
 
