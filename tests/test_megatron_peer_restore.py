@@ -82,7 +82,7 @@ def _peer_restore_rank(proc: int, world: int, store, dp: int, tp: int, lost: lis
     clean = {r for r, ok in enumerate(_all(rank in survivors and e.rollback(2))) if ok}
     # as the recovery protocol plans it for this engine (`fault_tolerance._restore`)
     plan = plan_peer_restore(dims.group_ranks("dp"), survivors, clean, subgroups=False)
-    assert plan, f"no peer restore planned: survivors {survivors}, rolled back {clean}"
+    assert plan is not None, f"no peer restore possible: survivors {survivors}, rolled back {clean}"
     for src, callers, members in plan:
         if rank in callers:
             out["subset_refused"] = False
