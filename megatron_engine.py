@@ -86,7 +86,9 @@ def _shard(dims: ParallelDims, rank: int) -> tuple[int, int, int]:
 
 class MegatronEngine:
     """Megatron-Core GPT model, optimizer and cosine LR schedule of one rank (CUDA device 0 of
-    the process, bf16 params with fp32 main params and fp32 gradient reduction).
+    the process, bf16 params with fp32 main params and fp32 gradient reduction). In a process
+    without CUDA it runs on the CPU over gloo (`megatron_compat.cpu_stand_ins`; tests of its
+    logic: the config accepts the Megatron engine only with GPUs).
 
     `__init__` also sets up the process for CUDA (`host_memory.configure_host_allocator`, NCCL's
     environment, device 0): make the engine before anything initialises CUDA in the process.

@@ -12,13 +12,12 @@ its position's step-2 state bitwise and then train steps 3 and 4 with the uninte
 losses and gradient norms exactly (fp32 on CPU, same reduction order). A broadcast that waits
 for ranks that never call fails the case at the process-group timeout
 (`fault_tolerance.step_timeout_s`, 20 s here) instead of hanging the suite."""
-import hashlib
-
 import pytest
 import torch
 
 from parallel_dims import ParallelDims
 from ranks import spawn_ranks
+from test_megatron_engine import _batch, _state_digest
 
 
 def _cfg(dp: int, tp: int):
@@ -32,24 +31,6 @@ def _cfg(dp: int, tp: int):
             "train.global_batch_size=12", "train.mini_batch_size=12", "train.micro_batch_size=1",
             "train.steps=4", "fault_tolerance.step_timeout_s=20", "fault_tolerance.min_step_timeout_s=10"]
     return resolve(load_config(None, sets), num_gpus=1)  # a GPU config; the engine runs where it is
-
-
-def _batch(cfg, step, dims, rank):
-    from dispatch import MeshDispatch
-    from training_batch import synthetic_batch
-
-    t, m = cfg.train, cfg.model
-    b = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
-    return MeshDispatch.split(dims, (b,), {})[rank][0][0]
-
-
-def _digest(state) -> str:
-    from host_memory import state_tensors
-
-    h = hashlib.sha256(f"{state['step']} {state['sched_steps']}".encode())
-    for x in state_tensors(state):
-        h.update(x.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _train(engine, cfg, dims, rank, steps) -> list:
@@ -87,7 +68,7 @@ def _peer_restore_rank(proc: int, world: int, store, dp: int, tp: int, lost: lis
     join(e, 1, proc)
     _train(e, cfg, dims, proc, (1, 2))
     committed = e._host_copy(e._train_state(), pin=False)
-    out = {"before": _digest(committed), "reference": _train(e, cfg, dims, proc, (3, 4)), "rank": at[proc]}
+    out = {"before": _state_digest(committed, committed["step"]), "reference": _train(e, cfg, dims, proc, (3, 4)), "rank": at[proc]}
     e.load_state(committed)
     _train(e, cfg, dims, proc, (3,))  # the step a failure interrupts: never committed
     if proc in lost:  # a fresh spare takes this rank
@@ -101,7 +82,7 @@ def _peer_restore_rank(proc: int, world: int, store, dp: int, tp: int, lost: lis
     clean = {r for r, ok in enumerate(_all(rank in survivors and e.rollback(2))) if ok}
     # as the recovery protocol plans it for this engine (`fault_tolerance._restore`)
     plan = plan_peer_restore(dims.group_ranks("dp"), survivors, clean, subgroups=False)
-    assert plan, f"no peer restore planned: survivors {survivors}, rolled back {clean}"
+    assert plan is not None, f"no peer restore possible: survivors {survivors}, rolled back {clean}"
     for src, callers, members in plan:
         if rank in callers:
             out["subset_refused"] = False
@@ -110,7 +91,7 @@ def _peer_restore_rank(proc: int, world: int, store, dp: int, tp: int, lost: lis
             except ValueError:
                 out["subset_refused"] = True
             e.broadcast_from(src, members)
-    out["after"] = _digest(e._train_state())
+    out["after"] = _state_digest(e._train_state(), e.step)
     out["resumed"] = _train(e, cfg, dims, rank, (3, 4))
     dist.destroy_process_group()
     return out
