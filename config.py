@@ -230,6 +230,10 @@ class FaultToleranceConfig:
     has it, in that order."""
     min_dp: int | None = None
     """With no spare left, shrink DP down to this, in [1, dp] (null: stop with a report)."""
+    allow_restart_from_scratch: bool = False
+    """When a recovery finds no source of the committed step (no DP peer, in-memory snapshot or
+    checkpoint that verifies and loads), restart every rank from the initial state (step 0)
+    instead of stopping the run (false: stop with a RecoveryError saying why)."""
     refill_spares: bool = True
     """Start new spares on freed bundles in the background."""
     driver_failover: bool = False

@@ -15,7 +15,8 @@ Protocol (one failure or many; docs/recovery.md has the detail):
    from a survivor); (b) in-memory snapshots held by `SnapshotHolder` actors on other nodes
    (needed when a whole DP replica is gone or the optimizer state is sharded); (c) the newest
    verified checkpoint of this run (all ranks load it; the steps after it are replayed; a run
-   resuming after its driver was lost loads it the same way, `restore_checkpoint`), else step 0.
+   resuming after its driver was lost loads it the same way, `restore_checkpoint`), else step 0
+   when nothing was committed or `fault_tolerance.allow_restart_from_scratch`, else RecoveryError.
 6. Resume; the trainer records `first_step_s` when the next step completes.
 A failure during any phase restarts the protocol with the larger set of failed ranks.
 """
@@ -116,6 +117,20 @@ def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivor
     return RestorePlan("checkpoint", notes=notes)
 
 
+def scratch_restart_refusal(committed: int, allowed: bool, notes: list[str]) -> str | None:
+    """Why a recovery that found no source of committed step `committed` (no peer, no
+    in-memory snapshot, no checkpoint that verifies and loads; `notes`: what was tried) must
+    stop rather than restart from the initial state, or None when the restart loses nothing
+    (`committed` 0) or `fault_tolerance.allow_restart_from_scratch` (`allowed`) opts in."""
+    if committed == 0 or allowed:
+        return None
+    tried = f" ({'; '.join(notes)})" if notes else ""
+    return (f"no peer, in-memory snapshot or checkpoint holds committed step {committed} or any step after "
+            f"step 0{tried}: stopping rather than silently restarting from the initial state; set "
+            f"fault_tolerance.allow_restart_from_scratch=true to restart from step 0, or keep a source "
+            f"(checkpoint.interval, fault_tolerance.memory_snapshot_interval, cluster.num_spares)")
+
+
 # -- the protocol --------------------------------------------------------------------------------
 def _replace(group: ActorGroup, failed: set[int], ft: FaultToleranceConfig) -> None:
     """Put a spare at each failed rank; with too few spares, shrink DP if
@@ -189,6 +204,10 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
     if step is not None:
         timeline.restore_source = f"checkpoint step {step}"
         return step
+    if refusal := scratch_restart_refusal(committed, ft.allow_restart_from_scratch, timeline.notes):
+        raise RecoveryError(refusal)
+    log.warning("restarting from the initial state (step 0): no source holds committed step %d "
+                "(fault_tolerance.allow_restart_from_scratch)", committed)
     timeline.restore_source = "initial"
     group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
     return 0

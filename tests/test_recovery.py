@@ -117,6 +117,35 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_an_older_one(reference, t
     assert digests == reference[1]
 
 
+@pytest.mark.parametrize("allow", [False, True])
+def test_no_source_of_the_committed_step_stops_unless_a_restart_from_scratch_is_allowed(reference, tmp_path, allow):
+    """Every rank is killed after step 2 with no checkpoint and no memory snapshot: nothing holds
+    the committed step. By default the run stops with a RecoveryError naming the field to set;
+    with `fault_tolerance.allow_restart_from_scratch` every rank restarts from the initial state
+    and steps 1-2 are replayed, bitwise as the run without failure."""
+    from failures import RecoveryError
+
+    cfg = make_cfg(tmp_path, f"fault_tolerance.allow_restart_from_scratch={str(allow).lower()}", spares=2)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(2)
+        for r in (0, 1):
+            ray.kill(group.workers[r].handle, no_restart=True)
+        if not allow:
+            with pytest.raises(RecoveryError, match="committed step 2.*allow_restart_from_scratch=true"):
+                trainer.train(4)
+            assert trainer.committed_step == 2
+            return
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.restored_step, tl.steps_lost) == ("initial", 0, 2)
+        assert trainer.losses == reference[0] and trainer.replayed == {s: [reference[0][s]] for s in (1, 2)}
+        assert group.state_digests() == reference[1]
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.parametrize("storage", ["s3", "gcs"])
 def test_checkpoint_restore_from_object_storage(reference, tmp_path, storage, request):
     """Resumed from an S3 / GCS checkpoint (loopback servers), async save: same losses as the

@@ -7,7 +7,7 @@ import pytest
 
 from actor_group import ActorSlot, BackupPool
 from failures import RecoveryError
-from fault_tolerance import plan_memory_restore, plan_peer_restore, plan_restore
+from fault_tolerance import plan_memory_restore, plan_peer_restore, plan_restore, scratch_restart_refusal
 from parallel_dims import ParallelDims
 
 DP4 = ParallelDims(tp=1, pp=1, cp=1, dp=4).group_ranks("dp")       # [[0, 1, 2, 3]]
@@ -75,6 +75,19 @@ def test_restore_source_is_the_cheapest_the_mode_allows(mode, survivors, clean, 
 def test_a_mode_that_cannot_serve_the_failure_is_an_error(mode, held, match):
     with pytest.raises(RecoveryError, match=match):
         plan_restore(mode, 4, DP4, {0, 2, 3}, {0}, held, lambda: 0)
+
+
+@pytest.mark.parametrize("committed, allowed, stops", [
+    (0, False, False),   # nothing committed: step 0 loses nothing
+    (3, False, True),    # committed steps and no source: stop, say why
+    (3, True, False),    # the user opted in to a restart from the initial state
+])
+def test_a_restart_from_scratch_stops_the_run_unless_opted_in(committed, allowed, stops):
+    refusal = scratch_restart_refusal(committed, allowed, ["peer restore impossible"])
+    assert (refusal is not None) == stops
+    if stops:
+        assert "committed step 3" in refusal and "peer restore impossible" in refusal
+        assert "fault_tolerance.allow_restart_from_scratch=true" in refusal and "\n" not in refusal
 
 
 def _slot(node: str, gpu: int, bundle: int) -> ActorSlot:
