@@ -389,6 +389,16 @@ class ActorGroup:
         nodes = sorted(self.holders)
         return self.holders[nodes[(nodes.index(node_id) + 1) % len(nodes)] if node_id in nodes else nodes[0]]
 
+    def drop_snapshots_after(self, step: int) -> None:
+        """After a rewind to committed step `step` (a checkpoint restore, a resume, a restart or
+        an in-memory restore of an older step): every live holder drops the snapshots of later
+        steps and the late parts of sends from older generations (`SnapshotHolder.drop_after`),
+        so no later in-memory restore mixes the abandoned timeline into this one. A holder that
+        does not answer within health_timeout_s is skipped (`held_snapshots` forgets dead ones)."""
+        refs = [h.drop_after.remote(step, self.generation) for h in self.holders.values()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+
     def held_snapshots(self) -> dict[tuple, set[int]]:
         """(layout, rank) -> steps held by some live holder. Holders that died (with their
         node) are forgotten; one that does not answer within health_timeout_s is skipped."""

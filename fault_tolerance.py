@@ -195,6 +195,8 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
                          for r in plan.ranks], timeout, plan.ranks)
         if all(ok):
             timeline.restore_source = "memory" if plan.step == committed else f"memory step {plan.step}"
+            if plan.step < committed:
+                group.drop_snapshots_after(plan.step)
             return plan.step
         if ft.restore == "memory":
             raise RecoveryError(NO_MEMORY_RESTORE)
@@ -210,6 +212,7 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
                 "(fault_tolerance.allow_restart_from_scratch)", committed)
     timeline.restore_source = "initial"
     group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
+    group.drop_snapshots_after(0)
     return 0
 
 
@@ -221,7 +224,8 @@ def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: li
                        notes: list[str]) -> int | None:
     """Every rank loads the newest of the committed `manifests` (ascending) whose files verify
     (`_verified_by_ranks`) and which loads on every rank; returns its step, None when none does
-    (the ranks' state is then undefined). One that does not load (`CheckpointMismatch` on a
+    (the ranks' state is then undefined); the snapshot holders then drop the later steps
+    (`ActorGroup.drop_snapshots_after`). One that does not load (`CheckpointMismatch` on a
     rank) is a bad checkpoint, not a bad rank: no spare is spent, a warning and a note in
     `notes` name it, and the next older one is tried. Used by recovery and by a resuming run.
     Raises ConfigError (`check_manifest`: another model or layout), WorkerFailure,
@@ -235,6 +239,7 @@ def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: li
                         ckpt.step_uri(manifest.step), "; ".join(errors))
             notes.append(f"checkpoint step {manifest.step} does not load")
             continue
+        group.drop_snapshots_after(manifest.step)  # a rewind: the later snapshots are another timeline's
         return manifest.step
     return None
 

@@ -237,7 +237,8 @@ class MegatronActor:
                 self._sender.skip(step)
             else:
                 self._sender.send(self._holder, (str(self.dims), self.rank), step, copy,
-                                  before_last_part=lambda: self.fault_point("mid_snapshot"))
+                                  before_last_part=lambda: self.fault_point("mid_snapshot"),
+                                  generation=self.generation)
             result["memory_snapshots"] = self._sender.counts()
         return result
 

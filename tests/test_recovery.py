@@ -6,6 +6,7 @@ committed checkpoint with replay), and the per-step losses equal a no-failure ru
 """
 
 import contextlib
+import dataclasses
 import threading
 
 import pytest
@@ -141,6 +142,37 @@ def test_no_source_of_the_committed_step_stops_unless_a_restart_from_scratch_is_
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.restored_step, tl.steps_lost) == ("initial", 0, 2)
         assert trainer.losses == reference[0] and trainer.replayed == {s: [reference[0][s]] for s in (1, 2)}
+        assert group.state_digests() == reference[1]
+    finally:
+        group.shutdown()
+
+
+def test_a_memory_restore_after_a_rewind_never_takes_the_abandoned_timeline(reference, tmp_path):
+    """Steps 2-4 run with other data (another seed: an abandoned timeline, held by the snapshot
+    holders), then every rank rewinds to checkpoint step 1 (`resume`) and steps 2-4 run again
+    with the run's data. Rank 0 is killed half-way through its snapshot of step 3, so a memory
+    restore must not give it the abandoned timeline's step 3 (held since before the rewind) while
+    rank 1 holds the new one's: the holders dropped it at the rewind, the restore takes step 2
+    of this timeline for every rank, and the final state is bitwise the run without failure."""
+    cfg = make_cfg(tmp_path, "fault_tolerance.memory_snapshot_interval=1", "fault_tolerance.restore=memory")
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        wait_for_senders(group)
+        trainer.train(1)
+        trainer.save(1)
+        trainer.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=cfg.train.seed + 1))
+        trainer.train(4)
+        wait_for_snapshots(group, 4)
+        trainer.cfg = cfg
+        assert trainer.resume(1) == 1
+        trainer.train(2)
+        wait_for_senders(group)  # step 2's send is over: the fault hits step 3's
+        group.arm_fault(0, "kill", "mid_snapshot")
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert tl.failed_ranks == [0] and tl.restored_step <= 2
+        assert {s: trainer.replayed[s][-1] for s in (2, 3, 4)} == {s: reference[0][s] for s in (2, 3, 4)}
         assert group.state_digests() == reference[1]
     finally:
         group.shutdown()
