@@ -262,6 +262,39 @@ def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: li
             log.warning("skipping checkpoint %s: %s", ckpt.step_uri(manifest.step), "; ".join(problems))
 
 
+def grow_back_size(dp: int, configured_dp: int, spares: int, ranks_per_replica: int) -> int | None:
+    """The dp to grow back to after a shrink, or None: `configured_dp` when the current `dp` is
+    below it and the pool's `spares` fill every missing replica (`ranks_per_replica` = tp x pp
+    x cp ranks each). Only the full configured width: a partial grow could leave a dp that
+    does not divide the batch, and would re-form the groups twice."""
+    if dp >= configured_dp or spares < (configured_dp - dp) * ranks_per_replica:
+        return None
+    return configured_dp
+
+
+def grow_back(group: ActorGroup, ckpt: CheckpointManager, committed_step: int, dp: int,
+              ft: FaultToleranceConfig, check_manifest: Callable[[Manifest], None],
+              run_id: str | None = None) -> RecoveryTimeline:
+    """A planned membership change at a step boundary: add DP replicas from the pool up to
+    `dp` (`ActorGroup.grow`), form a new generation and restore the new members like a
+    recovery restores replacements (`_restore`: from a DP peer, every DP group having a
+    member at the committed step). Returns its timeline (kind 'grow', `failed_ranks`: the
+    ranks added). Raises WorkerFailure when a member fails meanwhile (the caller recovers
+    from it as from any failure), RecoveryError when no source serves the new members."""
+    survivors = list(group.workers)
+    t0 = time.perf_counter()
+    added = group.grow(dp)
+    t1 = time.perf_counter()
+    tl = RecoveryTimeline("grow", added, sorted({group.workers[r].node_id for r in added}),
+                          committed_step=committed_step)
+    tl.rebuild_detail = group.form_generation()
+    t2 = time.perf_counter()
+    tl.restored_step = _restore(group, ckpt, committed_step, survivors, ft, check_manifest, tl, run_id)
+    tl.replace_s, tl.rebuild_s, tl.restore_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+    tl.generation = group.generation
+    return tl
+
+
 def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, committed_step: int,
             ft: FaultToleranceConfig, check_manifest: Callable[[Manifest], None],
             max_attempts: int = 5, run_id: str | None = None) -> RecoveryTimeline:
