@@ -22,6 +22,7 @@ A failure during any phase restarts the protocol with the larger set of failed r
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -278,7 +279,7 @@ def grow_back(group: ActorGroup, ckpt: CheckpointManager, committed_step: int, d
     """A planned membership change at a step boundary: add DP replicas from the pool up to
     `dp` (`ActorGroup.grow`), form a new generation and restore the new members like a
     recovery restores replacements (`_restore`: from a DP peer, every DP group having a
-    member at the committed step). Returns its timeline (kind 'grow', `failed_ranks`: the
+    member at the committed step; `fault_tolerance.restore` is not applied: auto). Returns its timeline (kind 'grow', `failed_ranks`: the
     ranks added). Raises WorkerFailure when a member fails meanwhile (the caller recovers
     from it as from any failure), RecoveryError when no source serves the new members."""
     survivors = list(group.workers)
@@ -289,7 +290,9 @@ def grow_back(group: ActorGroup, ckpt: CheckpointManager, committed_step: int, d
                           committed_step=committed_step)
     tl.rebuild_detail = group.form_generation()
     t2 = time.perf_counter()
-    tl.restored_step = _restore(group, ckpt, committed_step, survivors, ft, check_manifest, tl, run_id)
+    # The cheapest source, whatever `restore` forces for failures: a planned change loses no step.
+    tl.restored_step = _restore(group, ckpt, committed_step, survivors, dataclasses.replace(ft, restore="auto"),
+                                check_manifest, tl, run_id)
     tl.replace_s, tl.rebuild_s, tl.restore_s = t1 - t0, t2 - t1, time.perf_counter() - t2
     tl.generation = group.generation
     return tl
