@@ -278,9 +278,9 @@ def grow_back(group: ActorGroup, ckpt: CheckpointManager, committed_step: int, d
               run_id: str | None = None) -> RecoveryTimeline:
     """A planned membership change at a step boundary: add DP replicas from the pool up to
     `dp` (`ActorGroup.grow`), form a new generation and restore the new members like a
-    recovery restores replacements (`_restore`: from a DP peer, every DP group having a
-    member at the committed step; `fault_tolerance.restore` is not applied: auto). Returns its timeline (kind 'grow', `failed_ranks`: the
-    ranks added). Raises WorkerFailure when a member fails meanwhile (the caller recovers
+    recovery restores replacements (`_restore` with restore=auto, whatever
+    `fault_tolerance.restore` says: from a DP peer, every DP group having a member at the
+    committed step). Returns its timeline (kind 'grow', `failed_ranks`: the ranks added). Raises WorkerFailure when a member fails meanwhile (the caller recovers
     from it as from any failure), RecoveryError when no source serves the new members."""
     survivors = list(group.workers)
     t0 = time.perf_counter()

@@ -183,9 +183,13 @@ class Trainer:
         """At a step boundary after a DP shrink: once the pool holds spares for every missing
         replica (refills done, a node added back), grow DP back to the configured size
         (`fault_tolerance.grow_back`: a new generation, the new replicas restored from a DP
-        peer); the async save in flight, of the smaller layout, is committed first. Logs
+        peer; not with Megatron's distributed optimizer, whose shards no peer holds); the async
+        save in flight, of the smaller layout, is committed first. Logs
         `event=grow` with the timeline and returns it (also in `grows`); None when there is
         nothing to grow. Raises WorkerFailure when a member fails meanwhile."""
+        m = self.cfg.model
+        if m.engine == "megatron" and m.distributed_optimizer:
+            return None  # the new replicas' optimizer shards are on no peer: growing would rewind
         d = self.group.dims
         per_replica = d.tp * d.pp * d.cp
         dp = grow_back_size(d.dp, self.cfg.cluster.num_workers // per_replica, len(self.group.pool), per_replica)
