@@ -440,6 +440,16 @@ class ActorGroup:
             return None
         return self.holders[keeper_node(node_id, list(self.holders))]
 
+    def drop_snapshots_after(self, step: int) -> None:
+        """After a rewind to committed step `step` (a checkpoint restore, a resume, a restart or
+        an in-memory restore of an older step): every live holder drops the snapshots of later
+        steps and the late parts of sends from older generations (`SnapshotHolder.drop_after`),
+        so no later in-memory restore mixes the abandoned timeline into this one. A holder that
+        does not answer within health_timeout_s is skipped (`held_snapshots` forgets dead ones)."""
+        refs = [h.drop_after.remote(step, self.generation) for h in self.holders.values()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+
     def held_snapshots(self) -> dict[tuple, set[int]]:
         """(layout, rank) -> steps held by some live holder. Holders that died (with their
         node) are forgotten; one that does not answer within health_timeout_s is skipped."""
@@ -634,6 +644,27 @@ class ActorGroup:
                 workers[new.rank_of(RankCoords(tp=c.tp, cp=c.cp, dp=kept.index(c.dp), pp=c.pp))] = s
         log.warning("no spare left: shrinking dp %d -> %d (replicas %s dropped)", old.dp, new.dp, lost)
         self.workers, self.dims = workers, new
+
+    def grow(self, dp: int) -> list[int]:
+        """Add DP replicas from the pool up to `dp` (the inverse of `shrink`, once spares are
+        back): the members keep their (tp, cp, pp, dp) positions, replicas dp_now..dp-1 are
+        spares (`BackupPool.take`, each on a device no member uses where one is free). The
+        global batch is unchanged: each replica gets a smaller share. Returns the new members'
+        ranks (they hold no state yet). Raises ValueError when the pool holds fewer spares than
+        the new replicas need, or when `dp` is not above the current dp."""
+        old = self.dims
+        new = ParallelDims(tp=old.tp, pp=old.pp, cp=old.cp, dp=dp)
+        if dp <= old.dp or len(self.pool) < new.world_size - old.world_size:
+            raise ValueError(f"cannot grow dp {old.dp} -> {dp} with {len(self.pool)} spare(s)")
+        workers: list = [None] * new.world_size
+        for r, s in enumerate(self.workers):
+            workers[new.rank_of(old.coords(r))] = s
+        added = [r for r in range(new.world_size) if workers[r] is None]
+        for r in added:
+            workers[r] = self.pool.take(set(), {s.device for s in workers if s is not None})
+        log.warning("spares are back: growing dp %d -> %d (ranks %s added)", old.dp, dp, added)
+        self.workers, self.dims = workers, new
+        return added
 
     def shutdown(self) -> None:
         """Kill every actor (spares and refills too) and release the placement group."""

@@ -260,7 +260,12 @@ class FaultToleranceConfig:
     memory_snapshot_interval >= 1) or the newest committed checkpoint; auto: the cheapest that
     has it, in that order."""
     min_dp: int | None = None
-    """With no spare left, shrink DP down to this, in [1, dp] (null: stop with a report)."""
+    """With no spare left, shrink DP down to this, in [1, dp] (null: stop with a report). DP grows
+    back to its configured size once the pool holds spares for every missing replica."""
+    allow_restart_from_scratch: bool = False
+    """When a recovery finds no source of the committed step (no DP peer, in-memory snapshot or
+    checkpoint that verifies and loads), restart every rank from the initial state (step 0)
+    instead of stopping the run (false: stop with a RecoveryError saying why)."""
     refill_spares: bool = True
     """Start new spares on freed bundles in the background."""
     driver_failover: bool = False

@@ -16,12 +16,14 @@ Protocol (one failure or many; docs/recovery.md has the detail):
    its keeper, keeper.py); (b) in-memory snapshots held by `SnapshotHolder` actors on other nodes
    (needed when a whole DP replica is gone or the optimizer state is sharded); (c) the newest
    verified checkpoint of this run (all ranks load it; the steps after it are replayed; a run
-   resuming after its driver was lost loads it the same way, `restore_checkpoint`), else step 0.
+   resuming after its driver was lost loads it the same way, `restore_checkpoint`), else step 0
+   when nothing was committed or `fault_tolerance.allow_restart_from_scratch`, else RecoveryError.
 6. Resume; the trainer records `first_step_s` when the next step completes.
 A failure during any phase restarts the protocol with the larger set of failed ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -148,6 +150,20 @@ def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivor
     return RestorePlan("checkpoint", notes=notes)
 
 
+def scratch_restart_refusal(committed: int, allowed: bool, notes: list[str]) -> str | None:
+    """Why a recovery that found no source of committed step `committed` (no peer, no
+    in-memory snapshot, no checkpoint that verifies and loads; `notes`: what was tried) must
+    stop rather than restart from the initial state, or None when the restart loses nothing
+    (`committed` 0) or `fault_tolerance.allow_restart_from_scratch` (`allowed`) opts in."""
+    if committed == 0 or allowed:
+        return None
+    tried = f" ({'; '.join(notes)})" if notes else ""
+    return (f"no peer, in-memory snapshot or checkpoint holds committed step {committed} or any step after "
+            f"step 0{tried}: stopping rather than silently restarting from the initial state; set "
+            f"fault_tolerance.allow_restart_from_scratch=true to restart from step 0, or keep a source "
+            f"(checkpoint.interval, fault_tolerance.memory_snapshot_interval, cluster.num_spares)")
+
+
 # -- the protocol --------------------------------------------------------------------------------
 def _replace(group: ActorGroup, failed: set[int], ft: FaultToleranceConfig) -> None:
     """Put a spare at each failed rank; with too few spares, shrink DP if
@@ -226,6 +242,8 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
                          for r in plan.ranks], timeout, plan.ranks)
         if all(ok):
             timeline.restore_source = "memory" if plan.step == committed else f"memory step {plan.step}"
+            if plan.step < committed:
+                group.drop_snapshots_after(plan.step)
             return plan.step
         if ft.restore == "memory":
             raise RecoveryError(NO_MEMORY_RESTORE)
@@ -235,8 +253,13 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
     if step is not None:
         timeline.restore_source = f"checkpoint step {step}"
         return step
+    if refusal := scratch_restart_refusal(committed, ft.allow_restart_from_scratch, timeline.notes):
+        raise RecoveryError(refusal)
+    log.warning("restarting from the initial state (step 0): no source holds committed step %d "
+                "(fault_tolerance.allow_restart_from_scratch)", committed)
     timeline.restore_source = "initial"
     group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
+    group.drop_snapshots_after(0)
     return 0
 
 
@@ -248,7 +271,8 @@ def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: li
                        notes: list[str]) -> int | None:
     """Every rank loads the newest of the committed `manifests` (ascending) whose files verify
     (`_verified_by_ranks`) and which loads on every rank; returns its step, None when none does
-    (the ranks' state is then undefined). One that does not load (`CheckpointMismatch` on a
+    (the ranks' state is then undefined); the snapshot holders then drop the later steps
+    (`ActorGroup.drop_snapshots_after`). One that does not load (`CheckpointMismatch` on a
     rank) is a bad checkpoint, not a bad rank: no spare is spent, a warning and a note in
     `notes` name it, and the next older one is tried. Used by recovery and by a resuming run.
     Raises ConfigError (`check_manifest`: another model or layout), WorkerFailure,
@@ -262,6 +286,7 @@ def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: li
                         ckpt.step_uri(manifest.step), "; ".join(errors))
             notes.append(f"checkpoint step {manifest.step} does not load")
             continue
+        group.drop_snapshots_after(manifest.step)  # a rewind: the later snapshots are another timeline's
         return manifest.step
     return None
 
@@ -282,6 +307,41 @@ def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: li
             yield manifest
         else:
             log.warning("skipping checkpoint %s: %s", ckpt.step_uri(manifest.step), "; ".join(problems))
+
+
+def grow_back_size(dp: int, configured_dp: int, spares: int, ranks_per_replica: int) -> int | None:
+    """The dp to grow back to after a shrink, or None: `configured_dp` when the current `dp` is
+    below it and the pool's `spares` fill every missing replica (`ranks_per_replica` = tp x pp
+    x cp ranks each). Only the full configured width: a partial grow could leave a dp that
+    does not divide the batch, and would re-form the groups twice."""
+    if dp >= configured_dp or spares < (configured_dp - dp) * ranks_per_replica:
+        return None
+    return configured_dp
+
+
+def grow_back(group: ActorGroup, ckpt: CheckpointManager, committed_step: int, dp: int,
+              ft: FaultToleranceConfig, check_manifest: Callable[[Manifest], None],
+              run_id: str | None = None) -> RecoveryTimeline:
+    """A planned membership change at a step boundary: add DP replicas from the pool up to
+    `dp` (`ActorGroup.grow`), form a new generation and restore the new members like a
+    recovery restores replacements (`_restore` with restore=auto, whatever
+    `fault_tolerance.restore` says: from a DP peer, every DP group having a member at the
+    committed step). Returns its timeline (kind 'grow', `failed_ranks`: the ranks added). Raises WorkerFailure when a member fails meanwhile (the caller recovers
+    from it as from any failure), RecoveryError when no source serves the new members."""
+    survivors = list(group.workers)
+    t0 = time.perf_counter()
+    added = group.grow(dp)
+    t1 = time.perf_counter()
+    tl = RecoveryTimeline("grow", added, sorted({group.workers[r].node_id for r in added}),
+                          committed_step=committed_step)
+    tl.rebuild_detail = group.form_generation()
+    t2 = time.perf_counter()
+    # The cheapest source, whatever `restore` forces for failures: a planned change loses no step.
+    tl.restored_step = _restore(group, ckpt, committed_step, survivors, dataclasses.replace(ft, restore="auto"),
+                                check_manifest, tl, run_id)
+    tl.replace_s, tl.rebuild_s, tl.restore_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+    tl.generation = group.generation
+    return tl
 
 
 def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, committed_step: int,

@@ -15,6 +15,7 @@ results of an aborted generation even when no error came (an aborted NCCL collec
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import faulthandler
 import os
@@ -273,7 +274,8 @@ class MegatronActor:
                 self._sender.skip(step)
             else:
                 self._sender.send(self._holder, (str(self.dims), self.rank), step, copy,
-                                  before_last_part=lambda: self.fault_point("mid_snapshot"))
+                                  before_last_part=lambda: self.fault_point("mid_snapshot"),
+                                  generation=self.generation)
             result["memory_snapshots"] = self._sender.counts()
         if self._keeper is not None:
             result["kept_shards"] = self._shards.after_step(self.engine, self._keeper,
@@ -309,6 +311,7 @@ class MegatronActor:
         failure of this rank. With `async_save` the state is snapshotted to host memory and
         written in the background: returns None; `finish_checkpoint` returns the files."""
         self._check(generation)
+        self._end_abandoned_save()
         self.fault_point("during_save")
         try:
             if not async_save:
@@ -317,6 +320,19 @@ class MegatronActor:
         except CheckpointError as e:
             return str(e)
         return None
+
+    def _end_abandoned_save(self) -> None:
+        """An async save still pending here at the next save was abandoned by a recovery (the
+        driver drops it and never asks `finish_checkpoint`): wait for its background write to
+        end, so that it cannot write or upload into the files of a new save of the same step
+        (which, at rank 0, also empties that step's directory first), and give its pinned
+        arena back (`PendingSave.abandon`; the torch engine's write is a plain Future)."""
+        pending, self._pending_save = self._pending_save or [], None
+        for save in pending:
+            if hasattr(save, "abandon"):
+                save.abandon()
+            else:
+                concurrent.futures.wait([save])
 
     @ray.method(concurrency_group=CONTROL)
     def checkpoint_written(self, generation: int) -> bool:

@@ -114,9 +114,13 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
     what = f"saving {ckpt.step_uri(step)}/{MEGATRON_SHARD}"
     done = False
     try:
-        if path is not None and rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-            os.makedirs(path)
+        if path is not None:
+            # Every rank has ended the write of a save a recovery abandoned (the actor calls
+            # `PendingSave.abandon` before a save) before rank 0 empties the directory.
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+                os.makedirs(path)
         dist.barrier()  # the in-place directory exists (and is empty) before anyone writes
         kwargs = {} if plans is None else {"sharded_strategy": plans.strategy,
                                            "validate_access_integrity": not plans.validated}
@@ -207,6 +211,19 @@ class PendingSave:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def abandon(self) -> None:
+        """Give this save up (a recovery abandoned it: `result()` will not be called): wait for
+        its write and upload to end, so that none of its files lands after a new save of the
+        same step began, then return its pinned arena for the next save and remove its private
+        staging directory. No collective; what it wrote is never committed (a write error is
+        dropped with it)."""
+        import shutil
+
+        self._thread.join()
+        _SAVE_ARENA[:] = [self._arena]
+        if self.owns_stage:
+            shutil.rmtree(self.stage, ignore_errors=True)
 
     def result(self) -> list:
         import shutil

@@ -127,19 +127,25 @@ class SnapshotHolder:
         import torch  # noqa: F401 (the parts hold torch dtypes: imported now, not in the first put)
 
         self.keep, self.snaps, self._partial, self._spare = keep, {}, {}, {}
+        self._fence = 0  # parts sent in an older generation than the last rewind's are dropped
 
     def node_id(self) -> str:
         """The Ray node this holder runs on."""
         return ray.get_runtime_context().get_node_id()
 
-    def put_part(self, key: tuple, step: int, index: int, count: int, meta, part: list) -> None:
-        """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0), copied
+    def put_part(self, key: tuple, step: int, index: int, count: int, meta, part: list,
+                 generation: int = 0) -> None:
+        """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0), sent by a
+        rank in membership `generation`; dropped when that is older than the last rewind's
+        (`drop_after`: a send of the abandoned timeline still in flight), else copied
         into holder-owned arrays (the spare buffers of `key` where a slot's shape and dtype
         match, else fresh ones) before returning. The snapshot becomes visible when all `count`
         parts are here; it then drops the oldest beyond `keep` (their arrays become `key`'s
         spare buffers) and the older partial ones of `key` (their senders died or gave up)."""
         import numpy as np
 
+        if generation < self._fence:
+            return
         spare = self._spare.get(key, {})
         for slot, wire in part:
             buf = spare.pop(slot, None)
@@ -169,6 +175,18 @@ class SnapshotHolder:
     def steps(self) -> dict:
         """(layout, rank) -> complete steps held, oldest first."""
         return {k: sorted(v) for k, v in self.snaps.items()}
+
+    def drop_after(self, step: int, generation: int) -> None:
+        """A rewind to committed step `step` in membership `generation`: drop every snapshot and
+        partial one of a later step (the abandoned timeline: the steps run again may compute
+        other states) and, from now on, the parts sent in an older generation. Snapshots up to
+        `step` are history both timelines share and stay."""
+        self._fence = max(self._fence, generation)
+        for steps in self.snaps.values():
+            for s in [s for s in steps if s > step]:
+                del steps[s]
+        for k, s in [(k, s) for k, s in self._partial if s > step]:
+            del self._partial[(k, s)]
 
     def clear(self) -> None:
         """Drop every snapshot, partial one and spare buffer (frees the holder's memory)."""
@@ -217,9 +235,11 @@ class SnapshotSender:
         log.warning("%s of step %d skipped: %s (%d skipped, %d sent so far)", self.what, step, why,
                     self.skipped, self.sent)
 
-    def send(self, holder, key: tuple, step: int, copy, before_last_part: Callable[[], None] = lambda: None) -> None:
+    def send(self, holder, key: tuple, step: int, copy, before_last_part: Callable[[], None] = lambda: None,
+             generation: int = 0) -> None:
         """Send `copy` (a `host_memory.HostCopy` of the state after `step`, possibly still being
-        copied) to `holder` under (`key`, `step`) from a background thread: wait for the copy,
+        copied) to `holder` under (`key`, `step`), as a rank of membership `generation`
+        (`SnapshotHolder.drop_after`), from a background thread: wait for the copy,
         then put its parts one at a time; `before_last_part()` runs once the copy is done and
         all parts but the last have been put (fault injection: a send cut short). Call only
         when not `busy()`."""
@@ -233,7 +253,8 @@ class SnapshotSender:
                 for i, part in enumerate(parts):
                     if i == len(parts) - 1:
                         before_last_part()
-                    ray.get(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part))
+                    ray.get(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part,
+                                                   generation))
                 self.sent += 1
             except Exception as exc:  # noqa: BLE001 (a lost snapshot is not a failure of the rank)
                 self.failed += 1

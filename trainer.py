@@ -14,6 +14,7 @@ recovery loads one); its checkpoints and recoveries only ever use the run's own 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import statistics
 import time
@@ -24,7 +25,7 @@ from checkpoint import CheckpointError, CheckpointManager, check_compatible, mod
 from config import Config, ConfigError
 from data import data_fingerprint, open_data
 from failures import RecoveryTimeline, WorkerFailure, slowest
-from fault_tolerance import recover, restore_checkpoint
+from fault_tolerance import grow_back, grow_back_size, recover, restore_checkpoint
 from metrics import RunMetrics
 from ppo import global_loss_weights
 from run_identity import RunIdentity
@@ -45,7 +46,8 @@ class Trainer:
     `data_digests` (step -> SHA-256 of its global batch's tokens and loss mask, as first
     committed; a replay that reads other data logs `event=data_mismatch`), `data` (the
     `data.Data` of data.kind mock / indexed, else None),
-    `recoveries` (list of RecoveryTimeline), `committed_step`, `checkpoints` (committed steps),
+    `recoveries` (list of RecoveryTimeline), `grows` (RecoveryTimeline of kind 'grow' of each
+    return to the configured DP size after a shrink), `committed_step`, `checkpoints` (committed steps),
     `run` (the RunIdentity its checkpoints record; a new run unless given), `resumed_from`
     (the step `resume` continued from, else None), `fence` (called before each checkpoint
     commit and each recovery; raises to stop a driver superseded by another one:
@@ -80,6 +82,7 @@ class Trainer:
             from rl import Rollouts
             self.rollouts = Rollouts(cfg)
         self.recoveries: list[RecoveryTimeline] = []
+        self.grows: list[RecoveryTimeline] = []
         self.checkpoints: list[int] = []
         self.failed_saves: list[int] = []   # steps whose save hit a storage error
         self._resume_t: float | None = None
@@ -188,8 +191,40 @@ class Trainer:
                 self.handle_failure(failure)
                 continue
             self.group.poll_refills()
+            try:
+                self.grow_back()
+            except WorkerFailure as failure:
+                self.handle_failure(failure)
+                continue
             if after_step is not None:
                 after_step(self, step)
+
+    def grow_back(self) -> RecoveryTimeline | None:
+        """At a step boundary after a DP shrink: once the pool holds spares for every missing
+        replica (refills done, a node added back), grow DP back to the configured size
+        (`fault_tolerance.grow_back`: a new generation, the new replicas restored from a DP
+        peer; not with Megatron's distributed optimizer, whose shards no peer holds); the async
+        save in flight, of the smaller layout, is committed first. Logs
+        `event=grow` with the timeline and returns it (also in `grows`); None when there is
+        nothing to grow. Raises WorkerFailure when a member fails meanwhile."""
+        m = self.cfg.model
+        if m.engine == "megatron" and m.distributed_optimizer:
+            return None  # the new replicas' optimizer shards are on no peer: growing would rewind
+        d = self.group.dims
+        per_replica = d.tp * d.pp * d.cp
+        dp = grow_back_size(d.dp, self.cfg.cluster.num_workers // per_replica, len(self.group.pool), per_replica)
+        if dp is None:
+            return None
+        self.finish_save()
+        old_dp = d.dp
+        tl = grow_back(self.group, self.ckpt, self.committed_step, dp, self.cfg.fault_tolerance,
+                       lambda manifest: check_compatible(self.cfg, manifest), run_id=self.run.id)
+        self.grows.append(tl)
+        self.committed_step = tl.restored_step
+        log.warning("event=grow dp=%d->%d ranks=%s generation=%d step=%d source=%s timeline=%s", old_dp, dp,
+                    ",".join(map(str, tl.failed_ranks)), tl.generation, tl.restored_step, tl.restore_source,
+                    json.dumps(dataclasses.asdict(tl)))
+        return tl
 
     def _commit_step(self, step: int, loss: float) -> None:
         reward = self._stats.get("reward")

@@ -127,3 +127,44 @@ def test_recovery_total_is_the_control_phases_plus_the_first_steps_excess():
     assert tl.total_s == 25
     tl.steady_step_s = 12.0  # a first step faster than the steady one costs nothing
     assert tl.total_s == 15
+
+
+def test_dp_grows_back_to_its_size_once_spares_are_back(ray_session, tmp_path):
+    """dp=4 and no spare: ranks 1 and 2 are killed after step 2, DP shrinks to 2
+    (`fault_tolerance.min_dp`), and the killed ranks' bundles are refilled in the background.
+    Once both refills are warm, DP grows back to 4 at the next step boundary (a new generation,
+    the new replicas restored from a DP peer, `event=grow`), and the run goes on at dp=4: the
+    losses of every step equal the run that never shrank within fp32 round-off, and every
+    replica ends with the same state."""
+    import time
+
+    from conftest import reference_run
+
+    cfg = make_cfg(tmp_path, "cluster.num_workers=4", "cluster.num_spares=0", "fault_tolerance.min_dp=2")
+    losses, _ = reference_run(cfg, 6)
+
+    def after_step(trainer, step):
+        if step == 2:
+            trainer.group.kill([1, 2])
+        if step == 3:  # the shrink happened; wait for both refills so the grow comes next
+            assert trainer.group.dims.dp == 2 and not trainer.grows
+            deadline = time.monotonic() + 120
+            while len(trainer.group.pool) < 2:
+                assert time.monotonic() < deadline, "the killed ranks' bundles were not refilled"
+                trainer.group.poll_refills()
+                time.sleep(0.1)
+
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(6, after_step)
+        assert group.dims.dp == 4 and len(group.workers) == 4
+        (shrink,) = trainer.recoveries
+        assert shrink.failed_ranks == [1, 2] and shrink.steps_lost == 0
+        (grow,) = trainer.grows
+        assert (grow.kind, grow.committed_step, grow.restored_step, grow.restore_source) == ("grow", 4, 4, "peer")
+        assert grow.failed_ranks == [2, 3] and grow.generation == group.generation
+        assert [trainer.losses[s] for s in range(1, 7)] == pytest.approx([losses[s] for s in range(1, 7)], rel=1e-5)
+        assert len(set(group.state_digests())) == 1
+    finally:
+        group.shutdown()

@@ -113,10 +113,16 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, store, targets: dict) -> dict:
-    """Rank `rank` of WORLD: for each backend in `targets` ({name: (uri, storage_options)}),
-    save, commit (rank 0), load in the same and in another sharding, and (object storage)
-    load again after rank 0 corrupted one of rank 1's files. Returns {name: results}."""
+def _round_trip_backend(rank: int, world: int, name: str, uri: str, opts: dict | None) -> dict:
+    """Save, commit (rank 0), load in the same and in another sharding, and (object storage)
+    load again after rank 0 corrupted one of rank 1's files."""
+    return _round_trip(rank, uri, opts, corrupt=name != "local")
+
+
+def _worker(rank: int, world: int, store, targets: dict, each=_round_trip_backend) -> dict:
+    """Rank `rank` of `world` on gloo: `each(rank, world, name, uri, storage_options)` for each
+    backend of `targets` ({name: (uri, storage_options)}). Returns {name: its results, or
+    {"error": traceback}}."""
     torch.cuda.synchronize = lambda *a, **k: None  # no CUDA here (see module docstring)
     torch.cuda.current_device = lambda: "cpu"
     import torch.distributed as dist
@@ -125,7 +131,7 @@ def _worker(rank: int, world: int, store, targets: dict) -> dict:
     results = {}
     for name, (uri, opts) in targets.items():
         try:
-            results[name] = _round_trip(rank, uri, opts, corrupt=name != "local")
+            results[name] = each(rank, world, name, uri, opts)
         except BaseException:  # noqa: BLE001 (DCP's CheckpointException is a BaseException)
             results[name] = {"error": traceback.format_exc()}
     dist.destroy_process_group()
@@ -260,3 +266,53 @@ def test_saves_hash_while_writing_and_load_reads_into_the_tensors(tmp_path):
     assert out["equal"] == {"big": True, "bf16": True, "transposed": True} and out["rng"] == {"seed": 5}
     assert out["direct"] == sorted([3 * (hashed_file.PIECE // 4 + 5) * 4, 7 * 5 * 2]), out["direct"]
     assert out["sync"] == {"reread": out["reread"], "forks": 0, "verify": []}, out["sync"]
+
+
+def _abandon_then_save(rank: int, world: int, name: str, uri: str, opts: dict | None) -> dict:
+    """An async save of step 5 that a recovery abandons while its upload (local: its hashing)
+    is held back, then, as the actor does before its next save
+    (`MegatronActor._end_abandoned_save`), `PendingSave.abandon` and a save of step 5 with
+    other values (the replayed timeline), committed. Returns the loaded values, the problems
+    `verify` finds and whether the abandoned save's arena came back."""
+    import threading
+
+    import torch.distributed as dist
+
+    import megatron_checkpoint
+    from megatron_checkpoint import load_sharded, save_sharded
+
+    ckpt, abandoned_ckpt = (CheckpointManager(uri, storage_options=opts) for _ in range(2))
+    gate = threading.Event()
+    put_files = abandoned_ckpt.put_files
+    abandoned_ckpt.put_files = lambda *a, **k: (gate.wait(), put_files(*a, **k))[1]
+    old = _state(rank, 0, None)
+    old["w"].data.add_(100.0)
+    (pending,) = save_sharded(abandoned_ckpt, 5, rank, old, async_save=True)
+    threading.Timer(0.2, gate.set).start()  # the old upload ends while the next save waits
+    pending.abandon()
+    files = save_sharded(ckpt, 5, rank, _state(rank, 0, None))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, files)
+    if rank == 0:
+        ckpt.commit(5, {"dp": world}, [f for fs in gathered for f in fs])
+    dist.barrier()
+    return {"w": load_sharded(ckpt, ckpt.read_manifest(5), _state(rank, 0, -1.0))["w"],
+            "problems": ckpt.verify(5), "arena_back": megatron_checkpoint._SAVE_ARENA == [pending._arena]}
+
+
+def test_an_abandoned_async_save_ends_before_a_new_save_of_its_step(s3_server, tmp_path):
+    """A recovery abandons an async save of step 5 whose upload is still running; the replay
+    saves step 5 again with other values. The new save starts only once the abandoned write
+    has ended (`PendingSave.abandon`), so no late old file overwrites a new one: the committed
+    step verifies and loads the new values on both ranks, and the abandoned save's pinned
+    arena is back for the next save. (On GPU the same path runs with the device-to-host copy
+    on the side stream: `MegatronActor._end_abandoned_save`.)"""
+    prefix = f"mcore-abandon-{uuid.uuid4().hex[:8]}"
+    targets = {"local": (str(tmp_path / prefix), None), "s3": (s3_server.uri(prefix), s3_server.storage_options)}
+    by_rank = spawn_ranks(_worker, WORLD, targets, _abandon_then_save, timeout_s=240)
+    for backend in targets:
+        for r in range(WORLD):
+            out = by_rank[r][backend]
+            assert "error" not in out, f"{backend} rank {r}:\n{out['error']}"
+            torch.testing.assert_close(out["w"], full_weight().chunk(WORLD, 0)[r], rtol=0, atol=0)
+            assert out["problems"] == [] and out["arena_back"], (backend, r, out)

@@ -6,6 +6,7 @@ committed checkpoint with replay), and the per-step losses equal a no-failure ru
 """
 
 import contextlib
+import dataclasses
 import threading
 
 import pytest
@@ -115,6 +116,66 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_an_older_one(reference, t
     assert "step_00000002/model" in warning and "Missing key" in warning, warning
     assert trainer.losses == reference[0] and trainer.replayed == {2: [reference[0][2]]}
     assert digests == reference[1]
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_no_source_of_the_committed_step_stops_unless_a_restart_from_scratch_is_allowed(reference, tmp_path, allow):
+    """Every rank is killed after step 2 with no checkpoint and no memory snapshot: nothing holds
+    the committed step. By default the run stops with a RecoveryError naming the field to set;
+    with `fault_tolerance.allow_restart_from_scratch` every rank restarts from the initial state
+    and steps 1-2 are replayed, bitwise as the run without failure."""
+    from failures import RecoveryError
+
+    cfg = make_cfg(tmp_path, f"fault_tolerance.allow_restart_from_scratch={str(allow).lower()}", spares=2)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(2)
+        for r in (0, 1):
+            ray.kill(group.workers[r].handle, no_restart=True)
+        if not allow:
+            with pytest.raises(RecoveryError, match="committed step 2.*allow_restart_from_scratch=true"):
+                trainer.train(4)
+            assert trainer.committed_step == 2
+            return
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.restored_step, tl.steps_lost) == ("initial", 0, 2)
+        assert trainer.losses == reference[0] and trainer.replayed == {s: [reference[0][s]] for s in (1, 2)}
+        assert group.state_digests() == reference[1]
+    finally:
+        group.shutdown()
+
+
+def test_a_memory_restore_after_a_rewind_never_takes_the_abandoned_timeline(reference, tmp_path):
+    """Steps 2-4 run with other data (another seed: an abandoned timeline, held by the snapshot
+    holders), then every rank rewinds to checkpoint step 1 (`resume`) and steps 2-4 run again
+    with the run's data. Rank 0 is killed half-way through its snapshot of step 3, so a memory
+    restore must not give it the abandoned timeline's step 3 (held since before the rewind) while
+    rank 1 holds the new one's: the holders dropped it at the rewind, the restore takes step 2
+    of this timeline for every rank, and the final state is bitwise the run without failure."""
+    cfg = make_cfg(tmp_path, "fault_tolerance.memory_snapshot_interval=1", "fault_tolerance.restore=memory")
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        wait_for_senders(group)
+        trainer.train(1)
+        trainer.save(1)
+        trainer.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=cfg.train.seed + 1))
+        trainer.train(4)
+        wait_for_snapshots(group, 4)
+        trainer.cfg = cfg
+        assert trainer.resume(1) == 1
+        trainer.train(2)
+        wait_for_senders(group)  # step 2's send is over: the fault hits step 3's
+        group.arm_fault(0, "kill", "mid_snapshot")
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert tl.failed_ranks == [0] and tl.restored_step <= 2
+        assert {s: trainer.replayed[s][-1] for s in (2, 3, 4)} == {s: reference[0][s] for s in (2, 3, 4)}
+        assert group.state_digests() == reference[1]
+    finally:
+        group.shutdown()
 
 
 @pytest.mark.parametrize("storage", ["s3", "gcs"])

@@ -7,7 +7,8 @@ import pytest
 
 from actor_group import ActorSlot, BackupPool
 from failures import RecoveryError
-from fault_tolerance import plan_memory_restore, plan_peer_restore, plan_restore, same_shard
+from fault_tolerance import (grow_back_size, plan_memory_restore, plan_peer_restore, plan_restore, same_shard,
+                             scratch_restart_refusal)
 from parallel_dims import ParallelDims
 
 DP4 = ParallelDims(tp=1, pp=1, cp=1, dp=4).group_ranks("dp")       # [[0, 1, 2, 3]]
@@ -108,6 +109,30 @@ def test_restore_source_is_the_cheapest_the_mode_allows(mode, survivors, clean, 
 def test_a_mode_that_cannot_serve_the_failure_is_an_error(mode, held, match):
     with pytest.raises(RecoveryError, match=match):
         plan_restore(mode, 4, DP4, {0, 2, 3}, {0}, held, lambda: 0)
+
+
+@pytest.mark.parametrize("committed, allowed, stops", [
+    (0, False, False),   # nothing committed: step 0 loses nothing
+    (3, False, True),    # committed steps and no source: stop, say why
+    (3, True, False),    # the user opted in to a restart from the initial state
+])
+def test_a_restart_from_scratch_stops_the_run_unless_opted_in(committed, allowed, stops):
+    refusal = scratch_restart_refusal(committed, allowed, ["peer restore impossible"])
+    assert (refusal is not None) == stops
+    if stops:
+        assert "committed step 3" in refusal and "peer restore impossible" in refusal
+        assert "fault_tolerance.allow_restart_from_scratch=true" in refusal and "\n" not in refusal
+
+
+@pytest.mark.parametrize("dp, spares, per_replica, expected", [
+    (2, 2, 1, 4),      # both missing replicas filled: back to the configured dp
+    (2, 1, 1, None),   # one spare for two missing replicas: wait (no partial grow)
+    (2, 3, 2, None),   # tp=2: two replicas need 4 ranks
+    (2, 4, 2, 4),
+    (4, 5, 1, None),   # not shrunk: nothing to grow
+])
+def test_dp_grows_back_only_to_the_configured_size_when_spares_fill_it(dp, spares, per_replica, expected):
+    assert grow_back_size(dp, 4, spares, per_replica) == expected
 
 
 def _slot(node: str, gpu: int, bundle: int) -> ActorSlot:

@@ -124,8 +124,9 @@ def test_the_cli_refuses_another_runs_checkpoint_uri_before_ray_starts(tmp_path)
 def test_recovery_loads_no_checkpoint_of_another_run(ray_session, tmp_path):
     """The regression: run A (6 steps, checkpoints at 4 and 6) and then run B (another seed and
     lr) in the same checkpoint.uri, a rank of B killed at step 2 and restored from checkpoint.
-    B must not load A's step 6: it has no checkpoint of its own yet, so it restarts at step 0,
-    and its replayed steps equal its first ones."""
+    B must not load A's step 6: it has no checkpoint of its own yet, so it restarts at step 0
+    (`allow_restart_from_scratch`; without it the run stops), and its replayed steps equal its
+    first ones."""
     from actor_group import ActorGroup
     from trainer import Trainer
 
@@ -138,7 +139,8 @@ def test_recovery_loads_no_checkpoint_of_another_run(ray_session, tmp_path):
         group.shutdown()
     assert CheckpointManager(a_cfg.checkpoint.uri).committed_steps() == [4, 6]
     b_cfg = make_cfg(tmp_path, *sets, "cluster.num_spares=1", "train.seed=7", "train.lr=0.002",
-                     "fault_tolerance.restore=checkpoint", "train.steps=3",
+                     "fault_tolerance.restore=checkpoint", "fault_tolerance.allow_restart_from_scratch=true",
+                     "train.steps=3",
                      "chaos.events=[{step: 2, rank: 1, kind: kill, point: step_start}]")
     group = ActorGroup(b_cfg)
     try:

@@ -101,6 +101,29 @@ def test_a_holder_keeps_only_snapshots_whose_parts_all_arrived(ray_session):
     ray.kill(holder)
 
 
+def test_a_rewind_drops_the_abandoned_timeline_and_its_late_parts(ray_session):
+    """Steps 3 and 4 are held, step 5's first part has arrived (sent in generation 1) when the
+    run rewinds to step 2 in generation 2: the holder drops steps 3-5 and the rest of step 5's
+    send, keeps the history both timelines share, and takes the new timeline's step 3 (which,
+    as the lowest of three steps, would otherwise have been dropped on arrival)."""
+    state = {"model": [torch.zeros(64), torch.zeros(64)], "step": 0}
+    meta, parts = wire_parts(state, part_bytes=64 * 4)
+    holder = SnapshotHolder.remote(keep=3)
+    key = ("dims", 0)
+    for step in (2, 3, 4):
+        for i, part in enumerate(parts):
+            ray.get(holder.put_part.remote(key, step, i, 2, meta if i == 0 else None, part, 1))
+    ray.get(holder.put_part.remote(key, 5, 0, 2, meta, parts[0], 1))
+    ray.get(holder.drop_after.remote(2, 2))
+    ray.get(holder.put_part.remote(key, 5, 1, 2, None, parts[1], 1))  # the old send's last part, late
+    assert ray.get(holder.steps.remote()) == {key: [2]}
+    assert ray.get(holder.__ray_call__.remote(lambda h: h._partial)) == {}
+    for i, part in enumerate(parts):
+        ray.get(holder.put_part.remote(key, 3, i, 2, meta if i == 0 else None, part, 2))
+    assert ray.get(holder.steps.remote()) == {key: [2, 3]}
+    ray.kill(holder)
+
+
 def test_a_snapshot_due_while_one_is_in_flight_is_skipped_not_waited_for(ray_session):
     """The sender's copy does not finish until released: `busy()` stays true, so the caller
     skips (and counts) the next snapshots; once released, the send completes."""
