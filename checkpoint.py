@@ -376,7 +376,7 @@ class CheckpointManager:
             problems = [p for f in expected if (p := _check_local_file(step_dir, f, hash_files))]
             if problems:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
-        reader = _SafeReader(os.path.join(step_dir, name))
+        reader = SafeReader(os.path.join(step_dir, name))
         what = f"loading shard {name!r} from {where}"
         as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
         # dcp.load fails on a key the checkpoint lacks or of another shape, but loads a subset
@@ -718,9 +718,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint metadata references {module}.{name}: refused")
 
 
-class _SafeReader(dcp.FileSystemReader):
+class SafeReader(dcp.FileSystemReader):
     """DCP's FileSystemReader, with `.metadata` read by a restricted unpickler (DCP itself reads
-    tensors and objects with `torch.load(weights_only=True)`, but the metadata with `pickle`)."""
+    tensors and objects with `torch.load(weights_only=True)`, but the metadata with `pickle`).
+    Every reader of checkpoint files derives from it (Megatron's too: `megatron_compat._Reader`).
+    `read_metadata` raises pickle.UnpicklingError naming a global outside the allow-list."""
 
     def read_metadata(self, *args, **kwargs):
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
