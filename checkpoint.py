@@ -175,6 +175,7 @@ class CheckpointManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._pending_what = ""
+        self.load_warnings: list[str] = []  # what loads noticed without failing (`load_shard`), for the driver
 
     @classmethod
     def from_config(cls, k: CheckpointConfig) -> CheckpointManager:
@@ -345,7 +346,7 @@ class CheckpointManager:
         (``verify_files``), so local files get a size check only instead of a second full read
         (downloaded copies are always hashed: they are what gets loaded). Raises
         CheckpointMismatch when ``state_dict`` does not fit the checkpoint (a key missing or of
-        another shape; a key only the checkpoint has is logged), CheckpointError on a missing
+        another shape; a key only the checkpoint has is logged and added to ``load_warnings``), CheckpointError on a missing
         shard, a size or hash mismatch, or storage failure past the retry limits."""
         _check_name(name)
         where = f"{self.step_uri(step)}/{name}"
@@ -383,7 +384,9 @@ class CheckpointManager:
         # silently: a key only the checkpoint has is named here.
         unexpected = sorted(set(reader.metadata.state_dict_metadata) - set(flatten_state_dict(state_dict)[0]))
         if unexpected:
-            logger.warning("%s: the checkpoint holds keys this run does not load: %s", where, ", ".join(unexpected[:20]))
+            self.load_warnings.append(f"{where}: the checkpoint holds keys this run does not load: "
+                                      f"{', '.join(unexpected[:20])}")
+            logger.warning("%s", self.load_warnings[-1])
         return state_dict
 
     def check_writable(self, budget_s: float | None = None) -> None:

@@ -477,7 +477,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         print_dry_run(cfg)
         return 0
-    from failures import ClusterError
+    from failures import ClusterError, RecoveryError
 
     start_ray(cfg, log_to_driver=args.verbose)
     if args.mode == "stop":
@@ -491,6 +491,9 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
     except ClusterError as e:
         print(f"cluster error: {e}", file=sys.stderr)
+    except RecoveryError as e:  # the run cannot go on: one line, no traceback
+        print(f"recovery error: {e}", file=sys.stderr)
+        return 1
     return 2
 
 

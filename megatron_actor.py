@@ -307,16 +307,21 @@ class MegatronActor:
         except CheckpointError as e:
             return str(e)
 
-    def load_checkpoint(self, generation: int, manifest: Manifest) -> int | str:
-        """Load this rank's state from a committed, verified checkpoint; returns its step, or the
-        message of the CheckpointMismatch that stopped the load (a key missing or of another
-        shape): a bad checkpoint, not a failure of this rank."""
+    def load_checkpoint(self, generation: int, manifest: Manifest) -> dict | str:
+        """Load this rank's state from a committed, verified checkpoint; returns {"step": its
+        step, "warnings": what the load noticed without stopping (keys only the checkpoint holds),
+        for the driver to log}, or the message of the CheckpointMismatch that stopped the load (a
+        key missing or of another shape): a bad checkpoint, not a failure of this rank; or
+        {"storage": message} when storage failed past the retry budget (not a failure either)."""
         self._check(generation)
+        self.ckpt.load_warnings.clear()
         try:
             self.engine.load_checkpoint(self.ckpt, manifest, self.rank)
         except CheckpointMismatch as e:
             return str(e)
-        return manifest.step
+        except CheckpointError as e:
+            return {"storage": str(e)}
+        return {"step": manifest.step, "warnings": list(self.ckpt.load_warnings)}
 
     def rollback(self, generation: int, step: int) -> bool:
         """Return to committed step `step` from local state (in-memory snapshot, or the initial

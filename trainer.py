@@ -23,7 +23,7 @@ from actor_group import ActorGroup
 from checkpoint import CheckpointError, CheckpointManager, check_compatible, model_signature
 from config import Config, ConfigError
 from failures import RecoveryTimeline, WorkerFailure, slowest
-from fault_tolerance import recover, restore_checkpoint
+from fault_tolerance import recover, restore_checkpoint_through_outage
 from metrics import RunMetrics
 from ppo import global_loss_weights
 from run_identity import RunIdentity
@@ -276,15 +276,16 @@ class Trainer:
         schedule, RNG, RL state and the step counter come back; data and rollouts are a pure
         function of (seed, step), so the steps after it compute what they would have. Returns
         the step resumed from. Raises ConfigError when none of the run's checkpoints verifies
-        and loads, or one is of another model or layout."""
+        and loads, or one is of another model or layout; RecoveryError when storage stays down
+        (`fault_tolerance.restore_checkpoint_through_outage`)."""
         # A failure during the load recovers to this step; no rank holds it but by the load
         # itself, so recovery restores it from the checkpoints too.
         self.committed_step = newest_step
         notes: list[str] = []
         try:
-            step = restore_checkpoint(self.group, self.ckpt, self.ckpt.committed_manifests(self.run.id),
-                                      self.cfg.fault_tolerance.step_timeout_s,
-                                      lambda manifest: check_compatible(self.cfg, manifest), notes)
+            step = restore_checkpoint_through_outage(
+                self.group, self.ckpt, lambda: self.ckpt.committed_manifests(self.run.id),
+                self.cfg.fault_tolerance.step_timeout_s, lambda manifest: check_compatible(self.cfg, manifest), notes)
         except WorkerFailure as failure:
             step = self.handle_failure(failure).restored_step
         if step is None:
