@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import fsspec
+import fsspec.callbacks
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -129,6 +130,65 @@ class _NotCommitted(CheckpointError):
 
 class _InvalidManifest(_NotCommitted):
     """manifest.json is there but does not parse or names another step: a damaged checkpoint."""
+
+
+class IOProgress:
+    """Progress of this process's checkpoint I/O, for the health monitor (`io_progress()` in
+    each heartbeat: a slow save, verify or load is not a hang). Storage operations run inside
+    `operation(stall_s)`; the transfer loops report bytes (`moved(n)`: written, uploaded,
+    downloaded, hashed) at the granularity their client gives (a chunk, a part, a file).
+    `counter()` is monotonic: the bytes moved, plus one per call while some operation is within
+    its own deadline (`stall_s` seconds since it started or last moved bytes; a single request
+    of a slow upload reports its bytes only when it ends). An operation silent past its own
+    deadline stops the count, so the step deadline can name the rank hung. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bytes = self._ticks = 0
+        self._ops: dict[int, list[float]] = {}  # id -> [stall_s, last movement (monotonic)]
+
+    def moved(self, n: int) -> None:
+        with self._lock:
+            self._bytes += n
+            now = time.monotonic()
+            for op in self._ops.values():
+                op[1] = now
+
+    @contextlib.contextmanager
+    def operation(self, stall_s: float):
+        key = object()
+        with self._lock:
+            self._ops[id(key)] = [stall_s, time.monotonic()]
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._ops[id(key)]
+
+    def counter(self) -> int:
+        with self._lock:
+            now = time.monotonic()
+            if any(now - last <= stall for stall, last in self._ops.values()):
+                self._ticks += 1
+            return self._bytes + self._ticks
+
+
+IO = IOProgress()  # the process's checkpoint I/O (every manager of the process reports here)
+
+
+def io_progress() -> int:
+    """`IO.counter()`: this process's checkpoint I/O progress, for its heartbeat."""
+    return IO.counter()
+
+
+class _ProgressCallback(fsspec.callbacks.Callback):
+    """fsspec transfer callback: bytes as the client reports them, to `IO`."""
+
+    def relative_update(self, inc: int = 1) -> None:
+        IO.moved(inc)
+
+    def branched(self, path_1, path_2, **kwargs):  # per-file callbacks of a multi-file transfer
+        return _ProgressCallback()
 
 
 class CheckpointManager:
@@ -207,7 +267,8 @@ class CheckpointManager:
             self._retry(what, _dcp_save_fresh, state_dict, target, True)
             return self.put_files(step, target, name, sorted(os.listdir(target)))
         with tempfile.TemporaryDirectory(prefix="ckpt-stage-") as stage:
-            as_checkpoint_error(what, _dcp_save_fresh, state_dict, stage, False)
+            with IO.operation(self.retry_budget_s):
+                as_checkpoint_error(what, _dcp_save_fresh, state_dict, stage, False)
             return self.put_files(step, stage, name, sorted(os.listdir(stage)))
 
     def local_dir(self, step: int, name: str) -> str | None:
@@ -256,13 +317,14 @@ class CheckpointManager:
             large = [i for i, n in enumerate(sizes) if n >= 2 * self.part_bytes]
             rest = [i for i in range(len(local)) if i not in large]
             if rest:
-                self.fs.put([local[i] for i in rest], [remote[i] for i in rest])
+                self.fs.put([local[i] for i in rest], [remote[i] for i in rest], callback=_ProgressCallback())
             for i in large:
                 self._put_composite(local[i], remote[i], sizes[i])
         elif "s3" in _protocols(self.fs):  # s3fs: multipart from 2 parts on, at most 10,000 parts
-            self.fs.put(local, remote, chunksize=max(self.part_bytes, -(-max(sizes, default=0) // 10_000)))
+            self.fs.put(local, remote, chunksize=max(self.part_bytes, -(-max(sizes, default=0) // 10_000)),
+                        callback=_ProgressCallback())
         else:
-            self.fs.put(local, remote)
+            self.fs.put(local, remote, callback=_ProgressCallback())
 
     def _put_composite(self, local: str, remote: str, size: int) -> None:
         """GCS parallel composite upload of the file `local` to `remote` (as gsutil's): its
@@ -281,6 +343,7 @@ class CheckpointManager:
                     if not (chunk := src.read(min(left, _PART_BLOCK))):
                         raise EOFError(f"{local} ended before byte {size}")
                     left -= dst.write(chunk)
+                    IO.moved(len(chunk))
 
         try:
             with concurrent.futures.ThreadPoolExecutor(min(n, _PART_STREAMS), thread_name_prefix="ckpt-part") as pool:
@@ -305,7 +368,8 @@ class CheckpointManager:
         local = [os.path.join(stage_dir, f.path) for f in files]
         for d in {os.path.dirname(p) for p in local}:
             os.makedirs(d, exist_ok=True)
-        self._retry(f"downloading {len(files)} files of {self.step_uri(step)}", self.fs.get, remote, local)
+        self._retry(f"downloading {len(files)} files of {self.step_uri(step)}", self.fs.get, remote, local,
+                    callback=_ProgressCallback())
         problems = [p for f in files if (p := _check_local_file(stage_dir, f))]
         if problems:
             raise CheckpointError(f"{self.step_uri(step)} failed verification: " + "; ".join(problems))
@@ -369,7 +433,7 @@ class CheckpointManager:
                 raise CheckpointError(f"no files of shard {name!r} at {where}")
             os.makedirs(os.path.join(stage, name))
             local = [os.path.join(stage, name, p.rsplit("/", 1)[1]) for p in remote]
-            self._retry(f"downloading {where}", self.fs.get, remote, local)
+            self._retry(f"downloading {where}", self.fs.get, remote, local, callback=_ProgressCallback())
             return self._check_and_load(where, stage, name, None, state_dict)
 
     def _check_and_load(self, where, step_dir, name, expected, state_dict, hash_files: bool = True) -> dict:
@@ -379,7 +443,8 @@ class CheckpointManager:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
         reader = SafeReader(os.path.join(step_dir, name))
         what = f"loading shard {name!r} from {where}"
-        as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
+        with IO.operation(self.retry_budget_s):
+            as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
         # dcp.load fails on a key the checkpoint lacks or of another shape, but loads a subset
         # silently: a key only the checkpoint has is named here.
         unexpected = sorted(set(reader.metadata.state_dict_metadata) - set(flatten_state_dict(state_dict)[0]))
@@ -568,6 +633,10 @@ class CheckpointManager:
     def _retry(self, what: str, fn: Callable, *args, **kwargs) -> Any:
         """Run ``fn``; retry transient storage errors with exponential backoff within
         ``max_retries`` and ``retry_budget_s``. Every failure ends as CheckpointError."""
+        with IO.operation(self.retry_budget_s):
+            return self._retry_loop(what, fn, *args, **kwargs)
+
+    def _retry_loop(self, what: str, fn: Callable, *args, **kwargs) -> Any:
         start = time.monotonic()
         attempt = 0
         while True:
@@ -629,6 +698,7 @@ class CheckpointManager:
         with self.fs.open(path, "rb") as f:
             while chunk := f.read(_HASH_CHUNK):
                 h.update(chunk)
+                IO.moved(len(chunk))
         return h.hexdigest()
 
     def _write_atomic(self, path: str, data: bytes) -> None:
@@ -806,6 +876,7 @@ def _sha256_local(path: str) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
+            IO.moved(len(chunk))
     return h.hexdigest()
 
 

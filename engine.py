@@ -82,7 +82,8 @@ class Engine(Protocol):
     def connect(self, store, dims: ParallelDims, rank: int) -> dict[str, float]:
         """Join a membership generation as `rank` of `dims`: create the default process group
         from `store` (a `torch.distributed.Store` every member of this generation uses, with
-        `fault_tolerance.step_timeout_s` as the collective timeout) and the engine's groups on
+        the collective timeout `fault_tolerance.step_timeout_s` for gloo, `collective_timeout_s`
+        for NCCL) and the engine's groups on
         it; the training state carries over. Returns seconds by part (`process_group_s` first,
         then the engine's own parts), the rebuild detail of a recovery timeline."""
 

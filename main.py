@@ -321,6 +321,8 @@ def cmd_train(cfg: Config, args, start=None) -> int:
               f"dp now {group.dims.dp}")
         if trainer.recoveries:
             print(trainer.report())
+        if trainer.failed_saves and not trainer.checkpoints:
+            print(trainer.no_commit_line(), file=sys.stderr)
         write_plots(cfg, {"loss": trainer.losses}, [t.to_dict() for t in trainer.recoveries],
                     trainer.replayed, (trainer.rewards, trainer.replayed_rewards) if trainer.rewards else None)
         if trainer.rewards:
@@ -336,7 +338,7 @@ def cmd_train(cfg: Config, args, start=None) -> int:
             group.shutdown()
             if failover is not None:
                 failover.shutdown()
-    return 0
+    return 1 if trainer.failed_saves and not trainer.checkpoints else 0
 
 
 def cmd_stop(cfg: Config) -> int:

@@ -24,7 +24,7 @@ import time
 
 import ray
 
-from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, Manifest
+from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, Manifest, io_progress
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import use_node_interface
 from failures import InjectedFault, StaleGenerationError
@@ -105,6 +105,7 @@ class MegatronActor:
         return {"generation": self.generation, "rank": self.rank,
                 "progress": e.progress if e else 0,
                 "step_progress": e.progress - e.step_start_progress if e else 0,
+                "io_progress": io_progress(),  # a slow save / verify / load is not a hang
                 "step": self.engine.step if self.engine else 0}
 
     @ray.method(concurrency_group=CONTROL)

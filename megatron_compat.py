@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from checkpoint import CheckpointError, SafeReader, no_zip_crc32
+from checkpoint import IO, CheckpointError, SafeReader, no_zip_crc32
 from hashed_file import HashedFile
 
 log = logging.getLogger(__name__)
@@ -370,7 +370,7 @@ def _write_bucket(transform_list: list, bucket) -> tuple[list, tuple[int, str]]:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import _write_item
 
     path, storage_key, (bytes_data, tensor_data) = bucket
-    out = HashedFile(path)
+    out = HashedFile(path, on_write=IO.moved)  # a slow disk is not a hang (`checkpoint.IOProgress`)
     try:
         results = [_write_item(*transform_list, out, data, item, storage_key,
                                serialization_format=SerializationFormat.TORCH_SAVE)

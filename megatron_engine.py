@@ -147,7 +147,7 @@ class MegatronEngine:
     # -- process groups ----------------------------------------------------------------------
     def connect(self, store, dims: ParallelDims, rank: int) -> dict[str, float]:
         """Join a generation as `rank` of `dims`: create the default NCCL process group from
-        `store` (collective timeout `fault_tolerance.step_timeout_s`; with
+        `store` (collective timeout `fault_tolerance.collective_timeout_s`; with
         `fault_tolerance.nccl_eager_init` its communicator is made at once, on device 0) and
         Megatron's groups on it (`megatron_groups.make_groups`).
 
@@ -165,8 +165,12 @@ class MegatronEngine:
             raise ValueError(f"dims {dims} do not match the config's parallel sizes {self.cfg.parallel}")
         ft = self.cfg.fault_tolerance
         t_pg = time.perf_counter()
+        # Hangs are the health monitor's to find (step deadline, extended by progress) and end
+        # (abort); NCCL's watchdog is the backstop: past collective_timeout_s it tears the process
+        # down (mode 3, stated rather than inherited), which recovery sees as a crash.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group("nccl", store=store, rank=rank, world_size=dims.world_size,
-                                timeout=datetime.timedelta(seconds=ft.step_timeout_s),
+                                timeout=datetime.timedelta(seconds=ft.collective_timeout_s),
                                 device_id=torch.device("cuda", 0) if ft.nccl_eager_init else None)
         parts = {"process_group_s": time.perf_counter() - t_pg}
         self._wait_snapshot_copy()  # a rebuild frees tensors it may still be reading

@@ -156,6 +156,8 @@ class Trainer:
             try:
                 if self.committed_step >= until_step:
                     self.finish_save()
+                    if self.failed_saves and not self.checkpoints:
+                        log.warning("%s", self.no_commit_line())
                     return
                 step = self.committed_step + 1
                 loss = self._step(step)
@@ -215,13 +217,29 @@ class Trainer:
         if self._pending_save is None:
             return
         t0 = time.perf_counter()
-        if not wait and not all(self.group.call("checkpoint_written")):
+        if wait:
+            self._wait_written()
+        elif not all(self.group.call("checkpoint_written")):
             self.save_stalls[-1] += time.perf_counter() - t0
             return
         (step, started), self._pending_save = self._pending_save, None
         self._commit_save(step, self.group.call("finish_checkpoint"), started)
         self.save_stalls[-1] += time.perf_counter() - t0
         self.metrics.on_save(step, self.save_stalls[-1])
+
+    def _wait_written(self) -> None:
+        """Poll `checkpoint_written` (answered beside training) until every rank's background
+        write has ended, so that `finish_checkpoint`, whose finalize is a collective, never waits
+        there for a slow upload (NCCL's watchdog would end a rank waiting in it). Stops polling
+        once no rank's progress (checkpoint I/O included) moved for `step_timeout_s`: the call
+        to `finish_checkpoint` then finds the hang."""
+        ft, last, moved_at = self.cfg.fault_tolerance, None, time.monotonic()
+        while not all(self.group.call("checkpoint_written")):
+            if (now := self.group.health.work_done()) != last:
+                last, moved_at = now, time.monotonic()
+            elif time.monotonic() - moved_at > ft.step_timeout_s:
+                break
+            time.sleep(ft.health_interval_s)
 
     def _commit_save(self, step: int, per_rank: list, t0: float) -> None:
         """Commit unless a rank's write or the commit hit a storage error: then the save is
@@ -243,6 +261,12 @@ class Trainer:
         self.checkpoints.append(step)
         log.info("checkpoint step %d committed %.2f s after the save started, after step %d", step,
                  time.perf_counter() - t0, self.committed_step)
+
+    def no_commit_line(self) -> str:
+        """The line a run ends with when it tried to save and committed no checkpoint."""
+        return (f"no checkpoint was committed in this run: {len(self.failed_saves)} save(s) skipped "
+                f"(steps {self.failed_saves}; the warnings above say why), so a failure has no checkpoint "
+                f"of it to restore from; check checkpoint.uri and its storage")
 
     def report(self) -> str:
         """A table of every recovery's phases (seconds), source and steps lost; total = the
