@@ -405,10 +405,11 @@ class CheckpointManager:
     def load_shard(self, step: int, name: str, state_dict: dict, manifest: Manifest | None = None,
                    verified: bool = False) -> dict:
         """Load shard ``name`` of ``step`` into ``state_dict`` in place (tensors copied into,
-        other values replaced) and return it. With ``manifest``, first checks the size and
-        sha256 of this shard's files; ``verified``: the caller has just checked them against it
-        (``verify_files``), so local files get a size check only instead of a second full read
-        (downloaded copies are always hashed: they are what gets loaded). Raises
+        other values replaced) and return it. With ``manifest``, checks the size of this shard's
+        files first and their sha256 beside the load (local files; a mismatch raises
+        CheckpointMismatch after the load: discard the state); ``verified``: the caller has just
+        hashed them (``verify_files``), so local files get the size check only (downloaded
+        copies are always hashed before the load: they are what gets loaded). Raises
         CheckpointMismatch when ``state_dict`` does not fit the checkpoint (a key missing or of
         another shape; a key only the checkpoint has is logged and added to ``load_warnings``), CheckpointError on a missing
         shard, a size or hash mismatch, or storage failure past the retry limits."""
@@ -437,14 +438,25 @@ class CheckpointManager:
             return self._check_and_load(where, stage, name, None, state_dict)
 
     def _check_and_load(self, where, step_dir, name, expected, state_dict, hash_files: bool = True) -> dict:
+        """Load shard `name` from the local `step_dir` into `state_dict`. `expected` (its manifest
+        entries): sizes checked first; with `hash_files`, their sha256 is computed beside the load
+        (the load waits for no hashing pass; both read the same bytes, the second from the page
+        cache), and a mismatch raises CheckpointMismatch once the load is done: the state it
+        loaded into is then to be discarded (the caller loads another checkpoint)."""
         if expected is not None:
-            problems = [p for f in expected if (p := _check_local_file(step_dir, f, hash_files))]
+            problems = [p for f in expected if (p := _check_local_file(step_dir, f, hash_file=False))]
             if problems:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
         reader = SafeReader(os.path.join(step_dir, name))
         what = f"loading shard {name!r} from {where}"
-        with IO.operation(self.retry_budget_s):
+        check = expected if expected is not None and hash_files else []
+        with IO.operation(self.retry_budget_s), concurrent.futures.ThreadPoolExecutor(
+                max(1, min(8, len(check))), thread_name_prefix="ckpt-hash") as pool:
+            digests = pool.map(lambda f: _sha256_local(os.path.join(step_dir, f.path)), check)
             as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
+            if bad := [f"{f.path}: sha256 mismatch" for f, d in zip(check, digests) if d != f.sha256]:
+                raise CheckpointMismatch(f"shard {name!r} at {where} failed verification: {'; '.join(bad)}; "
+                                         f"the state loaded from it is to be discarded")
         # dcp.load fails on a key the checkpoint lacks or of another shape, but loads a subset
         # silently: a key only the checkpoint has is named here.
         unexpected = sorted(set(reader.metadata.state_dict_metadata) - set(flatten_state_dict(state_dict)[0]))
@@ -596,11 +608,12 @@ class CheckpointManager:
             return manifest, [f"written by run {manifest.run_id}, not by this run {run_id}"]
         return manifest, self.verify_files(step, manifest.files)
 
-    def verify_files(self, step: int, files: list[FileEntry]) -> list[str]:
+    def verify_files(self, step: int, files: list[FileEntry], hash_files: bool = True) -> list[str]:
         """Problems of ``files`` (entries of step ``step``'s manifest): missing, size or sha256
-        mismatch; empty list = good. Reads every byte of them, 8 files at a time. Several
-        processes can each verify a part of a manifest in parallel. Raises CheckpointError only
-        when storage fails past the retry limits."""
+        mismatch; empty list = good. Reads every byte of them, 8 files at a time (without
+        ``hash_files``: sizes only, for a loader that hashes as it loads). Several processes can
+        each verify a part of a manifest in parallel. Raises CheckpointError only when storage
+        fails past the retry limits."""
         step_path = self._step_path(step)
         sizes = self._retry(f"listing {self.step_uri(step)}", self._sizes, step_path)
 
@@ -609,6 +622,8 @@ class CheckpointManager:
                 return f"{f.path}: missing"
             if sizes[f.path] != f.size:
                 return f"{f.path}: size {sizes[f.path]} bytes, expected {f.size}"
+            if not hash_files:
+                return None
             where = f"{self.step_uri(step)}/{f.path}"
             digest = self._retry(f"reading {where}", self._sha256, f"{step_path}/{f.path}")
             return None if digest == f.sha256 else f"{f.path}: sha256 mismatch"

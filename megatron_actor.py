@@ -304,7 +304,8 @@ class MegatronActor:
         message of a storage error (storage down past the retry budget: not a bad checkpoint)."""
         self._check(generation)
         try:
-            return self.ckpt.verify_files(manifest.step, manifest.files[part::parts])
+            return self.ckpt.verify_files(manifest.step, manifest.files[part::parts],
+                                          hash_files=not self.engine.checks_while_loading)
         except CheckpointError as e:
             return str(e)
 

@@ -92,6 +92,8 @@ class MegatronEngine:
     (snapshots, rollback, peer broadcast, reset) and of the checkpoint.
     """
 
+    checks_while_loading = False  # the ranks hash every file before a load (`verify_checkpoint`)
+
     def __init__(self, cfg: Config):
         # Process set-up, before CUDA is initialised in this process.
         configure_host_allocator()

@@ -74,6 +74,10 @@ class ThrottledRelay:
 
     def close(self) -> None:
         self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept: the port is free at return
+        except OSError:
+            pass
         self._listener.close()
         for s in self._sockets:
             try:
