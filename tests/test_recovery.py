@@ -270,3 +270,26 @@ def test_keys_only_the_checkpoint_holds_are_named_on_the_driver(reference, tmp_p
     assert driver and "does not load" in driver[0] and "step_00000002/model" in driver[0], driver
     assert any("stray_key" in n for n in tl.notes)
     assert trainer.losses == reference[0] and digests == reference[1]
+
+
+def test_a_checkpoint_whose_bytes_changed_is_found_while_loading_and_the_older_one_restored(reference, tmp_path):
+    """Checkpoint step 2's model file has a byte changed at the same size: the ranks' check
+    before the load (sizes) passes it, the hash beside the load finds it; the state loaded from
+    it is discarded, step 1 is loaded instead and step 2 replayed, with no spare spent on it:
+    bitwise as the run without failure."""
+    def corrupt_step_2(trainer):
+        trainer.save(2)
+        victim = next(f for f in trainer.ckpt.read_manifest(2).files
+                      if f.path.startswith("model/") and f.path.endswith(".distcp"))
+        path = tmp_path / "ckpt" / "step_00000002" / victim.path
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    trainer, digests, spares = run(make_cfg(tmp_path, "fault_tolerance.restore=checkpoint", spares=2), kill_rank=0,
+                                   after_step_2=corrupt_step_2)
+    (tl,) = trainer.recoveries
+    assert (tl.failed_ranks, tl.restore_source, tl.attempts, spares) == ([0], "checkpoint step 1", 1, 1)
+    assert "checkpoint step 2 does not load" in tl.notes
+    assert trainer.losses == reference[0] and trainer.replayed == {2: [reference[0][2]]}
+    assert digests == reference[1]
