@@ -480,6 +480,19 @@ class CheckpointManager:
         except CheckpointError as e:
             raise CheckpointError(f"{e} (endpoint: {self.endpoint()})") from e
 
+    def warm_client(self) -> None:
+        """Make the object-storage client now, with one small request (a spare does it while
+        warming): its first request loads the client's service descriptions, seconds of CPU on a
+        busy host in calls that hold the GIL, which would otherwise fall in a recovery's load,
+        where the rank could answer no heartbeat. Nothing for a local URI; errors are only
+        logged (the request that needs storage reports them)."""
+        if self._local:
+            return
+        try:
+            self.fs.exists(f"{self.root}/{LATEST}")
+        except Exception as exc:  # noqa: BLE001 (a warm-up; storage may be down now)
+            logger.debug("warming the storage client of %s: %s", self.uri, _describe(exc))
+
     def endpoint(self) -> str:
         """The storage endpoint this manager talks to, for messages (no credentials)."""
         if self._local:

@@ -159,10 +159,11 @@ class MegatronActor:
         connect may wait on a reverse-DNS lookup), reserve host memory for the rollback
         snapshot it will keep once it joins, and pay the process's one-time first-step costs,
         so none of these slows a recovery or its first steps (`Engine.reserve_host_memory`,
-        `Engine.warm_up`)."""
+        `Engine.warm_up`, `CheckpointManager.warm_client`)."""
         self._store_client(host, port)
         self.engine.reserve_host_memory(snapshot_nbytes)
         self.engine.warm_up()
+        self.ckpt.warm_client()
 
     def noop(self) -> bool:
         """A compute-thread call that returns at once: answers only if that thread is free."""
