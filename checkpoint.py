@@ -120,8 +120,9 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointMismatch(CheckpointError):
-    """A verified checkpoint does not fit the state it is loaded into (a key missing or of
-    another shape): the checkpoint is bad for this run, the loading rank is not."""
+    """A checkpoint does not fit the state it is loaded into (a key missing or of another
+    shape), or its bytes do not match its manifest's sha256 (found while loading): the
+    checkpoint is bad for this run, the loading rank is not."""
 
 
 class _NotCommitted(CheckpointError):
@@ -360,8 +361,8 @@ class CheckpointManager:
     def get_files(self, step: int, files: list[FileEntry], stage_dir: str) -> None:
         """Download ``files`` (manifest entries of ``step``) from object storage into
         ``stage_dir``/{entry path} (concurrent transfers) and check each one's size and sha256.
-        Raises CheckpointError naming every missing or mismatched file, or on storage failure
-        past the retry limits."""
+        Raises CheckpointMismatch naming every mismatched file (a bad checkpoint), CheckpointError
+        on storage failure past the retry limits."""
         if not files:
             return
         remote = [f"{self._step_path(step)}/{f.path}" for f in files]
@@ -371,8 +372,8 @@ class CheckpointManager:
         self._retry(f"downloading {len(files)} files of {self.step_uri(step)}", self.fs.get, remote, local,
                     callback=_ProgressCallback())
         problems = [p for f in files if (p := _check_local_file(stage_dir, f))]
-        if problems:
-            raise CheckpointError(f"{self.step_uri(step)} failed verification: " + "; ".join(problems))
+        if problems:  # a bad checkpoint, not storage down
+            raise CheckpointMismatch(f"{self.step_uri(step)} failed verification: " + "; ".join(problems))
 
     def async_save_shards(self, step: int, shards: dict[str, dict]) -> concurrent.futures.Future:
         """Like ``save_shard`` for each {name: state_dict} of ``shards``, written one after the
@@ -411,8 +412,9 @@ class CheckpointManager:
         hashed them (``verify_files``), so local files get the size check only (downloaded
         copies are always hashed before the load: they are what gets loaded). Raises
         CheckpointMismatch when ``state_dict`` does not fit the checkpoint (a key missing or of
-        another shape; a key only the checkpoint has is logged and added to ``load_warnings``), CheckpointError on a missing
-        shard, a size or hash mismatch, or storage failure past the retry limits."""
+        another shape; a key only the checkpoint has is logged and added to ``load_warnings``)
+        or a file's sha256 does not match, CheckpointError on a missing shard, a size mismatch,
+        or storage failure past the retry limits."""
         _check_name(name)
         where = f"{self.step_uri(step)}/{name}"
         expected = None
@@ -847,12 +849,13 @@ def _check_name(name: str) -> None:
 def as_checkpoint_error(what: str, fn: Callable, *args, error: type = CheckpointError, **kwargs) -> Any:
     """``fn(*args, **kwargs)``; any error it raises, DCP's CheckpointException (a
     BaseException) included, becomes ``error``("{what} failed: ..."), except that one caused by a
-    CheckpointError raised inside (storage past its retry budget) stays a plain CheckpointError."""
+    CheckpointError raised inside stays of its kind: CheckpointMismatch (a bad checkpoint) or a
+    plain CheckpointError (storage past its retry budget)."""
     try:
         return fn(*args, **kwargs)
     except (Exception, dcp.CheckpointException) as exc:
         inner = [e for e, _ in exc.failures.values()] if isinstance(exc, dcp.CheckpointException) else [exc]
-        cls = CheckpointError if any(isinstance(e, CheckpointError) for e in inner) else error
+        cls = next((c for c in (CheckpointMismatch, CheckpointError) if any(isinstance(e, c) for e in inner)), error)
         raise cls(f"{what} failed: {_describe(exc)}") from exc
 
 

@@ -462,14 +462,18 @@ def test_a_local_load_hashes_beside_the_load_and_a_mismatch_found_at_its_end_is_
     """With its manifest, a local shard's files are size-checked, then hashed while the load
     runs (each file once, not a full pass before it); bytes changed at the same size load, and
     the mismatch found at the end raises CheckpointMismatch (a bad checkpoint: the caller
-    discards the state and loads another). A sizes-only verify (`hash_files=False`) passes it."""
+    discards the state and loads another). A sizes-only verify (`hash_files=False`) passes it.
+    A downloaded copy that does not match is a bad checkpoint too, not storage down."""
     import checkpoint
     from checkpoint import CheckpointMismatch
 
     m = make_manager()
-    if m.local_dir(1, "model_tp0") is None:
-        pytest.skip("object storage: downloads are hashed before the load")
     manifest = save_and_commit(m, 1)
+    if m.local_dir(1, "model_tp0") is None:  # object storage: a download is hashed before its load
+        flip_byte(m, 1, next(f.path for f in manifest.files if f.path.startswith("model_tp0/") and f.size))
+        with pytest.raises(CheckpointMismatch, match="sha256 mismatch"):
+            m.load_shard(1, "model_tp0", full_state(999), manifest)
+        return
     hashed = []
     real = checkpoint._sha256_local
     monkeypatch.setattr(checkpoint, "_sha256_local", lambda p: (hashed.append(p), real(p))[1])
