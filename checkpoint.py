@@ -816,9 +816,26 @@ _METADATA_GLOBALS = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serial
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if ((module, name) in _METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata"
-                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+                or _is_plain_data(module, name)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint metadata references {module}.{name}: refused")
+
+
+_PLAIN_DATA_MODULES = ("torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.filesystem")
+
+
+def _is_plain_data(module: str, name: str) -> bool:
+    """Whether `module.name` is a dataclass or an enum of DCP's planner or file-system modules
+    (`SavePlan`, `WriteItem`, `_StoragePrefix`, ...: Megatron's torch_dist metadata keeps its
+    save plans), which unpickle as data only, never running code."""
+    import enum
+    import importlib
+
+    if module not in _PLAIN_DATA_MODULES:
+        return False
+    cls = getattr(importlib.import_module(module), name, None)
+    return isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum))
 
 
 class SafeReader(dcp.FileSystemReader):
