@@ -419,7 +419,7 @@ class ActorGroup:
         refs = [s.handle.join.remote(self.generation, r, self.dims, self.store_host, self.store_port,
                                      self.holder_for(s.node_id))
                 for r, s in enumerate(self.workers)]
-        parts = self.wait(refs, self.cfg.fault_tolerance.step_timeout_s)
+        parts = self.wait(refs, self.cfg.fault_tolerance.rendezvous_timeout_s)
         return {**slowest(parts), **({"spare_warm_wait_s": round(waited, 4)} if warming else {})}
 
     def state_digests(self) -> list[str]:

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import fsspec
+import fsspec.callbacks
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -119,8 +120,9 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointMismatch(CheckpointError):
-    """A verified checkpoint does not fit the state it is loaded into (a key missing or of
-    another shape): the checkpoint is bad for this run, the loading rank is not."""
+    """A checkpoint does not fit the state it is loaded into (a key missing or of another
+    shape), or its bytes do not match its manifest's sha256 (found while loading): the
+    checkpoint is bad for this run, the loading rank is not."""
 
 
 class _NotCommitted(CheckpointError):
@@ -129,6 +131,65 @@ class _NotCommitted(CheckpointError):
 
 class _InvalidManifest(_NotCommitted):
     """manifest.json is there but does not parse or names another step: a damaged checkpoint."""
+
+
+class IOProgress:
+    """Progress of this process's checkpoint I/O, for the health monitor (`io_progress()` in
+    each heartbeat: a slow save, verify or load is not a hang). Storage operations run inside
+    `operation(stall_s)`; the transfer loops report bytes (`moved(n)`: written, uploaded,
+    downloaded, hashed) at the granularity their client gives (a chunk, a part, a file).
+    `counter()` is monotonic: the bytes moved, plus one per call while some operation is within
+    its own deadline (`stall_s` seconds since it started or last moved bytes; a single request
+    of a slow upload reports its bytes only when it ends). An operation silent past its own
+    deadline stops the count, so the step deadline can name the rank hung. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bytes = self._ticks = 0
+        self._ops: dict[int, list[float]] = {}  # id -> [stall_s, last movement (monotonic)]
+
+    def moved(self, n: int) -> None:
+        with self._lock:
+            self._bytes += n
+            now = time.monotonic()
+            for op in self._ops.values():
+                op[1] = now
+
+    @contextlib.contextmanager
+    def operation(self, stall_s: float):
+        key = object()
+        with self._lock:
+            self._ops[id(key)] = [stall_s, time.monotonic()]
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._ops[id(key)]
+
+    def counter(self) -> int:
+        with self._lock:
+            now = time.monotonic()
+            if any(now - last <= stall for stall, last in self._ops.values()):
+                self._ticks += 1
+            return self._bytes + self._ticks
+
+
+IO = IOProgress()  # the process's checkpoint I/O (every manager of the process reports here)
+
+
+def io_progress() -> int:
+    """`IO.counter()`: this process's checkpoint I/O progress, for its heartbeat."""
+    return IO.counter()
+
+
+class _ProgressCallback(fsspec.callbacks.Callback):
+    """fsspec transfer callback: bytes as the client reports them, to `IO`."""
+
+    def relative_update(self, inc: int = 1) -> None:
+        IO.moved(inc)
+
+    def branched(self, path_1, path_2, **kwargs):  # per-file callbacks of a multi-file transfer
+        return _ProgressCallback()
 
 
 class CheckpointManager:
@@ -175,6 +236,7 @@ class CheckpointManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._pending_what = ""
+        self.load_warnings: list[str] = []  # what loads noticed without failing (`load_shard`), for the driver
 
     @classmethod
     def from_config(cls, k: CheckpointConfig) -> CheckpointManager:
@@ -206,7 +268,8 @@ class CheckpointManager:
             self._retry(what, _dcp_save_fresh, state_dict, target, True)
             return self.put_files(step, target, name, sorted(os.listdir(target)))
         with tempfile.TemporaryDirectory(prefix="ckpt-stage-") as stage:
-            as_checkpoint_error(what, _dcp_save_fresh, state_dict, stage, False)
+            with IO.operation(self.retry_budget_s):
+                as_checkpoint_error(what, _dcp_save_fresh, state_dict, stage, False)
             return self.put_files(step, stage, name, sorted(os.listdir(stage)))
 
     def local_dir(self, step: int, name: str) -> str | None:
@@ -255,13 +318,14 @@ class CheckpointManager:
             large = [i for i, n in enumerate(sizes) if n >= 2 * self.part_bytes]
             rest = [i for i in range(len(local)) if i not in large]
             if rest:
-                self.fs.put([local[i] for i in rest], [remote[i] for i in rest])
+                self.fs.put([local[i] for i in rest], [remote[i] for i in rest], callback=_ProgressCallback())
             for i in large:
                 self._put_composite(local[i], remote[i], sizes[i])
         elif "s3" in _protocols(self.fs):  # s3fs: multipart from 2 parts on, at most 10,000 parts
-            self.fs.put(local, remote, chunksize=max(self.part_bytes, -(-max(sizes, default=0) // 10_000)))
+            self.fs.put(local, remote, chunksize=max(self.part_bytes, -(-max(sizes, default=0) // 10_000)),
+                        callback=_ProgressCallback())
         else:
-            self.fs.put(local, remote)
+            self.fs.put(local, remote, callback=_ProgressCallback())
 
     def _put_composite(self, local: str, remote: str, size: int) -> None:
         """GCS parallel composite upload of the file `local` to `remote` (as gsutil's): its
@@ -280,6 +344,7 @@ class CheckpointManager:
                     if not (chunk := src.read(min(left, _PART_BLOCK))):
                         raise EOFError(f"{local} ended before byte {size}")
                     left -= dst.write(chunk)
+                    IO.moved(len(chunk))
 
         try:
             with concurrent.futures.ThreadPoolExecutor(min(n, _PART_STREAMS), thread_name_prefix="ckpt-part") as pool:
@@ -296,18 +361,19 @@ class CheckpointManager:
     def get_files(self, step: int, files: list[FileEntry], stage_dir: str) -> None:
         """Download ``files`` (manifest entries of ``step``) from object storage into
         ``stage_dir``/{entry path} (concurrent transfers) and check each one's size and sha256.
-        Raises CheckpointError naming every missing or mismatched file, or on storage failure
-        past the retry limits."""
+        Raises CheckpointMismatch naming every mismatched file (a bad checkpoint), CheckpointError
+        on storage failure past the retry limits."""
         if not files:
             return
         remote = [f"{self._step_path(step)}/{f.path}" for f in files]
         local = [os.path.join(stage_dir, f.path) for f in files]
         for d in {os.path.dirname(p) for p in local}:
             os.makedirs(d, exist_ok=True)
-        self._retry(f"downloading {len(files)} files of {self.step_uri(step)}", self.fs.get, remote, local)
+        self._retry(f"downloading {len(files)} files of {self.step_uri(step)}", self.fs.get, remote, local,
+                    callback=_ProgressCallback())
         problems = [p for f in files if (p := _check_local_file(stage_dir, f))]
-        if problems:
-            raise CheckpointError(f"{self.step_uri(step)} failed verification: " + "; ".join(problems))
+        if problems:  # a bad checkpoint, not storage down
+            raise CheckpointMismatch(f"{self.step_uri(step)} failed verification: " + "; ".join(problems))
 
     def async_save_shards(self, step: int, shards: dict[str, dict]) -> concurrent.futures.Future:
         """Like ``save_shard`` for each {name: state_dict} of ``shards``, written one after the
@@ -340,13 +406,15 @@ class CheckpointManager:
     def load_shard(self, step: int, name: str, state_dict: dict, manifest: Manifest | None = None,
                    verified: bool = False) -> dict:
         """Load shard ``name`` of ``step`` into ``state_dict`` in place (tensors copied into,
-        other values replaced) and return it. With ``manifest``, first checks the size and
-        sha256 of this shard's files; ``verified``: the caller has just checked them against it
-        (``verify_files``), so local files get a size check only instead of a second full read
-        (downloaded copies are always hashed: they are what gets loaded). Raises
+        other values replaced) and return it. With ``manifest``, checks the size of this shard's
+        files first and their sha256 beside the load (local files; a mismatch raises
+        CheckpointMismatch after the load: discard the state); ``verified``: the caller has just
+        hashed them (``verify_files``), so local files get the size check only (downloaded
+        copies are always hashed before the load: they are what gets loaded). Raises
         CheckpointMismatch when ``state_dict`` does not fit the checkpoint (a key missing or of
-        another shape; a key only the checkpoint has is logged), CheckpointError on a missing
-        shard, a size or hash mismatch, or storage failure past the retry limits."""
+        another shape; a key only the checkpoint has is logged and added to ``load_warnings``)
+        or a file's sha256 does not match, CheckpointError on a missing shard, a size mismatch,
+        or storage failure past the retry limits."""
         _check_name(name)
         where = f"{self.step_uri(step)}/{name}"
         expected = None
@@ -368,22 +436,36 @@ class CheckpointManager:
                 raise CheckpointError(f"no files of shard {name!r} at {where}")
             os.makedirs(os.path.join(stage, name))
             local = [os.path.join(stage, name, p.rsplit("/", 1)[1]) for p in remote]
-            self._retry(f"downloading {where}", self.fs.get, remote, local)
+            self._retry(f"downloading {where}", self.fs.get, remote, local, callback=_ProgressCallback())
             return self._check_and_load(where, stage, name, None, state_dict)
 
     def _check_and_load(self, where, step_dir, name, expected, state_dict, hash_files: bool = True) -> dict:
+        """Load shard `name` from the local `step_dir` into `state_dict`. `expected` (its manifest
+        entries): sizes checked first; with `hash_files`, their sha256 is computed beside the load
+        (the load waits for no hashing pass; both read the same bytes, the second from the page
+        cache), and a mismatch raises CheckpointMismatch once the load is done: the state it
+        loaded into is then to be discarded (the caller loads another checkpoint)."""
         if expected is not None:
-            problems = [p for f in expected if (p := _check_local_file(step_dir, f, hash_files))]
+            problems = [p for f in expected if (p := _check_local_file(step_dir, f, hash_file=False))]
             if problems:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
-        reader = _SafeReader(os.path.join(step_dir, name))
+        reader = SafeReader(os.path.join(step_dir, name))
         what = f"loading shard {name!r} from {where}"
-        as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
+        check = expected if expected is not None and hash_files else []
+        with IO.operation(self.retry_budget_s), concurrent.futures.ThreadPoolExecutor(
+                max(1, min(8, len(check))), thread_name_prefix="ckpt-hash") as pool:
+            digests = pool.map(lambda f: _sha256_local(os.path.join(step_dir, f.path)), check)
+            as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
+            if bad := [f"{f.path}: sha256 mismatch" for f, d in zip(check, digests) if d != f.sha256]:
+                raise CheckpointMismatch(f"shard {name!r} at {where} failed verification: {'; '.join(bad)}; "
+                                         f"the state loaded from it is to be discarded")
         # dcp.load fails on a key the checkpoint lacks or of another shape, but loads a subset
         # silently: a key only the checkpoint has is named here.
         unexpected = sorted(set(reader.metadata.state_dict_metadata) - set(flatten_state_dict(state_dict)[0]))
         if unexpected:
-            logger.warning("%s: the checkpoint holds keys this run does not load: %s", where, ", ".join(unexpected[:20]))
+            self.load_warnings.append(f"{where}: the checkpoint holds keys this run does not load: "
+                                      f"{', '.join(unexpected[:20])}")
+            logger.warning("%s", self.load_warnings[-1])
         return state_dict
 
     def check_writable(self, budget_s: float | None = None) -> None:
@@ -399,6 +481,19 @@ class CheckpointManager:
             probe._retry(f"deleting a probe from {self.uri}", self._rm, path, False)
         except CheckpointError as e:
             raise CheckpointError(f"{e} (endpoint: {self.endpoint()})") from e
+
+    def warm_client(self) -> None:
+        """Make the object-storage client now, with one small request (a spare does it while
+        warming): its first request loads the client's service descriptions, seconds of CPU on a
+        busy host in calls that hold the GIL, which would otherwise fall in a recovery's load,
+        where the rank could answer no heartbeat. Nothing for a local URI; errors are only
+        logged (the request that needs storage reports them)."""
+        if self._local:
+            return
+        try:
+            self.fs.exists(f"{self.root}/{LATEST}")
+        except Exception as exc:  # noqa: BLE001 (a warm-up; storage may be down now)
+            logger.debug("warming the storage client of %s: %s", self.uri, _describe(exc))
 
     def endpoint(self) -> str:
         """The storage endpoint this manager talks to, for messages (no credentials)."""
@@ -528,11 +623,12 @@ class CheckpointManager:
             return manifest, [f"written by run {manifest.run_id}, not by this run {run_id}"]
         return manifest, self.verify_files(step, manifest.files)
 
-    def verify_files(self, step: int, files: list[FileEntry]) -> list[str]:
+    def verify_files(self, step: int, files: list[FileEntry], hash_files: bool = True) -> list[str]:
         """Problems of ``files`` (entries of step ``step``'s manifest): missing, size or sha256
-        mismatch; empty list = good. Reads every byte of them, 8 files at a time. Several
-        processes can each verify a part of a manifest in parallel. Raises CheckpointError only
-        when storage fails past the retry limits."""
+        mismatch; empty list = good. Reads every byte of them, 8 files at a time (without
+        ``hash_files``: sizes only, for a loader that hashes as it loads). Several processes can
+        each verify a part of a manifest in parallel. Raises CheckpointError only when storage
+        fails past the retry limits."""
         step_path = self._step_path(step)
         sizes = self._retry(f"listing {self.step_uri(step)}", self._sizes, step_path)
 
@@ -541,6 +637,8 @@ class CheckpointManager:
                 return f"{f.path}: missing"
             if sizes[f.path] != f.size:
                 return f"{f.path}: size {sizes[f.path]} bytes, expected {f.size}"
+            if not hash_files:
+                return None
             where = f"{self.step_uri(step)}/{f.path}"
             digest = self._retry(f"reading {where}", self._sha256, f"{step_path}/{f.path}")
             return None if digest == f.sha256 else f"{f.path}: sha256 mismatch"
@@ -565,6 +663,10 @@ class CheckpointManager:
     def _retry(self, what: str, fn: Callable, *args, **kwargs) -> Any:
         """Run ``fn``; retry transient storage errors with exponential backoff within
         ``max_retries`` and ``retry_budget_s``. Every failure ends as CheckpointError."""
+        with IO.operation(self.retry_budget_s):
+            return self._retry_loop(what, fn, *args, **kwargs)
+
+    def _retry_loop(self, what: str, fn: Callable, *args, **kwargs) -> Any:
         start = time.monotonic()
         attempt = 0
         while True:
@@ -626,6 +728,7 @@ class CheckpointManager:
         with self.fs.open(path, "rb") as f:
             while chunk := f.read(_HASH_CHUNK):
                 h.update(chunk)
+                IO.moved(len(chunk))
         return h.hexdigest()
 
     def _write_atomic(self, path: str, data: bytes) -> None:
@@ -713,14 +816,33 @@ _METADATA_GLOBALS = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serial
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if ((module, name) in _METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata"
-                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+                or _is_plain_data(module, name)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint metadata references {module}.{name}: refused")
 
 
-class _SafeReader(dcp.FileSystemReader):
+_PLAIN_DATA_MODULES = ("torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.filesystem")
+
+
+def _is_plain_data(module: str, name: str) -> bool:
+    """Whether `module.name` is a dataclass or an enum of DCP's planner or file-system modules
+    (`SavePlan`, `WriteItem`, `_StoragePrefix`, ...: Megatron's torch_dist metadata keeps its
+    save plans), which unpickle as data only, never running code."""
+    import enum
+    import importlib
+
+    if module not in _PLAIN_DATA_MODULES:
+        return False
+    cls = getattr(importlib.import_module(module), name, None)
+    return isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum))
+
+
+class SafeReader(dcp.FileSystemReader):
     """DCP's FileSystemReader, with `.metadata` read by a restricted unpickler (DCP itself reads
-    tensors and objects with `torch.load(weights_only=True)`, but the metadata with `pickle`)."""
+    tensors and objects with `torch.load(weights_only=True)`, but the metadata with `pickle`).
+    Every reader of checkpoint files derives from it (Megatron's too: `megatron_compat._Reader`).
+    `read_metadata` raises pickle.UnpicklingError naming a global outside the allow-list."""
 
     def read_metadata(self, *args, **kwargs):
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
@@ -744,12 +866,13 @@ def _check_name(name: str) -> None:
 def as_checkpoint_error(what: str, fn: Callable, *args, error: type = CheckpointError, **kwargs) -> Any:
     """``fn(*args, **kwargs)``; any error it raises, DCP's CheckpointException (a
     BaseException) included, becomes ``error``("{what} failed: ..."), except that one caused by a
-    CheckpointError raised inside (storage past its retry budget) stays a plain CheckpointError."""
+    CheckpointError raised inside stays of its kind: CheckpointMismatch (a bad checkpoint) or a
+    plain CheckpointError (storage past its retry budget)."""
     try:
         return fn(*args, **kwargs)
     except (Exception, dcp.CheckpointException) as exc:
         inner = [e for e, _ in exc.failures.values()] if isinstance(exc, dcp.CheckpointException) else [exc]
-        cls = CheckpointError if any(isinstance(e, CheckpointError) for e in inner) else error
+        cls = next((c for c in (CheckpointMismatch, CheckpointError) if any(isinstance(e, c) for e in inner)), error)
         raise cls(f"{what} failed: {_describe(exc)}") from exc
 
 
@@ -801,6 +924,7 @@ def _sha256_local(path: str) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
+            IO.moved(len(chunk))
     return h.hexdigest()
 
 

@@ -231,8 +231,9 @@ class CheckpointConfig:
     """Save every N committed steps (0: never); >= 0."""
     keep_last: int = 2
     """Committed checkpoints kept; older ones are deleted after a newer commit; >= 1."""
-    async_save: bool = False
-    """Snapshot to host memory and write in the background."""
+    async_save: bool | str = "auto"
+    """Snapshot to host memory and write in the background (true), or write in the step (false);
+    auto: true on GPU (the copy runs on a side stream beside the next step), false on CPU."""
     retry_budget_s: float = 60.0
     """Seconds transient storage errors are retried with backoff; then the save is skipped with
     a warning (training goes on, the previous checkpoint stays); > 0."""
@@ -251,7 +252,12 @@ class FaultToleranceConfig:
     min_step_timeout_s: float = 10.0
     """Lower bound of the step deadline, in seconds; in (0, step_timeout_s]."""
     rendezvous_timeout_s: float = 60.0
-    """Seconds within which a new process-group generation must form; > 0."""
+    """Seconds within which a new process-group generation must form (each rank's join, and
+    the driver's wait for it); > 0."""
+    collective_timeout_s: float = 1800.0
+    """GPU: the NCCL process groups' own timeout (their watchdog), a backstop only: hangs are
+    found by the step deadline, which progress extends (a collective may wait that long for a
+    peer's slow checkpoint I/O); >= step_timeout_s and rendezvous_timeout_s."""
     hang_factor: float = 5.0
     """Step deadline = hang_factor x median step time, within the bounds, extended while the
     progress counters move (slow is not dead); >= 1."""
@@ -488,10 +494,14 @@ def validate(cfg: Config) -> None:
     require(k.interval >= 0, "checkpoint.interval", "must be >= 0 (0 disables checkpoints)")
     require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     require(k.retry_budget_s > 0, "checkpoint.retry_budget_s", "must be > 0 seconds")
+    require(k.async_save in (True, False, "auto"), "checkpoint.async_save", "must be true, false or auto")
     f = cfg.fault_tolerance
     for name in ("health_interval_s", "health_timeout_s", "step_timeout_s", "min_step_timeout_s",
                  "rendezvous_timeout_s"):
         require(getattr(f, name) > 0, f"fault_tolerance.{name}", "must be > 0 seconds")
+    require(f.collective_timeout_s >= max(f.step_timeout_s, f.rendezvous_timeout_s), "fault_tolerance.collective_timeout_s",
+            f"must be >= fault_tolerance.step_timeout_s={f.step_timeout_s} and "
+            f"rendezvous_timeout_s={f.rendezvous_timeout_s} (it is the backstop of both)")
     require(f.min_step_timeout_s <= f.step_timeout_s, "fault_tolerance.min_step_timeout_s",
             f"must be <= fault_tolerance.step_timeout_s={f.step_timeout_s}")
     require(f.hang_factor >= 1, "fault_tolerance.hang_factor", "must be >= 1 (deadline = factor x median step time)")
@@ -640,13 +650,14 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
     """Return a copy with `auto` values made concrete for a machine with `num_gpus` GPUs.
 
     device auto -> cuda when GPUs are visible, else cpu; engine auto -> megatron on cuda,
-    torch on cpu; distributed_optimizer auto -> true on megatron, false on torch; dtype auto -> bfloat16 on cuda, float32 on cpu; run_name null -> the last
-    part of run_dir. Raises ConfigError for combinations this machine cannot run (megatron on
+    torch on cpu; distributed_optimizer auto -> true on megatron, false on torch; dtype auto ->
+    bfloat16 on cuda, float32 on cpu; checkpoint.async_save auto -> true on cuda, false on cpu;
+    run_name null -> the last part of run_dir. Raises ConfigError for combinations this machine cannot run (megatron on
     CPU, cuda without GPUs).
     """
     num_gpus = gpus_visible() if num_gpus is None else num_gpus
     cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster),
-                              model=dataclasses.replace(cfg.model))
+                              model=dataclasses.replace(cfg.model), checkpoint=dataclasses.replace(cfg.checkpoint))
     if cfg.cluster.device == "auto":
         cfg.cluster.device = "cuda" if num_gpus > 0 else "cpu"
     require(cfg.cluster.device == "cpu" or num_gpus > 0, "cluster.device",
@@ -660,6 +671,8 @@ def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
         cfg.model.distributed_optimizer = cfg.model.engine == "megatron"
     if cfg.model.dtype == "auto":
         cfg.model.dtype = "bfloat16" if cuda else "float32"
+    if cfg.checkpoint.async_save == "auto":
+        cfg.checkpoint.async_save = cuda
     if cfg.run_name is None:
         cfg.run_name = Path(cfg.run_dir).name or "run"
     c = cfg.cluster

@@ -67,7 +67,10 @@ class Engine(Protocol):
     Attributes read by the actor: `step` (train steps whose update the live state holds),
     `progress` (monotonic count of work done: micro-batches, collectives, sampling rounds; a
     rank stuck before a collective shows a lower count than its peers waiting inside it),
-    `step_start_progress` (`progress` when the current step began). Set by the actor:
+    `step_start_progress` (`progress` when the current step began), `checks_while_loading`
+    (whether `load_checkpoint` hashes the bytes it reads against the manifest, raising
+    CheckpointMismatch after the load on a mismatch: the ranks then check only sizes before
+    it). Set by the actor:
     `fault_point(point)` (fault injection, called at the named points) and `delay_s` (fault
     'slow': extra seconds per micro-batch).
     """
@@ -75,6 +78,7 @@ class Engine(Protocol):
     step: int
     progress: int
     step_start_progress: int
+    checks_while_loading: bool
     fault_point: Callable[[str], None]
     delay_s: float
 
@@ -82,7 +86,8 @@ class Engine(Protocol):
     def connect(self, store, dims: ParallelDims, rank: int) -> dict[str, float]:
         """Join a membership generation as `rank` of `dims`: create the default process group
         from `store` (a `torch.distributed.Store` every member of this generation uses, with
-        `fault_tolerance.step_timeout_s` as the collective timeout) and the engine's groups on
+        the collective timeout `fault_tolerance.step_timeout_s` for gloo, `collective_timeout_s`
+        for NCCL) and the engine's groups on
         it; the training state carries over. Returns seconds by part (`process_group_s` first,
         then the engine's own parts), the rebuild detail of a recovery timeline."""
 

@@ -248,8 +248,9 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
         if ft.restore == "memory":
             raise RecoveryError(NO_MEMORY_RESTORE)
         timeline.notes.append("in-memory restore impossible")
-    step = restore_checkpoint(group, ckpt, manifests if manifests is not None else
-                              ckpt.committed_manifests(run_id), timeout, check_manifest, timeline.notes)
+    step = restore_checkpoint_through_outage(
+        group, ckpt, lambda: manifests if manifests is not None else ckpt.committed_manifests(run_id),
+        timeout, check_manifest, timeline.notes)
     if step is not None:
         timeline.restore_source = f"checkpoint step {step}"
         return step
@@ -281,14 +282,50 @@ def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: li
     for manifest in _verified_by_ranks(group, ckpt, manifests, timeout):
         check_manifest(manifest)  # ConfigError: stop, don't retry
         loaded = group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers], timeout)
+        if down := [f"rank {r}: {x['storage']}" for r, x in enumerate(loaded) if isinstance(x, dict) and "storage" in x]:
+            raise CheckpointError("; ".join(down))
         if errors := [f"rank {r}: {e}" for r, e in enumerate(loaded) if isinstance(e, str)]:
             log.warning("checkpoint %s does not load, trying an older one: %s",
                         ckpt.step_uri(manifest.step), "; ".join(errors))
             notes.append(f"checkpoint step {manifest.step} does not load")
             continue
         group.drop_snapshots_after(manifest.step)  # a rewind: the later snapshots are another timeline's
+        for warning in sorted({w for x in loaded for w in x["warnings"]}):  # else only in a worker's log
+            log.warning("checkpoint step %d loaded, but %s", manifest.step, warning)
+            notes.append(f"checkpoint step {manifest.step}: {warning}")
         return manifest.step
     return None
+
+
+def restore_checkpoint_through_outage(group: ActorGroup, ckpt: CheckpointManager,
+                                      manifests: Callable[[], list[Manifest]], timeout: float,
+                                      check_manifest: Callable[[Manifest], None], notes: list[str]) -> int | None:
+    """`restore_checkpoint` of `manifests()` (listed again at each try), tried again while
+    storage is down (a CheckpointError: some operation past its own retries), with doubling
+    waits for at most `ckpt.retry_budget_s` after the first such error: an outage of up to
+    about twice `checkpoint.retry_budget_s` is ridden out, and no rank is blamed or replaced
+    for it. Past that, RecoveryError with one line naming the URI, the error and the field to
+    change (the other sources were tried before this one; step 0 is no substitute for a
+    checkpoint that exists). Other errors as `restore_checkpoint`."""
+    first, attempt = None, 0
+    while True:
+        try:
+            return restore_checkpoint(group, ckpt, manifests(), timeout, check_manifest, notes)
+        except CheckpointError as e:
+            first = time.monotonic() if first is None else first
+            waited = time.monotonic() - first
+            delay = min(ckpt.retry_backoff_s * 2 ** attempt, ckpt.retry_budget_s - waited)
+            cause = " ".join(str(e).split())[:300]
+            if delay <= 0:
+                raise RecoveryError(
+                    f"checkpoint restore from {ckpt.uri}: storage still failing {waited:.1f} s after "
+                    f"its retries ran out (checkpoint.retry_budget_s={ckpt.retry_budget_s}): {cause}; restart "
+                    f"the run once storage is back (it resumes from its checkpoints) or raise "
+                    f"checkpoint.retry_budget_s") from None
+            attempt += 1
+            log.warning("checkpoint restore: storage failing (%s); trying again in %.1f s", cause, delay)
+            notes.append(f"checkpoint restore retried: storage failing ({cause[:100]})")
+            time.sleep(delay)
 
 
 def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: list, timeout: float):

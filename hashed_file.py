@@ -34,10 +34,10 @@ class HashedFile:
     `close()` writes the rest, fsyncs and closes, and must be called once at the end (also
     after an error, to stop the writer thread). Then `size` (bytes) and `sha256` (hashlib
     object) describe the file as written. Raises OSError of the write that failed, from the
-    next `write` or from `close`."""
+    next `write` or from `close`. `on_write(n)`, when given, is told the bytes of each write."""
 
-    def __init__(self, path: str):
-        self.path, self.size, self.sha256 = path, 0, hashlib.sha256()
+    def __init__(self, path: str, on_write=None):
+        self.path, self.size, self.sha256, self._on_write = path, 0, hashlib.sha256(), on_write
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
             self._fd, self._direct = os.open(path, flags | _O_DIRECT), bool(_O_DIRECT)
@@ -70,6 +70,8 @@ class HashedFile:
                 self._full.put((self._buffer, PIECE))
                 self._buffer, self._filled = self._free.get(), 0
         self.size += len(view)
+        if self._on_write is not None:
+            self._on_write(len(view))
         return len(view)
 
     def tell(self) -> int:

@@ -269,7 +269,7 @@ class HealthMonitor:
         index = {r.hex(): i for i, r in enumerate(refs)}
         results: list = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + timeout
-        progress, moved_at = self._progress(), time.time()
+        progress, moved_at = self.work_done(), time.time()
         next_look = time.monotonic() + ft.health_interval_s
         while pending:
             # Batched: every call that ends within BATCH_S is taken in one wait and judged in
@@ -320,7 +320,7 @@ class HealthMonitor:
                 if lost:
                     raise self._failure(silent | lost, "crash", "node(s) lost: raylet refuses connections")
                 raise self._failure(silent, "unreachable", self._silence_detail(silent))
-            now = self._progress()
+            now = self.work_done()
             if any(c > progress[r] for r, c in now.items() if r in progress):  # moved since the last look
                 deadline, moved_at = max(deadline, time.monotonic() + timeout), time.time()
             progress.update(now)
@@ -359,6 +359,12 @@ class HealthMonitor:
                  if (b := self.beats.beat(s.handle)) is not None and "collectives" in b.info}
         newest = max((i["generation"] for i in infos.values() if i.get("generation") is not None), default=None)
         return {r: i["collectives"] for r, i in infos.items() if i.get("generation") == newest}
+
+    def work_done(self) -> dict[int, int]:
+        """rank -> its `progress` plus its checkpoint I/O's (`io_progress`: bytes moved, and
+        ticks while an I/O operation is within its own deadline; `checkpoint.IOProgress`)."""
+        io = self._progress("io_progress")
+        return {r: c + io.get(r, 0) for r, c in self._progress().items()}
 
     def _hang_failure(self, pending: set[int], timeout: float, moved_at: float) -> WorkerFailure:
         """Name the hung ranks of a call that made no progress since `moved_at` (wall clock).

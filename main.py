@@ -342,6 +342,8 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
               f"dp now {group.dims.dp}")
         if trainer.recoveries:
             print(trainer.report())
+        if trainer.failed_saves and not trainer.checkpoints:
+            print(trainer.no_commit_line(), file=sys.stderr)
         write_plots(cfg, {"loss": trainer.losses}, [t.to_dict() for t in trainer.recoveries],
                     trainer.replayed, (trainer.rewards, trainer.replayed_rewards) if trainer.rewards else None)
         if trainer.rewards:
@@ -365,7 +367,7 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
                 failover.shutdown()
             if lease is not None:
                 lease.release(remove=failover is not None)
-    return 0
+    return 1 if trainer.failed_saves and not trainer.checkpoints else 0
 
 
 def after_step(trainer, lease, failover) -> None:
@@ -526,7 +528,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         print_dry_run(cfg)
         return 0
-    from failures import ClusterError
+    from failures import ClusterError, RecoveryError
 
     start_ray(cfg, log_to_driver=args.verbose)
     if args.mode == "stop":
@@ -540,6 +542,9 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
     except ClusterError as e:
         print(f"cluster error: {e}", file=sys.stderr)
+    except RecoveryError as e:  # the run cannot go on: one line, no traceback
+        print(f"recovery error: {e}", file=sys.stderr)
+        return 1
     return 2
 
 

@@ -25,7 +25,7 @@ import time
 
 import ray
 
-from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, Manifest
+from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, Manifest, io_progress
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
@@ -112,6 +112,7 @@ class MegatronActor:
         return {"generation": self.generation, "rank": self.rank,
                 "progress": e.progress if e else 0,
                 "step_progress": e.progress - e.step_start_progress if e else 0,
+                "io_progress": io_progress(),  # a slow save / verify / load is not a hang
                 "step": self.engine.step if self.engine else 0,
                 "collectives": collective_counts()}
 
@@ -169,10 +170,11 @@ class MegatronActor:
         connect may wait on a reverse-DNS lookup), reserve host memory for the rollback
         snapshot it will keep once it joins, and pay the process's one-time first-step costs,
         so none of these slows a recovery or its first steps (`Engine.reserve_host_memory`,
-        `Engine.warm_up`)."""
+        `Engine.warm_up`, `CheckpointManager.warm_client`)."""
         self._store_client(host, port)
         self.engine.reserve_host_memory(snapshot_nbytes)
         self.engine.warm_up()
+        self.ckpt.warm_client()
 
     @ray.method(concurrency_group=CONTROL)
     def probe(self) -> str | None:
@@ -360,20 +362,26 @@ class MegatronActor:
         message of a storage error (storage down past the retry budget: not a bad checkpoint)."""
         self._check(generation)
         try:
-            return self.ckpt.verify_files(manifest.step, manifest.files[part::parts])
+            return self.ckpt.verify_files(manifest.step, manifest.files[part::parts],
+                                          hash_files=not self.engine.checks_while_loading)
         except CheckpointError as e:
             return str(e)
 
-    def load_checkpoint(self, generation: int, manifest: Manifest) -> int | str:
-        """Load this rank's state from a committed, verified checkpoint; returns its step, or the
-        message of the CheckpointMismatch that stopped the load (a key missing or of another
-        shape): a bad checkpoint, not a failure of this rank."""
+    def load_checkpoint(self, generation: int, manifest: Manifest) -> dict | str:
+        """Load this rank's state from a committed, verified checkpoint; returns {"step": its
+        step, "warnings": what the load noticed without stopping (keys only the checkpoint holds),
+        for the driver to log}, or the message of the CheckpointMismatch that stopped the load (a
+        key missing or of another shape): a bad checkpoint, not a failure of this rank; or
+        {"storage": message} when storage failed past the retry budget (not a failure either)."""
         self._check(generation)
+        self.ckpt.load_warnings.clear()
         try:
             self.engine.load_checkpoint(self.ckpt, manifest, self.rank)
         except CheckpointMismatch as e:
             return str(e)
-        return manifest.step
+        except CheckpointError as e:
+            return {"storage": str(e)}
+        return {"step": manifest.step, "warnings": list(self.ckpt.load_warnings)}
 
     def rollback(self, generation: int, step: int) -> bool:
         """Return to committed step `step` from local state (in-memory snapshot, or the initial

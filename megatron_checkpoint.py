@@ -14,7 +14,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, CheckpointMismatch, as_checkpoint_error
+from checkpoint import IO, CheckpointError, CheckpointMismatch, as_checkpoint_error
 from host_memory import carve, pin_in_background, pinned_empty, state_nbytes
 from megatron_compat import torch_dist_reader, write_buckets
 
@@ -131,7 +131,8 @@ def save_sharded(ckpt, step: int, rank: int, sharded_state_dict: dict, async_sav
         if async_save:
             done = True  # the stage now belongs to the PendingSave
             return [PendingSave(ckpt, step, rank, request, stage, path is None, copy_stream)]
-        hashed = as_checkpoint_error(what, _write_now, request)
+        with IO.operation(ckpt.retry_budget_s):
+            hashed = as_checkpoint_error(what, _write_now, request)
         after_write()
         return _put_rank_files(ckpt, step, stage, rank, hashed)
     finally:
@@ -204,7 +205,8 @@ class PendingSave:
             if self.copied is not None:
                 self.copied.synchronize()
             if self.request.async_fn is not None:
-                self.hashed = write_buckets(self.request.async_fn, *args)
+                with IO.operation(self.ckpt.retry_budget_s):
+                    self.hashed = write_buckets(self.request.async_fn, *args)
             self.entries = self.ckpt.put_files(self.step, self.stage, MEGATRON_SHARD, sorted(self.hashed), self.hashed)
         except BaseException as exc:  # noqa: BLE001 (reported by result())
             self.error = exc
@@ -266,7 +268,7 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
     what = f"loading {ckpt.step_uri(manifest.step)}/{MEGATRON_SHARD}"
     path = ckpt.local_dir(manifest.step, MEGATRON_SHARD)
     if path is not None:
-        with torch_dist_reader():
+        with torch_dist_reader(), IO.operation(ckpt.retry_budget_s):
             return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path, error=CheckpointMismatch)
     import tempfile
 

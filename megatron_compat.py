@@ -19,13 +19,12 @@ import threading
 import megatron.core
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from checkpoint import CheckpointError, no_zip_crc32
+from checkpoint import IO, CheckpointError, SafeReader, no_zip_crc32
 from hashed_file import HashedFile
 
 log = logging.getLogger(__name__)
@@ -331,8 +330,9 @@ _READ_THREADS = 8  # files of one read plan read at once
 _STAGE = 16 << 20  # bytes: each of the two pinned buffers of a thread that reads into GPU memory
 
 
-class _Reader(FileSystemReader):
-    """Megatron's torch_dist reader (torch DCP's FileSystemReader, metadata read once), faster:
+class _Reader(SafeReader):
+    """Megatron's torch_dist reader (torch DCP's FileSystemReader, metadata read once and by
+    the allow-list unpickler of `checkpoint.SafeReader`: loading never runs code), faster:
     the files of a read plan are read in parallel (a thread each, at most `_READ_THREADS`), and
     a tensor whose stored bytes are those of its destination (after the plan's narrowing: same
     dtype and shape, both contiguous) is read straight into it (CPU memory), or through two
@@ -458,7 +458,7 @@ def _write_bucket(transform_list: list, bucket) -> tuple[list, tuple[int, str]]:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import _write_item
 
     path, storage_key, (bytes_data, tensor_data) = bucket
-    out = HashedFile(path)
+    out = HashedFile(path, on_write=IO.moved)  # a slow disk is not a hang (`checkpoint.IOProgress`)
     try:
         results = [_write_item(*transform_list, out, data, item, storage_key,
                                serialization_format=SerializationFormat.TORCH_SAVE)

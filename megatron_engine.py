@@ -104,6 +104,8 @@ class MegatronEngine:
     (snapshots, rollback, peer broadcast, reset) and of the checkpoint.
     """
 
+    checks_while_loading = False  # the ranks hash every file before a load (`verify_checkpoint`)
+
     def __init__(self, cfg: Config):
         # Process set-up, before CUDA is initialised in this process.
         configure_host_allocator()
@@ -165,7 +167,7 @@ class MegatronEngine:
     # -- process groups ----------------------------------------------------------------------
     def connect(self, store, dims: ParallelDims, rank: int) -> dict[str, float]:
         """Join a generation as `rank` of `dims`: create the default NCCL process group from
-        `store` (collective timeout `fault_tolerance.step_timeout_s`; with
+        `store` (collective timeout `fault_tolerance.collective_timeout_s`; with
         `fault_tolerance.nccl_eager_init` its communicator is made at once, on device 0) and
         Megatron's groups on it (`megatron_groups.make_groups`).
 
@@ -184,8 +186,14 @@ class MegatronEngine:
             raise ValueError(f"dims {dims} do not match the config's parallel sizes {self.cfg.parallel}")
         ft = self.cfg.fault_tolerance
         t_pg = time.perf_counter()
+        # Hangs are the health monitor's to find (step deadline, extended by progress) and end
+        # (abort); NCCL's watchdog is the backstop: past collective_timeout_s it tears the process
+        # down (mode 3, stated rather than inherited), which recovery sees as a crash. gloo (CPU
+        # tests) keeps step_timeout_s: its collectives have no abort, the timeout ends them.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        timeout = ft.collective_timeout_s if self.backend == "nccl" else ft.step_timeout_s
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=dims.world_size,
-                                timeout=datetime.timedelta(seconds=ft.step_timeout_s),
+                                timeout=datetime.timedelta(seconds=timeout),
                                 device_id=self.device if ft.nccl_eager_init and self.backend == "nccl" else None)
         parts = {"process_group_s": time.perf_counter() - t_pg}
         self._wait_snapshot_copy()  # a rebuild frees tensors it may still be reading

@@ -84,6 +84,8 @@ class TorchEngine:
     in DDP only when a process-group generation is joined (`connect`).
     """
 
+    checks_while_loading = True  # `load_checkpoint` hashes local files beside the load
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         for k, v in GLOO_ENV.items():
@@ -476,9 +478,10 @@ class TorchEngine:
         return files
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
-        """Load this rank's state in place from the committed checkpoint `manifest`, already
-        verified by the ranks (`MegatronActor.verify_checkpoint`: local files are not hashed
-        again, downloads are). The RNG of a rank that did not exist at save time is kept.
+        """Load this rank's state in place from the committed checkpoint `manifest`, whose sizes
+        the ranks checked (`MegatronActor.verify_checkpoint`); local files are hashed beside the
+        load, downloads before it (CheckpointMismatch on a sha256 mismatch: the state is then to
+        be discarded). The RNG of a rank that did not exist at save time is kept.
         Raises ConfigError when the checkpoint belongs to another model or layout."""
         check_compatible(self.cfg, manifest)
         self._wait_host_copy()  # the load writes into the live tensors
@@ -489,14 +492,13 @@ class TorchEngine:
         template = self._train_state()
         if self.zero:  # the shard is its own file (`save_checkpoint`)
             del template["optimizer"]
-        self._set_train_state(ckpt.load_shard(manifest.step, "model", template, manifest, verified=True))
+        self._set_train_state(ckpt.load_shard(manifest.step, "model", template, manifest))
         if self.zero:
-            self.load_shard(ckpt.load_shard(manifest.step, f"zero_dp{rank}", self._shard_state(), manifest,
-                                            verified=True))
+            self.load_shard(ckpt.load_shard(manifest.step, f"zero_dp{rank}", self._shard_state(), manifest))
         name = f"rng_rank{rank}"
         if any(f.path.startswith(name + "/") for f in manifest.files):
             template = {"torch_cpu": torch.get_rng_state()}
-            torch.set_rng_state(ckpt.load_shard(manifest.step, name, template, manifest, verified=True)["torch_cpu"])
+            torch.set_rng_state(ckpt.load_shard(manifest.step, name, template, manifest)["torch_cpu"])
 
     def snapshot(self) -> None:
         """Copy the training state to host memory at the start of a step (so the copy is the

@@ -25,7 +25,7 @@ from checkpoint import CheckpointError, CheckpointManager, check_compatible, mod
 from config import Config, ConfigError
 from data import data_fingerprint, open_data
 from failures import RecoveryTimeline, WorkerFailure, slowest
-from fault_tolerance import grow_back, grow_back_size, recover, restore_checkpoint
+from fault_tolerance import grow_back, grow_back_size, recover, restore_checkpoint_through_outage
 from metrics import RunMetrics
 from ppo import global_loss_weights
 from run_identity import RunIdentity
@@ -179,6 +179,8 @@ class Trainer:
             try:
                 if self.committed_step >= until_step:
                     self.finish_save()
+                    if self.failed_saves and not self.checkpoints:
+                        log.warning("%s", self.no_commit_line())
                     return
                 step = self.committed_step + 1
                 loss = self._step(step)
@@ -274,13 +276,29 @@ class Trainer:
         if self._pending_save is None:
             return
         t0 = time.perf_counter()
-        if not wait and not all(self.group.call("checkpoint_written")):
+        if wait:
+            self._wait_written()
+        elif not all(self.group.call("checkpoint_written")):
             self.save_stalls[-1] += time.perf_counter() - t0
             return
         (step, started), self._pending_save = self._pending_save, None
         self._commit_save(step, self.group.call("finish_checkpoint"), started)
         self.save_stalls[-1] += time.perf_counter() - t0
         self.metrics.on_save(step, self.save_stalls[-1])
+
+    def _wait_written(self) -> None:
+        """Poll `checkpoint_written` (answered beside training) until every rank's background
+        write has ended, so that `finish_checkpoint`, whose finalize is a collective, never waits
+        there for a slow upload (NCCL's watchdog would end a rank waiting in it). Stops polling
+        once no rank's progress (checkpoint I/O included) moved for `step_timeout_s`: the call
+        to `finish_checkpoint` then finds the hang."""
+        ft, last, moved_at = self.cfg.fault_tolerance, None, time.monotonic()
+        while not all(self.group.call("checkpoint_written")):
+            if (now := self.group.health.work_done()) != last:
+                last, moved_at = now, time.monotonic()
+            elif time.monotonic() - moved_at > ft.step_timeout_s:
+                break
+            time.sleep(ft.health_interval_s)
 
     def _commit_save(self, step: int, per_rank: list, t0: float) -> None:
         """Commit unless a rank's write or the commit hit a storage error: then the save is
@@ -303,6 +321,12 @@ class Trainer:
         self.checkpoints.append(step)
         log.info("checkpoint step %d committed %.2f s after the save started, after step %d", step,
                  time.perf_counter() - t0, self.committed_step)
+
+    def no_commit_line(self) -> str:
+        """The line a run ends with when it tried to save and committed no checkpoint."""
+        return (f"no checkpoint was committed in this run: {len(self.failed_saves)} save(s) skipped "
+                f"(steps {self.failed_saves}; the warnings above say why), so a failure has no checkpoint "
+                f"of it to restore from; check checkpoint.uri and its storage")
 
     def report(self) -> str:
         """A table of every recovery's phases (seconds), source and steps lost; total = the
@@ -337,15 +361,16 @@ class Trainer:
         schedule, RNG, RL state and the step counter come back; data and rollouts are a pure
         function of (seed, step), so the steps after it compute what they would have. Returns
         the step resumed from. Raises ConfigError when none of the run's checkpoints verifies
-        and loads, or one is of another model or layout."""
+        and loads, or one is of another model or layout; RecoveryError when storage stays down
+        (`fault_tolerance.restore_checkpoint_through_outage`)."""
         # A failure during the load recovers to this step; no rank holds it but by the load
         # itself, so recovery restores it from the checkpoints too.
         self.committed_step = newest_step
         notes: list[str] = []
         try:
-            step = restore_checkpoint(self.group, self.ckpt, self.ckpt.committed_manifests(self.run.id),
-                                      self.cfg.fault_tolerance.step_timeout_s,
-                                      lambda manifest: check_compatible(self.cfg, manifest), notes)
+            step = restore_checkpoint_through_outage(
+                self.group, self.ckpt, lambda: self.ckpt.committed_manifests(self.run.id),
+                self.cfg.fault_tolerance.step_timeout_s, lambda manifest: check_compatible(self.cfg, manifest), notes)
         except WorkerFailure as failure:
             step = self.handle_failure(failure).restored_step
         if step is None:

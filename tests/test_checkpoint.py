@@ -456,3 +456,32 @@ def test_no_collective_with_dead_peer(tmp_path):
         for p in procs:
             if p.is_alive():
                 p.kill()
+
+
+def test_a_local_load_hashes_beside_the_load_and_a_mismatch_found_at_its_end_is_a_bad_checkpoint(make_manager, monkeypatch):
+    """With its manifest, a local shard's files are size-checked, then hashed while the load
+    runs (each file once, not a full pass before it); bytes changed at the same size load, and
+    the mismatch found at the end raises CheckpointMismatch (a bad checkpoint: the caller
+    discards the state and loads another). A sizes-only verify (`hash_files=False`) passes it.
+    A downloaded copy that does not match is a bad checkpoint too, not storage down."""
+    import checkpoint
+    from checkpoint import CheckpointMismatch
+
+    m = make_manager()
+    manifest = save_and_commit(m, 1)
+    if m.local_dir(1, "model_tp0") is None:  # object storage: a download is hashed before its load
+        flip_byte(m, 1, next(f.path for f in manifest.files if f.path.startswith("model_tp0/") and f.size))
+        with pytest.raises(CheckpointMismatch, match="sha256 mismatch"):
+            m.load_shard(1, "model_tp0", full_state(999), manifest)
+        return
+    hashed = []
+    real = checkpoint._sha256_local
+    monkeypatch.setattr(checkpoint, "_sha256_local", lambda p: (hashed.append(p), real(p))[1])
+    assert_state_equal(m.load_shard(1, "model_tp0", full_state(999), manifest), full_state(10))
+    shard_files = [f for f in manifest.files if f.path.startswith("model_tp0/")]
+    assert sorted(hashed) == sorted(f"{m.local_dir(1, 'model_tp0')}/{f.path.split('/', 1)[1]}" for f in shard_files)
+    victim = next(f.path for f in shard_files if f.path.endswith("distcp"))
+    flip_byte(m, 1, victim)
+    assert m.verify_files(1, manifest.files, hash_files=False) == []
+    with pytest.raises(CheckpointMismatch, match=f"{victim}: sha256 mismatch.*discarded"):
+        m.load_shard(1, "model_tp0", full_state(999), manifest)

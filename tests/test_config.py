@@ -149,3 +149,12 @@ def test_config_yaml_sets_every_field_to_its_default_with_a_comment():
             uncommented.append((section if line.startswith(" ") else "") + key)
         above = False
     assert not uncommented, f"comment these keys of config.yaml: {uncommented}"
+
+
+def test_async_save_defaults_on_where_the_copy_runs_beside_training():
+    """`checkpoint.async_save: auto` (the default) resolves to true on GPU, false on CPU; an
+    explicit value is kept."""
+    cfg = load_config("config.yaml")
+    assert resolve(cfg, num_gpus=1).checkpoint.async_save is True
+    assert resolve(cfg, num_gpus=0).checkpoint.async_save is False
+    assert resolve(load_config("config.yaml", ["checkpoint.async_save=false"]), num_gpus=1).checkpoint.async_save is False

@@ -34,7 +34,7 @@ def run(cfg, until: int, resume_from: str | None = None):
         trainer = Trainer(cfg, group)
         if resume_from is not None:
             (manifest,) = [m for m in CheckpointManager(resume_from).committed_manifests() if m.step == 2]
-            trainer.committed_step = min(group.call("load_checkpoint", manifest))
+            trainer.committed_step = min(r["step"] for r in group.call("load_checkpoint", manifest))
         trainer.train(until)
         return trainer.losses, weights(group), trainer.grad_norms
     finally:

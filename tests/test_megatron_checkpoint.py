@@ -177,10 +177,11 @@ def test_save_commit_load_reshard(request, tmp_path):
             # same layout: a rank downloads the global files and its own .distcp files only
             assert [p for p in results[1]["fetched"] if p.endswith(".distcp")] == \
                 [p for p in results[1]["files"] if p.endswith(".distcp")], backend
-            # a corrupt .distcp file is refused by sha256 on the rank that reads it, and the
-            # other rank's load fails too (DCP gathers the error) instead of hanging
+            # a corrupt .distcp file is refused by sha256 on the rank that reads it, as a bad
+            # checkpoint (not storage down), and the other rank's load fails too (DCP gathers
+            # the error) instead of hanging
             for r in range(WORLD):
-                assert results[r]["corrupt"].startswith("CheckpointError"), (backend, results[r]["corrupt"])
+                assert results[r]["corrupt"].startswith("CheckpointMismatch"), (backend, results[r]["corrupt"])
                 assert "sha256 mismatch" in results[r]["corrupt"], (backend, results[r]["corrupt"])
 
 

@@ -83,7 +83,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_none_left_stops(uninterrupte
         shutil.copy(good, paths[2])
         with caplog.at_level(logging.WARNING, logger="fault_tolerance"):
             assert trainer.resume(plan.resume_step) == 2
-        assert f"skipping checkpoint {m.step_uri(3)}: " in caplog.text
+        assert f"checkpoint {m.step_uri(3)} does not load" in caplog.text  # found while loading (sizes fit)
         trainer.train(4)
         digests = group.state_digests()
     finally:
