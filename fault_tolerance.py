@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import ray
+
 from checkpoint import CheckpointError, CheckpointManager, Manifest
 from failures import RecoveryError, RecoveryTimeline, WorkerFailure
 
@@ -212,7 +214,8 @@ def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: li
     gen = group.generation
     for manifest in _verified_by_ranks(group, ckpt, manifests, timeout):
         check_manifest(manifest)  # ConfigError: stop, don't retry
-        loaded = group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers], timeout)
+        ref = ray.put(manifest)  # serialized once, not once per rank
+        loaded = group.wait([s.handle.load_checkpoint.remote(gen, ref) for s in group.workers], timeout)
         if errors := [f"rank {r}: {e}" for r, e in enumerate(loaded) if isinstance(e, str)]:
             log.warning("checkpoint %s does not load, trying an older one: %s",
                         ckpt.step_uri(manifest.step), "; ".join(errors))
@@ -229,7 +232,8 @@ def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: li
     down past the retry budget (an outage is not "no checkpoint")."""
     world = group.dims.world_size
     for manifest in reversed(manifests):
-        results = group.wait([s.handle.verify_checkpoint.remote(group.generation, manifest, r, world)
+        ref = ray.put(manifest)  # serialized once, not once per rank
+        results = group.wait([s.handle.verify_checkpoint.remote(group.generation, ref, r, world)
                               for r, s in enumerate(group.workers)], timeout)
         if errors := [f"rank {r}: {e}" for r, e in enumerate(results) if isinstance(e, str)]:
             raise CheckpointError("; ".join(errors))
