@@ -51,6 +51,8 @@ class MegatronActor:
         self.faults: dict[str, str] = {}  # point -> kind, armed by arm_fault
         self._abort_epoch = 0             # bumped by abort(): cancels a join in progress
         self._store = None                # ((host, port), TCPStore client of the driver's store)
+        self._control_store = None        # ((host, port), a second client, for `abort` during a join)
+        self._joining = None              # (generation, host, port) while join waits for its members
         self._pending_save = None         # futures of an async checkpoint write
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
         self._sender = SnapshotSender()
@@ -131,6 +133,9 @@ class MegatronActor:
         self._check_driver(generation)
         self.generation = None
         self._abort_epoch += 1
+        if (joining := self._joining) is not None:  # free every member waiting in this generation's barrier
+            g, host, port = joining
+            self._control_store_client(host, port).set(f"gen{g}/formed", "aborted")
         if self.engine is not None:
             grace = self.cfg.fault_tolerance.health_timeout_s / 2
             # An abort that does not return gets this actor replaced; leave the stacks of every
@@ -202,20 +207,26 @@ class MegatronActor:
         ft = self.cfg.fault_tolerance
         store = dist.PrefixStore(f"gen{generation}", self._store_client(host, port))
         # Abortable barrier before the (uninterruptible) rendezvous inside init_process_group:
-        # a member that never arrives must not strand the others in a blocking store wait.
-        # A polling barrier on purpose: a `store.wait` that times out leaves a stale reply on the
-        # client's socket (the following init_process_group then stalls), so it cannot be cut
-        # into abortable slices. Polling every 10 ms is cheap next to the rendezvous itself
-        # (see docs/recovery.md, "Rebuild").
-        store.add("arrived", 1)
-        deadline = time.monotonic() + ft.rendezvous_timeout_s
-        while store.add("arrived", 0) < dims.world_size:
-            if self._abort_epoch != epoch:
-                raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while forming")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
-                                   f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s")
-            time.sleep(0.01)
+        # a member that never arrives must not strand the others. A blocking wait on the key
+        # "formed", which the last member to arrive sets to "ok" and an abort of any member sets
+        # to "aborted" (`abort`, through this actor's second, control client): no polling. A
+        # wait that times out leaves a stale reply on its client's socket, so that client is
+        # dropped (the next join connects afresh) (see docs/recovery.md, "Rebuild").
+        if store.add("arrived", 1) == dims.world_size:
+            store.set("formed", "ok")
+        self._joining = (generation, host, port)
+        left = ft.rendezvous_timeout_s
+        try:
+            if epoch == self._abort_epoch:
+                store.wait(["formed"], datetime.timedelta(seconds=left))
+        except RuntimeError:  # c10d's DistStoreError: the wait timed out
+            self._store = None
+            raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
+                               f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s") from None
+        finally:
+            self._joining = None
+        if self._abort_epoch != epoch or store.get("formed") != b"ok":
+            raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while forming")
         t1 = time.perf_counter()
         phases = self.engine.connect(store, dims, rank)
         if holder is not None and self.cfg.fault_tolerance.memory_snapshot_interval:
@@ -232,7 +243,18 @@ class MegatronActor:
         if self._store is None or self._store[0] != (host, port):
             timeout = datetime.timedelta(seconds=self.cfg.fault_tolerance.rendezvous_timeout_s)
             self._store = ((host, port), dist.TCPStore(host, port, is_master=False, timeout=timeout))
+            self._control_store_client(host, port)
         return self._store[1]
+
+    def _control_store_client(self, host: str, port: int):
+        """A second client of the driver's store, for the control group (`abort`), made when
+        the first is (`_store_client`): one client's socket must not be shared by two threads."""
+        import torch.distributed as dist
+
+        if self._control_store is None or self._control_store[0] != (host, port):
+            timeout = datetime.timedelta(seconds=self.cfg.fault_tolerance.health_timeout_s)
+            self._control_store = ((host, port), dist.TCPStore(host, port, is_master=False, timeout=timeout))
+        return self._control_store[1]
 
     def _check_driver(self, generation: int) -> None:
         """Refuse a superseded driver: one whose generations lie below one this actor joined."""
