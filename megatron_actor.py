@@ -29,6 +29,7 @@ from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
 from parallel_dims import ParallelDims
+from rendezvous import arrive, release, wait_formed
 from snapshots import SnapshotSender, from_wire
 
 CONTROL = "control"
@@ -135,7 +136,7 @@ class MegatronActor:
         self._abort_epoch += 1
         if (joining := self._joining) is not None:  # free every member waiting in this generation's barrier
             g, host, port = joining
-            self._control_store_client(host, port).set(f"gen{g}/formed", "aborted")
+            release(self._control_store_client(host, port), f"gen{g}")
         if self.engine is not None:
             grace = self.cfg.fault_tolerance.health_timeout_s / 2
             # An abort that does not return gets this actor replaced; leave the stacks of every
@@ -206,26 +207,18 @@ class MegatronActor:
         self.engine.disconnect()
         ft = self.cfg.fault_tolerance
         store = dist.PrefixStore(f"gen{generation}", self._store_client(host, port))
-        # Abortable barrier before the (uninterruptible) rendezvous inside init_process_group:
-        # a member that never arrives must not strand the others. A blocking wait on the key
-        # "formed", which the last member to arrive sets to "ok" and an abort of any member sets
-        # to "aborted" (`abort`, through this actor's second, control client): no polling. A
-        # wait that times out leaves a stale reply on its client's socket, so that client is
-        # dropped (the next join connects afresh) (see docs/recovery.md, "Rebuild").
-        if store.add("arrived", 1) == dims.world_size:
-            store.set("formed", "ok")
+        # Abortable barrier before the rendezvous inside init_process_group (`rendezvous`).
+        arrive(store, dims.world_size)
         self._joining = (generation, host, port)
-        left = ft.rendezvous_timeout_s
         try:
-            if epoch == self._abort_epoch:
-                store.wait(["formed"], datetime.timedelta(seconds=left))
-        except RuntimeError:  # c10d's DistStoreError: the wait timed out
-            self._store = None
+            formed = epoch == self._abort_epoch and wait_formed(store, ft.rendezvous_timeout_s)
+        except TimeoutError:
+            self._store = None  # its socket holds the timed-out wait's stale reply
             raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
                                f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s") from None
         finally:
             self._joining = None
-        if self._abort_epoch != epoch or store.get("formed") != b"ok":
+        if self._abort_epoch != epoch or not formed:
             raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while forming")
         t1 = time.perf_counter()
         phases = self.engine.connect(store, dims, rank)
