@@ -13,6 +13,7 @@ from megatron_actor import MegatronActor
 from parallel_dims import ParallelDims
 
 
+@pytest.mark.slow
 def test_an_aborted_or_timed_out_barrier_leaves_the_next_join_working(ray_session, tmp_path):
     cfg = resolve(load_config("config.yaml", [
         "cluster.num_workers=2", "fault_tolerance.rendezvous_timeout_s=3", f"run_dir={tmp_path}",
