@@ -25,6 +25,7 @@ from failures import ClusterError, slowest
 from health import HealthMonitor
 from keeper import keeper_node, keeps_shards
 from megatron_actor import MegatronActor
+from node_agent import NodeAgent
 from parallel_dims import ParallelDims, RankCoords
 from snapshots import SnapshotHolder
 
@@ -255,6 +256,7 @@ class ActorGroup:
         self.names: dict[str, str] = {}  # actor id -> name, of the named (detached) actors
         self.dead: set[int] = set()
         self.quarantined: dict[tuple, str] = {}  # device -> why: no rank goes there before a probe passes
+        self.agents: dict[str, object] = {}  # node id -> its NodeAgent (heartbeats: one call per node per round)
         if attach is not None:
             self._attach(attach)
             return
@@ -274,7 +276,7 @@ class ActorGroup:
         self.workers: list[ActorSlot] = []
         self.pool = BackupPool([])
         self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
-                                    lambda: self.generation)
+                                    lambda: self.generation, lambda: self.agents)
         self.injected_at: float | None = None  # wall-clock time of the last injected fault (`kill`)
         handles = [self._new_actor(i) for i in range(n)]
         infos = ray.get([h.info.remote() for h in handles])
@@ -289,6 +291,11 @@ class ActorGroup:
         for line in self.placement_report:
             log.info("placement: %s", line)
         self.pool = BackupPool(spares)
+        # One heartbeat agent per node, in a bundle of the placement group on that node (as the
+        # snapshot holders below); not awaited: until one answers, its node is pinged from here.
+        bundles = {s.node_id: s.bundle_index for s in slots}
+        self.agents = {node: NodeAgent.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self.placement_group, b)).remote(cfg.fault_tolerance.health_interval_s / 2) for node, b in bundles.items()}
         self.health.start()
         self.build_s = max(ray.get([s.handle.build.remote() for s in slots]))
         self.store_host = ray.util.get_node_ip_address()
@@ -369,7 +376,7 @@ class ActorGroup:
             except ValueError:
                 pass
         self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
-                                    lambda: self.generation)
+                                    lambda: self.generation, lambda: self.agents)
         self.build_s = 0.0  # health starts once no rank is None (driver_failover.reattach)
         self.store_host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
@@ -469,10 +476,11 @@ class ActorGroup:
         return held
 
     def call(self, method: str, *args, dispatch: str = "pass_through", timeout: float | None = None):
-        """Call `method(generation, *args)` on every worker as the named dispatch splits it, wait
+        """Call `method(generation, *args)` on every worker as the named dispatch splits it (each
+        distinct non-scalar argument put into Ray's object store once: `dispatch_remote`), wait
         with a deadline, and return the dispatch's collected results. Raises WorkerFailure."""
         kind = get_dispatch_type(dispatch)
-        refs = dispatch_remote(self.handles, method, self.dims, kind, self.generation, *args)
+        refs = dispatch_remote(self.handles, method, self.dims, kind, self.generation, *args, put=ray.put)
         results = self.wait(refs, timeout or self.cfg.fault_tolerance.step_timeout_s)
         return kind.collect(self.dims, results)
 

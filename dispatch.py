@@ -7,6 +7,8 @@ imported here: `dispatch_remote` only calls `.remote` on the handles it is given
 
 from __future__ import annotations
 
+from typing import Callable
+
 from parallel_dims import ParallelDims, RankCoords
 from training_batch import TrainingBatch
 
@@ -119,6 +121,7 @@ def dispatch_remote(
     dims: ParallelDims,
     dispatch: str | type[Dispatch],
     *args,
+    put: Callable | None = None,
     **kwargs,
 ) -> list:
     """Call `handles[r].<method>.remote(*args_r, **kwargs_r)` on every rank r.
@@ -126,6 +129,10 @@ def dispatch_remote(
     Args:
         handles: Ray actor handles, index = global rank; len(handles) == dims.world_size.
         dispatch: a registered name or a Dispatch subclass deciding each rank's arguments.
+        put: e.g. `ray.put`: each distinct argument value other than a scalar (int, float,
+            bool, str, None) is passed through it once and its result sent to every rank
+            that gets the value, so a replica's batch is serialized once, not once per rank
+            of the replica. None: values are sent as they are.
 
     Returns:
         The ObjectRefs, one per rank (pass them to `dispatch.collect` after `ray.get`).
@@ -136,7 +143,16 @@ def dispatch_remote(
     if len(handles) != dims.world_size:
         raise ValueError(f"got {len(handles)} actor handles for a group of {dims.world_size} ranks")
     cls = get_dispatch_type(dispatch) if isinstance(dispatch, str) else dispatch
-    return [
-        getattr(handle, method).remote(*a, **kw)
-        for handle, (a, kw) in zip(handles, cls.split(dims, args, kwargs))
-    ]
+    per_rank = cls.split(dims, args, kwargs)
+    if put is not None:
+        stored: dict[int, object] = {}  # id(value) -> put(value); the values live in per_rank
+
+        def once(v):
+            if v is None or isinstance(v, (int, float, bool, str)):
+                return v
+            if id(v) not in stored:
+                stored[id(v)] = put(v)
+            return stored[id(v)]
+
+        per_rank = [(tuple(once(v) for v in a), {k: once(v) for k, v in kw.items()}) for a, kw in per_rank]
+    return [getattr(handle, method).remote(*a, **kw) for handle, (a, kw) in zip(handles, per_rank)]

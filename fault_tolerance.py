@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import ray
+
 from checkpoint import CheckpointError, CheckpointManager, Manifest
 from failures import RecoveryError, RecoveryTimeline, WorkerFailure
 from keeper import shard_key
@@ -281,7 +283,8 @@ def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: li
     gen = group.generation
     for manifest in _verified_by_ranks(group, ckpt, manifests, timeout):
         check_manifest(manifest)  # ConfigError: stop, don't retry
-        loaded = group.wait([s.handle.load_checkpoint.remote(gen, manifest) for s in group.workers], timeout)
+        ref = ray.put(manifest)  # serialized once, not once per rank
+        loaded = group.wait([s.handle.load_checkpoint.remote(gen, ref) for s in group.workers], timeout)
         if down := [f"rank {r}: {x['storage']}" for r, x in enumerate(loaded) if isinstance(x, dict) and "storage" in x]:
             raise CheckpointError("; ".join(down))
         if errors := [f"rank {r}: {e}" for r, e in enumerate(loaded) if isinstance(e, str)]:
@@ -335,7 +338,8 @@ def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: li
     down past the retry budget (an outage is not "no checkpoint")."""
     world = group.dims.world_size
     for manifest in reversed(manifests):
-        results = group.wait([s.handle.verify_checkpoint.remote(group.generation, manifest, r, world)
+        ref = ray.put(manifest)  # serialized once, not once per rank
+        results = group.wait([s.handle.verify_checkpoint.remote(group.generation, ref, r, world)
                               for r, s in enumerate(group.workers)], timeout)
         if errors := [f"rank {r}: {e}" for r, e in enumerate(results) if isinstance(e, str)]:
             raise CheckpointError("; ".join(errors))

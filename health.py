@@ -44,6 +44,21 @@ def actor_key(handle) -> str:
     return handle._actor_id.hex()
 
 
+def ping_result(ref, key: str) -> tuple[dict | None, str]:
+    """(answer, "") of the ended ping `ref` of actor `key`; (None, the error) when Ray says its
+    actor died; (None, "") when it gave no answer this time (briefly unavailable, e.g. its
+    node's Ray agent restarting, or the ping raised: logged)."""
+    try:
+        return ray.get(ref), ""
+    except ray.exceptions.ActorUnavailableError:
+        return None, ""
+    except ray.exceptions.RayActorError as e:
+        return None, str(e)[:300]
+    except Exception as e:  # noqa: BLE001 - e.g. the ping raised: no answer this time
+        log.warning("ping of actor %s failed: %s", key[:12], str(e)[:300])
+        return None, ""
+
+
 @dataclass
 class Beat:
     """What the heartbeats know of one actor. Times: `time.monotonic()`, `seen_wall` wall clock."""
@@ -102,11 +117,24 @@ class Heartbeats:
     control group every `interval_s` seconds, one ping in flight per actor, and records the
     answers. An actor is alive when it answered a recent ping, dead when Ray says its actor
     died, and silent once no answer came for `timeout_s` seconds. Pings never block the caller:
-    a ping that gets no answer only makes the silence longer. `start` / `stop` the thread."""
+    a ping that gets no answer only makes the silence longer. `start` / `stop` the thread.
 
-    def __init__(self, actors: Callable[[], list], interval_s: float, timeout_s: float):
+    `actors()`: handles, or slots (`.handle`, `.node_id`). `agents()`: node id -> its
+    `node_agent.NodeAgent`. The actors of a node with an agent are pinged by that agent, which
+    answers one call per round with every answer (the driver sends O(nodes) calls per round);
+    the others are pinged from here. A node whose agent died (its node lost), or whose round
+    call is late by more than `AGENT_LATE_INTERVALS` intervals (its agent not started yet, or
+    stalled), has its actors pinged from here until the agent answers again."""
+
+    AGENT_LATE_INTERVALS = 2
+
+    def __init__(self, actors: Callable[[], list], interval_s: float, timeout_s: float,
+                 agents: Callable[[], dict] = dict):
         self._actors, self.interval_s, self.timeout_s = actors, interval_s, timeout_s
+        self._agents = agents
         self._beats: dict[str, Beat] = {}
+        self._rounds: dict[str, tuple] = {}   # node id -> (agent key, ref in flight or None, sent, roster)
+        self._dead_agents: set[str] = set()   # agent keys whose actor died
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,40 +165,93 @@ class Heartbeats:
         self._collect(self._send(now), now + self.interval_s)
 
     def _send(self, now: float) -> dict:
-        """Start tracking new actors, forget those gone, send a ping (at `now`, monotonic) to
-        each actor with none in flight. Returns every ping in flight: ref -> actor key."""
-        handles = {actor_key(h): h for h in self._actors()}
+        """Start tracking new actors, forget those gone, send one round call (at `now`,
+        monotonic) to each node's agent with none in flight, and a ping to each actor with none
+        in flight whose node has no working agent. Returns every call in flight: ref -> actor
+        key (a ping) or ("agent", node id) (a round)."""
+        handles, by_node = {}, {}
+        for a in self._actors():
+            h, node = (a.handle, a.node_id) if hasattr(a, "handle") else (a, None)
+            handles[actor_key(h)] = h
+            by_node.setdefault(node, []).append(actor_key(h))
+        agents = self._agents()
+        direct = list(by_node.pop(None, []))
         with self._lock:
             for k in set(self._beats) - set(handles):
                 del self._beats[k]
-            for k, h in handles.items():
-                b = self._beats.setdefault(k, Beat(now, time.time()))
+            for k in handles:
+                self._beats.setdefault(k, Beat(now, time.time()))
+            for node in set(self._rounds) - set(by_node):
+                del self._rounds[node]
+            for node, keys in by_node.items():
+                agent = agents.get(node)
+                if agent is None or actor_key(agent) in self._dead_agents:
+                    direct += keys
+                    continue
+                akey, ref, sent, roster = self._rounds.get(node, (None, None, 0.0, None))
+                if akey != actor_key(agent):
+                    akey, ref, roster = actor_key(agent), None, None
+                if ref is None:
+                    new = frozenset(keys)
+                    ref, sent = agent.round.remote(now, [handles[k] for k in keys] if new != roster else None), now
+                    roster = new
+                elif now - sent > self.AGENT_LATE_INTERVALS * self.interval_s:
+                    direct += keys
+                self._rounds[node] = (akey, ref, sent, roster)
+            for k in direct:
+                b = self._beats[k]
                 if b.ref is None and not b.dead:
-                    b.ref, b.sent = h.ping.remote(), now
-            return {b.ref: k for k, b in self._beats.items() if b.ref is not None}
+                    b.ref, b.sent = handles[k].ping.remote(), now
+            in_flight = {b.ref: k for k, b in self._beats.items() if b.ref is not None}
+            in_flight.update({r[1]: ("agent", node) for node, r in self._rounds.items() if r[1] is not None})
+            return in_flight
 
     def _collect(self, in_flight: dict, end: float) -> None:
-        """Record the answers of the pings `in_flight` (ref -> actor key) that come before `end`
+        """Record the answers of the calls `in_flight` (`_send`) that come before `end`
         (monotonic), in batches: each wait takes every answer ready within `BATCH_S`, so a
-        silent actor delays no other by more than that, and a round costs O(actors) per batch."""
+        silent actor delays no other by more than that, and a round costs O(calls) per batch."""
         waiting = list(in_flight)
         while waiting and (left := end - time.monotonic()) > 0:
             ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, BATCH_S))
             for ref in ready:
-                self._record(in_flight[ref], ref)
+                key = in_flight[ref]
+                if isinstance(key, tuple):
+                    self._record_agent(key[1], ref)
+                else:
+                    self._record(key, ref)
+
+    def _record_agent(self, node: str, ref) -> None:
+        """Record the summary `ref` of `node`'s agent (`NodeAgent.round`): each answer as if
+        its ping had been sent from here at the agent's round time. An agent that died is not
+        asked again (its node's actors are pinged from here); one whose round raised is asked
+        again next round, its roster resent."""
+        try:
+            summary = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - judged below; the actors are judged by their own pings
+            summary = None
+            if isinstance(e, ray.exceptions.RayActorError) and not isinstance(e, ray.exceptions.ActorUnavailableError):
+                with self._lock:
+                    if node in self._rounds:
+                        self._dead_agents.add(self._rounds[node][0])
+                log.warning("node agent on %s died; its actors are pinged by the driver: %s", node[:12], str(e)[:200])
+        now, wall = time.monotonic(), time.time()
+        with self._lock:
+            if node in self._rounds:
+                akey, _, sent, roster = self._rounds[node]
+                self._rounds[node] = (akey, None, sent, roster if summary is not None else None)
+            for key, (info, dead, at) in (summary or {}).items():
+                b = self._beats.get(key)
+                if b is None:
+                    continue
+                if info is not None and at >= b.seen_sent:
+                    b.seen, b.seen_wall, b.seen_sent, b.info = now, wall, at, info
+                if dead:
+                    b.dead = dead
 
     def _record(self, key: str, ref) -> None:
         """Record the answer of `ref`, the ping of actor `key`, and clear its ping in flight
         whatever the answer was, so that one bad answer costs no other actor its round."""
-        try:
-            info, dead = ray.get(ref), ""
-        except ray.exceptions.ActorUnavailableError:
-            info, dead = None, ""     # no answer this time (e.g. its node's agent restarting)
-        except ray.exceptions.RayActorError as e:
-            info, dead = None, str(e)[:300]
-        except Exception as e:  # noqa: BLE001 - e.g. the ping raised: no answer this time
-            log.warning("ping of actor %s failed: %s", key[:12], str(e)[:300])
-            info, dead = None, ""
+        info, dead = ping_result(ref, key)
         with self._lock:
             b = self._beats.get(key)
             if b is None:
@@ -220,12 +301,12 @@ class HealthMonitor:
     `generation()`: the group's current generation, sent with each abort (`MegatronActor.abort`)."""
 
     def __init__(self, ft: FaultToleranceConfig, workers: Callable[[], list[ActorSlot]],
-                 spares: Callable[[], list[ActorSlot]] = list, generation: Callable[[], int] = lambda: 0):
+                 spares: Callable[[], list[ActorSlot]] = list, generation: Callable[[], int] = lambda: 0,
+                 agents: Callable[[], dict] = dict):
         self.ft, self._workers, self._generation = ft, workers, generation
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (host, port)
         self._blameless: list[dict[str, int]] = []      # hangs that named no rank (`suspected_node`)
-        self.beats = Heartbeats(lambda: [s.handle for s in [*workers(), *spares()]],
-                                ft.health_interval_s, ft.health_timeout_s)
+        self.beats = Heartbeats(lambda: [*workers(), *spares()], ft.health_interval_s, ft.health_timeout_s, agents)
 
     def start(self) -> None:
         self.beats.start()

@@ -31,6 +31,7 @@ from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
 from keeper import ShardSender, keeps_shards, shard_key
 from parallel_dims import ParallelDims
+from rendezvous import arrive, release, wait_formed
 from snapshots import SnapshotSender, from_wire
 
 CONTROL = "control"
@@ -53,6 +54,8 @@ class MegatronActor:
         self.faults: dict[str, str] = {}  # point -> kind, armed by arm_fault
         self._abort_epoch = 0             # bumped by abort(): cancels a join in progress
         self._store = None                # ((host, port), TCPStore client of the driver's store)
+        self._control_store = None        # ((host, port), a second client, for `abort` during a join)
+        self._joining = None              # (generation, host, port) while join waits for its members
         self._pending_save = None         # futures of an async checkpoint write
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
         self._sender = SnapshotSender()
@@ -136,6 +139,9 @@ class MegatronActor:
         self._check_driver(generation)
         self.generation = None
         self._abort_epoch += 1
+        if (joining := self._joining) is not None:  # free every member waiting in this generation's barrier
+            g, host, port = joining
+            release(self._control_store_client(host, port), f"gen{g}")
         if self.engine is not None:
             grace = self.cfg.fault_tolerance.health_timeout_s / 2
             # An abort that does not return gets this actor replaced; leave the stacks of every
@@ -207,21 +213,19 @@ class MegatronActor:
         self.engine.disconnect()
         ft = self.cfg.fault_tolerance
         store = dist.PrefixStore(f"gen{generation}", self._store_client(host, port))
-        # Abortable barrier before the (uninterruptible) rendezvous inside init_process_group:
-        # a member that never arrives must not strand the others in a blocking store wait.
-        # A polling barrier on purpose: a `store.wait` that times out leaves a stale reply on the
-        # client's socket (the following init_process_group then stalls), so it cannot be cut
-        # into abortable slices. Polling every 10 ms is cheap next to the rendezvous itself
-        # (see docs/recovery.md, "Rebuild").
-        store.add("arrived", 1)
-        deadline = time.monotonic() + ft.rendezvous_timeout_s
-        while store.add("arrived", 0) < dims.world_size:
-            if self._abort_epoch != epoch:
-                raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while forming")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
-                                   f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s")
-            time.sleep(0.01)
+        # Abortable barrier before the rendezvous inside init_process_group (`rendezvous`).
+        arrive(store, dims.world_size)
+        self._joining = (generation, host, port)
+        try:
+            formed = epoch == self._abort_epoch and wait_formed(store, ft.rendezvous_timeout_s)
+        except TimeoutError:
+            self._store = None  # its socket holds the timed-out wait's stale reply
+            raise TimeoutError(f"rank {rank}: generation {generation} did not form within "
+                               f"fault_tolerance.rendezvous_timeout_s={ft.rendezvous_timeout_s} s") from None
+        finally:
+            self._joining = None
+        if self._abort_epoch != epoch or not formed:
+            raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while forming")
         t1 = time.perf_counter()
         phases = self.engine.connect(store, dims, rank)
         if holder is not None and self.cfg.fault_tolerance.memory_snapshot_interval:
@@ -242,7 +246,18 @@ class MegatronActor:
         if self._store is None or self._store[0] != (host, port):
             timeout = datetime.timedelta(seconds=self.cfg.fault_tolerance.rendezvous_timeout_s)
             self._store = ((host, port), dist.TCPStore(host, port, is_master=False, timeout=timeout))
+            self._control_store_client(host, port)
         return self._store[1]
+
+    def _control_store_client(self, host: str, port: int):
+        """A second client of the driver's store, for the control group (`abort`), made when
+        the first is (`_store_client`): one client's socket must not be shared by two threads."""
+        import torch.distributed as dist
+
+        if self._control_store is None or self._control_store[0] != (host, port):
+            timeout = datetime.timedelta(seconds=self.cfg.fault_tolerance.health_timeout_s)
+            self._control_store = ((host, port), dist.TCPStore(host, port, is_master=False, timeout=timeout))
+        return self._control_store[1]
 
     def _check_driver(self, generation: int) -> None:
         """Refuse a superseded driver: one whose generations lie below one this actor joined."""

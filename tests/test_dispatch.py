@@ -154,3 +154,25 @@ def test_base_dispatch_is_abstract():
         Dispatch.split(dims, (), {})
     with pytest.raises(NotImplementedError):
         Dispatch.collect(dims, [None])
+
+
+def test_dispatch_remote_puts_each_replicas_batch_once_not_once_per_rank():
+    """tp=2, pp=2, dp=2 (8 ranks): a step's `put` calls are one per DP replica's batch plus
+    one for the shared non-scalar argument; scalars are sent as they are; every rank of a
+    replica gets that replica's stored batch."""
+    dims = ParallelDims(tp=2, pp=2, cp=1, dp=2)
+    handles = [FakeHandle(r) for r in range(8)]
+    stored = []
+
+    def put(value):
+        stored.append(value)
+        return f"ref{len(stored) - 1}"
+
+    refs = dispatch_remote(handles, "train_step", dims, "mesh", 3, numbered_batch(4), {"lr": 1.0},
+                           step=7, put=put)
+    assert len(stored) == dims.dp + 1
+    extra = next(i for i, v in enumerate(stored) if isinstance(v, dict))
+    for r, _, (generation, batch_ref, extra_ref), kw in refs:
+        assert generation == 3 and kw == {"step": 7} and extra_ref == f"ref{extra}"
+        rows = stored[int(batch_ref[3:])].input_ids[:, 0].tolist()
+        assert rows == ([0, 2] if dims.coords(r).dp == 0 else [1, 3])

@@ -14,7 +14,7 @@ import ray
 from actor_group import ActorGroup, ActorSlot
 from config import load_config, resolve
 from failures import WorkerFailure
-from health import BLAMELESS_HANGS, Heartbeats, HealthMonitor, hang_culprits, suspected_node
+from health import BLAMELESS_HANGS, Heartbeats, HealthMonitor, actor_key, hang_culprits, suspected_node
 from trainer import Trainer
 
 
@@ -47,6 +47,9 @@ class Rank:
 
     def noop(self) -> bool:
         return True
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def _slots(handles) -> list[ActorSlot]:
@@ -242,5 +245,41 @@ def test_a_step_wait_takes_every_finished_call_in_one_wait(ray_session, monkeypa
         assert _monitor(ranks).wait(refs, timeout=30) == ["done"] * 4
         assert calls == [4]
     finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+# -- heartbeats through per-node agents (`node_agent.NodeAgent`) -----------------------------
+
+def test_node_agents_carry_heartbeats_one_call_per_node(ray_session):
+    """With an agent on the node, a round is one call to it, not a ping per actor; its summary
+    carries each actor's answer (progress, collectives), a killed actor is dead at the next
+    round, a SIGSTOPped one goes silent after timeout_s, and once the agent dies its node's
+    actors are pinged from the driver and still seen alive."""
+    from node_agent import NodeAgent
+
+    ranks = [Rank.remote() for _ in range(4)]
+    pids = ray.get([r.pid.remote() for r in ranks])
+    slots = _slots(ranks)
+    agent = NodeAgent.remote(0.05)
+    beats = Heartbeats(lambda: slots, interval_s=0.2, timeout_s=2.0, agents=lambda: {slots[0].node_id: agent})
+    try:
+        in_flight = beats._send(time.monotonic())
+        assert list(in_flight.values()) == [("agent", slots[0].node_id)]
+        beats.start()
+        alive, dead, silent = beats.settle(ranks, time.monotonic())
+        assert (alive, dead, silent) == ({0, 1, 2, 3}, set(), set())
+        assert beats.beat(ranks[0]).info == {"progress": 0, "step_progress": 0}
+        ray.kill(ranks[0])
+        os.kill(pids[1], signal.SIGSTOP)
+        alive, dead, silent = beats.settle(ranks, time.monotonic())
+        assert (alive, dead, silent) == ({2, 3}, {0}, {1})
+        ray.kill(agent)
+        time.sleep(0.5)   # the driver learns the agent died
+        assert beats._dead_agents == {actor_key(agent)}
+        assert beats.settle(ranks[2:], time.monotonic()) == ({0, 1}, set(), set())
+    finally:
+        beats.stop()
+        os.kill(pids[1], signal.SIGCONT)
         for r in ranks:
             ray.kill(r)
