@@ -336,7 +336,7 @@ class MegatronEngine:
                                 params_dtype=dtype, clip_grad=t.grad_clip,
                                 use_distributed_optimizer=m.distributed_optimizer),
                 [self.ddp], use_gloo_process_groups=False)
-        updates = t.steps * (t.global_batch_size // t.mini_batch_size)
+        updates = t.lr_decay_updates()  # cosine to 0, then 0
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=0.0, lr_warmup_steps=0,
             lr_decay_steps=updates, lr_decay_style="cosine", start_wd=t.weight_decay,

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import math
 import os
 import threading
 import time
@@ -163,8 +164,11 @@ class TorchEngine:
                                                      weight_decay=t.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        total_updates = t.steps * (t.global_batch_size // t.mini_batch_size)
-        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, total_updates)
+        # Cosine to 0 over the decay's updates, then 0 (Megatron's schedule past
+        # --lr-decay-iters; CosineAnnealingLR would rise again past its T_max).
+        horizon = t.lr_decay_updates()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda n: 0.5 * (1.0 + math.cos(math.pi * min(n, horizon) / horizon)))
         if old is not None:
             self._local_optimizer().load_state_dict(old[0])
             self._load_scheduler(old[1])
