@@ -121,7 +121,12 @@ class TrainConfig:
     """Tokens per sequence, in [2, model.max_seq_len] (megatron with cp > 1: a multiple of
     2 * parallel.cp)."""
     lr: float = 1e-3
-    """AdamW learning rate, cosine decay over all updates; > 0."""
+    """AdamW learning rate, cosine decay to 0 over train.lr_decay_steps; > 0."""
+    lr_decay_steps: int | None = None
+    """Steps of the cosine learning-rate decay (Megatron-LM's --lr-decay-iters, in steps); the
+    learning rate is 0 after them. null: train.steps at the run's start, recorded in its
+    checkpoints, so raising train.steps of a finished run continues it on the same schedule;
+    >= 1."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -132,6 +137,11 @@ class TrainConfig:
     """ppo: the clipped PPO loss (synthetic batches or rl.enabled); ce: next-token cross
     entropy over the loss mask (data.kind mock or indexed), token-mean over each global
     mini-batch, no extra forward pass."""
+
+    def lr_decay_updates(self) -> int:
+        """Optimizer updates of the cosine decay: (lr_decay_steps, or steps while unset) x the
+        updates per step (global_batch_size / mini_batch_size)."""
+        return (self.lr_decay_steps or self.steps) * (self.global_batch_size // self.mini_batch_size)
 
 
 @dataclass
@@ -467,6 +477,7 @@ def validate(cfg: Config) -> None:
     if m.hf_path is not None:
         _validate_hf_path(m)
     require(t.steps >= 1, "train.steps", "must be >= 1")
+    require(t.lr_decay_steps is None or t.lr_decay_steps >= 1, "train.lr_decay_steps", "must be >= 1 or null")
     require(2 <= t.seq_len <= m.max_seq_len, "train.seq_len",
             f"must be in [2, model.max_seq_len={m.max_seq_len}]")
     for name in ("global_batch_size", "mini_batch_size", "micro_batch_size"):

@@ -19,13 +19,16 @@ operations", without activation recomputation):
   12Lhs = attention scores QK^T and the weighted sum AV: 2 matmuls x 2 FLOP x s x h per token
           per layer forward, x3 with backward; over the full s x s (causal masking not
           discounted, as PaLM);
-  r = 1: the PPO step also runs a forward-only pass over the whole batch for the old-policy
-         log-probs (the synthetic batches carry none): 2N + 4Lhs per token.
+  r = 1 when the step also runs a forward-only pass over the whole batch for the old-policy
+         log-probs (PPO with more than one optimizer update per step: `ppo.behaviour_pass_needed`):
+         2N + 4Lhs per token; r = 0 for `ce` and one-update PPO, which run no such pass (no
+         credit for a pass that is not needed).
 With r = 0 and a plain MLP of f = 4h (2 matrices) this is Narayanan et al.'s 96 B s L h^2
 (1 + s/(6h) + V/(16 L h)) without its recomputed forward: 72 B s L h^2 (1 + s/(6h) + V/(12 L h)).
 """
 
-FORMULA = "T * ((6 + 2r) * N + (12 + 4r) * L * h * s), N = L * (4h^2 + 3hf) + hV, r = 1"
+FORMULA = ("T * ((6 + 2r) * N + (12 + 4r) * L * h * s), N = L * (4h^2 + 3hf) + hV, "
+           "r = 1 with a separate old-log-prob pass (PPO, several updates per step), else 0")
 
 
 def matmul_params(layers: int, hidden: int, ffn: int, vocab: int, mlp_matrices: int = 3) -> int:

@@ -290,6 +290,7 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
     from trainer import Trainer
 
     start = start or plan_train_start(cfg, fresh=False)
+    cfg = start.cfg or cfg  # train.lr_decay_steps: the run's LR horizon
     ft, ns = cfg.fault_tolerance, driver_failover.namespace(cfg.run_name)
     failover = record = lease = None
     if cfg.cluster.ray_address:  # a shared cluster: one driver per run (a local Ray is this driver's own)
@@ -522,6 +523,7 @@ def main(argv=None) -> int:
                 data = open_data(cfg)
             if args.mode == "train":
                 start = plan_train_start(cfg, args.fresh)
+                cfg = start.cfg  # train.lr_decay_steps: the run's LR horizon (a continued run keeps its own)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -63,7 +63,7 @@ from megatron_model import build_gpt_model, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
                           vocab_parallel_entropy)
 from parallel_dims import ParallelDims
-from ppo import ce_objective, ppo_objective
+from ppo import behaviour_pass_needed, ce_objective, ppo_objective
 from training_batch import TrainingBatch, synthetic_batch
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class MegatronEngine:
                                 params_dtype=dtype, clip_grad=t.grad_clip,
                                 use_distributed_optimizer=m.distributed_optimizer),
                 [self.ddp], use_gloo_process_groups=False)
-        updates = t.steps * (t.global_batch_size // t.mini_batch_size)
+        updates = t.lr_decay_updates()  # cosine to 0, then 0
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=0.0, lr_warmup_steps=0,
             lr_decay_steps=updates, lr_decay_style="cosine", start_wd=t.weight_decay,
@@ -478,7 +478,8 @@ class MegatronEngine:
 
         batch: this DP replica's sequences (CPU or GPU), B = global_batch_size / dp, S =
         train.seq_len (S % (2*cp) == 0 when cp > 1). Old log-probs, when absent, come from a
-        forward-only pass of the current policy, and with RL's KL penalty `ref_log_probs` from
+        forward-only pass of the current policy when the step makes more than one update
+        (`ppo.behaviour_pass_needed`; with one, the training forward's detached log-probs), and with RL's KL penalty `ref_log_probs` from
         the reference model. One optimizer step per mini-batch; the
         micro-batches of a mini-batch run through the pipeline schedule. Returns python floats:
         `loss` (mean over mini-batches of the PPO loss; NaN on ranks that are not the last
@@ -499,7 +500,7 @@ class MegatronEngine:
         if self.step == 0 and self._initial is None:  # before the first update: for `reset`
             self._initial = self._host_copy(self._train_state(), pin=False)
         batch = batch.to(self.device)
-        if t.objective == "ppo" and batch.old_log_probs is None:
+        if batch.old_log_probs is None and behaviour_pass_needed(t):  # else the training forward's
             batch = batch.with_old_log_probs(self._behaviour_log_probs(self.ddp, batch))
         if self.ref_model is not None and batch.ref_log_probs is None:
             batch = dataclasses.replace(batch, ref_log_probs=self._behaviour_log_probs(self.ref_model, batch))

@@ -303,6 +303,15 @@ def ce_objective(log_probs: Tensor, mb) -> tuple[Tensor, dict[str, float]]:
     return -_aggregate(log_probs, mb.loss_mask, "token-mean", mb.loss_weights), {}
 
 
+def behaviour_pass_needed(train_cfg) -> bool:
+    """Whether a step needs the old (pre-update) policy's log-probs from a forward pass of
+    its own: PPO with more than one optimizer update per step (global_batch_size >
+    mini_batch_size; later mini-batches train a policy that has moved). With one update the
+    training forward runs the pre-update policy: its detached log-probs are the old ones
+    (`ppo_objective`), bitwise those of a separate pass. `ce` has no old log-probs."""
+    return train_cfg.objective == "ppo" and train_cfg.global_batch_size != train_cfg.mini_batch_size
+
+
 def ppo_objective(log_probs: Tensor, mb, ppo_cfg, rl_cfg=None, values: Tensor | None = None,
                   entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The loss of one micro-batch, as both engines train it: the dual-clip PPO policy loss
@@ -316,6 +325,8 @@ def ppo_objective(log_probs: Tensor, mb, ppo_cfg, rl_cfg=None, values: Tensor | 
         log_probs: float32 [B, S] of the current policy (carries the gradient).
         mb: the micro-batch (`training_batch.TrainingBatch`: old_log_probs, advantages,
             loss_mask, loss_weights, and for RL old_values, returns, ref_log_probs).
+            old_log_probs None: one optimizer update per step (`behaviour_pass_needed`
+            false), whose behaviour policy is the policy being trained: `log_probs.detach()`.
         values: float32 [B, S] or None; entropy: float32 [B, S] (`token_entropy`) or None.
 
     Returns:
@@ -323,7 +334,8 @@ def ppo_objective(log_probs: Tensor, mb, ppo_cfg, rl_cfg=None, values: Tensor | 
         `pg_loss` and `vf_loss` / `kl` / `entropy` for the terms that are on).
     """
     p, r, w = ppo_cfg, rl_cfg, mb.loss_weights
-    loss, metrics = policy_loss(log_probs, mb.old_log_probs, mb.advantages, mb.loss_mask,
+    old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs
+    loss, metrics = policy_loss(log_probs, old, mb.advantages, mb.loss_mask,
                                 p.eps_clip_low, p.eps_clip_high, p.clip_ratio_c, p.loss_agg_mode, w)
     if r is None:
         return loss, metrics

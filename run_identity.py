@@ -5,8 +5,10 @@ A run is (name, id, fingerprint). `run_name` names it; the id is made when a run
 (`<name>-<UTC date-time>-<6 hex>`) and kept by every resume, so two runs of one name never share
 an id; the fingerprint hashes the config fields that define the run's math (`math_fields`:
 model, train, ppo, rl, data), not where or how it runs (cluster, parallel sizes, micro-batch split,
-fault tolerance, checkpoint, paths): a run resumed at another DP size is the same run, a run
-with another seed, learning rate or step count (the LR schedule spans train.steps) is not.
+fault tolerance, checkpoint, paths) nor how far it goes (train.steps: the data order does not
+depend on it and the LR schedule has its own horizon, train.lr_decay_steps, fixed at the run's
+start): a run resumed at another DP size, or continued past its last step, is the same run; a
+run with another seed, learning rate or LR horizon is not.
 Every manifest records the identity with those fields (`extra["run"]`), so a mismatch names them.
 
 `plan_start` decides, before Ray starts:
@@ -14,6 +16,8 @@ Every manifest records the identity with those fields (`extra["run"]`), so a mis
   are there: saves that never committed);
 - only checkpoints of a run of this name and fingerprint: resume it (keep its id), from its
   newest checkpoint that verifies and loads (the ranks check; older ones are the fallback);
+  with train.lr_decay_steps unset, the horizon its checkpoints record is this run's, so a
+  raised train.steps continues a finished run (steps after its last one only);
 - a checkpoint of another run (another name or fingerprint, or none recorded): ConfigError
   naming both runs and the fields that differ; also a checkpoint of this run trained on other
   data files (the data fingerprint its manifest records, `data.data_fingerprint`). `main.py train --fresh` deletes the checkpoints
@@ -36,18 +40,21 @@ from config import Config, ConfigError
 log = logging.getLogger(__name__)
 
 MATH_SECTIONS = ("model", "train", "ppo", "rl", "data")
-NOT_MATH = {"model.distributed_optimizer", "train.micro_batch_size"}  # layout of the same math
+# the layout of the same math, and how far it goes (its LR horizon is train.lr_decay_steps)
+NOT_MATH = {"model.distributed_optimizer", "train.micro_batch_size", "train.steps"}
 
 
 def math_fields(cfg: Config) -> dict:
     """{"section.key": value} of the config fields that define the run's math (JSON values):
-    `MATH_SECTIONS` without `NOT_MATH`; of `rl` only `rl.enabled` when RL is off."""
+    `MATH_SECTIONS` without `NOT_MATH`; of `rl` only `rl.enabled` when RL is off;
+    `train.lr_decay_steps` as the schedule uses it (train.steps while unset)."""
     out = {}
     for section in MATH_SECTIONS:
         values = dataclasses.asdict(getattr(cfg, section))
         if section == "rl" and not values["enabled"]:
             values = {"enabled": False}
         out.update({f"{section}.{k}": v for k, v in values.items() if f"{section}.{k}" not in NOT_MATH})
+    out["train.lr_decay_steps"] = cfg.train.lr_decay_steps or cfg.train.steps
     return out
 
 
@@ -89,9 +96,20 @@ class RunIdentity:
 class StartPlan:
     """What `main.py train` does: train `run` (a new one, or the one found) from step 0
     (`resume_step` None) or resume it from its checkpoints, the newest committed being
-    `resume_step`."""
+    `resume_step`, with `cfg`: the config given, train.lr_decay_steps set (the run's horizon)."""
     run: RunIdentity
     resume_step: int | None = None
+    cfg: Config | None = None
+
+
+def with_lr_horizon(cfg: Config, manifests: list[Manifest]) -> Config:
+    """`cfg` with train.lr_decay_steps set: as given; else the horizon the newest checkpoint's
+    run records (a continued run keeps its schedule); else train.steps (a new run)."""
+    if cfg.train.lr_decay_steps is not None:
+        return cfg
+    theirs = RunIdentity.of(manifests[-1]) if manifests else None
+    horizon = (theirs.fields.get("train.lr_decay_steps") if theirs else None) or cfg.train.steps
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr_decay_steps=int(horizon)))
 
 
 def differences(theirs: RunIdentity, ours: RunIdentity) -> list[str]:
@@ -125,12 +143,13 @@ def plan_start(cfg: Config, manifests: list[Manifest], uncommitted: list[int]) -
     `manifests` (ascending) and the `uncommitted` step directories (see the module docstring).
     Raises ConfigError, one line naming both runs and what differs, when a checkpoint is of
     another run, or (`check_compatible`) of a layout this run cannot load."""
+    cfg = with_lr_horizon(cfg, manifests)
     ours, uri = RunIdentity.new(cfg), cfg.checkpoint.uri
     if not manifests:
         if uncommitted:
             log.warning("checkpoint.uri %s holds only uncommitted steps %s (saves that never committed): "
                         "run %s starts at step 0", uri, uncommitted, ours.id)
-        return StartPlan(ours)
+        return StartPlan(ours, cfg=cfg)
     hint = ("resume that run with its config, point checkpoint.uri elsewhere, or pass --fresh to "
             "delete its checkpoints and start over")
     for m in manifests:
@@ -145,4 +164,4 @@ def plan_start(cfg: Config, manifests: list[Manifest], uncommitted: list[int]) -
                               f"{hint}")
     check_compatible(cfg, manifests[-1])
     _check_same_data(cfg, manifests[-1])
-    return StartPlan(dataclasses.replace(ours, id=RunIdentity.of(manifests[-1]).id), manifests[-1].step)
+    return StartPlan(dataclasses.replace(ours, id=RunIdentity.of(manifests[-1]).id), manifests[-1].step, cfg)

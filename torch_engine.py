@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import math
 import os
 import threading
 import time
@@ -36,7 +37,7 @@ from comms import abort_process_groups, left_collective, recording_new_sockets, 
 from engine import StepInterrupt, state_digest
 from host_memory import HostCopy
 from parallel_dims import ParallelDims
-from ppo import ce_objective, ppo_objective, token_entropy, token_log_probs
+from ppo import behaviour_pass_needed, ce_objective, ppo_objective, token_entropy, token_log_probs
 from training_batch import TrainingBatch
 
 # Every gloo group's set-up reads each rank's address record from the driver's store. gloo's
@@ -165,8 +166,11 @@ class TorchEngine:
                                                      weight_decay=t.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        total_updates = t.steps * (t.global_batch_size // t.mini_batch_size)
-        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, total_updates)
+        # Cosine to 0 over the decay's updates, then 0 (Megatron's schedule past
+        # --lr-decay-iters; CosineAnnealingLR would rise again past its T_max).
+        horizon = t.lr_decay_updates()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda n: 0.5 * (1.0 + math.cos(math.pi * min(n, horizon) / horizon)))
         if old is not None:
             self._local_optimizer().load_state_dict(old[0])
             self._load_scheduler(old[1])
@@ -319,11 +323,12 @@ class TorchEngine:
         return token_log_probs(self._forward(module, batch)[0], batch.input_ids)
 
     def _with_behaviour(self, batch: TrainingBatch) -> TrainingBatch:
-        """Fill old_log_probs (current, pre-update policy) and, with a KL penalty, ref_log_probs
-        (frozen reference policy) where absent, micro-batch by micro-batch, without gradients."""
+        """Fill old_log_probs (current, pre-update policy; only when the step makes more than
+        one update: `ppo.behaviour_pass_needed`) and, with a KL penalty, ref_log_probs (frozen
+        reference policy) where absent, micro-batch by micro-batch, without gradients."""
         micro = self.cfg.train.micro_batch_size
         with torch.no_grad():
-            if batch.old_log_probs is None:
+            if batch.old_log_probs is None and behaviour_pass_needed(self.cfg.train):
                 batch = batch.with_old_log_probs(torch.cat(
                     [self._log_probs(self.module, mb) for mb in batch.chunk(len(batch) // micro)]))
             if self.ref_model is not None and batch.ref_log_probs is None:
@@ -374,8 +379,9 @@ class TorchEngine:
         the global batch.
 
         batch: this DP replica's sequences, B = global_batch_size / dp. PPO: old log-probs, when
-        absent, are computed with the current (pre-update) policy; ce needs none (no extra
-        forward). The batch is cut into
+        absent, are computed with the current (pre-update) policy, by an extra forward only when
+        the step makes more than one update (`ppo.behaviour_pass_needed`); ce needs none. The
+        batch is cut into
         global_batch_size / mini_batch_size mini-batches, one optimizer step each; every
         mini-batch is cut into micro-batches of `train.micro_batch_size` whose gradients
         accumulate (DDP syncs on the last one). Returns python floats: `loss` (mean over

@@ -39,8 +39,13 @@ step's snapshots (`snapshot_lag_s`: the backlog of background sends) before anyt
 runs. A phase stops early, noted in the JSON, when host memory use passes --max-host-mem (or
 would after one more step growing as much as the last), instead of exhausting the machine.
 
+Data: `Trainer.batch(step)` inside every timed step: synthetic batches, or with
+train.objective=ce and data.kind=indexed the step's rows read from the memory-mapped `.bin`
+(`data.Data.batch`; `main.py data stdlib` makes an offline corpus); PPO with
+global_batch_size == mini_batch_size makes one update per step and no old-log-prob pass.
+
 Model FLOPs per step, F_step, and the parameter counts: flops.py (`model_flops` applies them to
-the config).
+the config; the old-log-prob pass counts only where it runs).
 
 MFU = F_step / (step_s * peak * gpus); peak = 989e12 FLOP/s per GPU (dense bf16, H100 SXM and
 H200, NVIDIA datasheets; 1979e12 is with 2:4 sparsity); gpus = distinct GPUs of the workers.
@@ -58,7 +63,9 @@ batch (global_batch_size / gpus rows; micro-batches of train.micro_batch_size), 
 --warmup and --steps. Its MFU counts no old-log-prob pass (r = 0: it runs none).
 
 Prints a table and writes bench/results/train_speed_<device>.json:
-{"device", "engine", "layout", "params", "tokens_per_step", "flops_per_step",
+{"device", "engine", "tokens_per_s_vs_compiled" (off tokens/s per GPU / the compiled
+ reference's), "objective" (train.objective), "data_kind" (data.kind), "updates_per_step",
+ "old_logprob_pass" (whether the engine runs one), "layout", "params", "tokens_per_step", "flops_per_step",
  "mfu" (the engine's step MFU: off.mfu), "reference_eager_mfu", "reference_compiled_mfu",
  "reference": {"eager": {...}, "compiled": {...}} (bench/reference_llama.py's JSON, or {"error"}),
  "tokens_per_s_per_gpu_vs_reference": {"eager", "compiled"} (off tokens/s per GPU / the reference's),
@@ -84,6 +91,7 @@ from bench.reference_llama import run_reference
 from flops import FORMULA, flops_per_token, matmul_params, total_params
 from keeper import keeps_shards
 from parallel_dims import ParallelDims
+from ppo import behaviour_pass_needed
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_FLOPS = 989e12  # FLOP/s per GPU: H100 SXM / H200 dense bf16 (no sparsity)
@@ -92,14 +100,15 @@ PEAK_BF16_FLOPS = 989e12  # FLOP/s per GPU: H100 SXM / H200 dense bf16 (no spars
 # -- model size and FLOPs ----------------------------------------------------------------------
 def model_flops(cfg) -> dict:
     """{"params", "params_matmul", "tokens_per_step", "flops_per_token", "flops_per_step",
-    "vocab"} of a resolved config; FLOPs in FLOP, tokens in tokens."""
+    "vocab"} of a resolved config; FLOPs in FLOP, tokens in tokens. The old-log-prob pass is
+    counted only where the engines run it (`ppo.behaviour_pass_needed`)."""
     from megatron_model import padded_vocab_size  # pure function, no Megatron import
 
     m, t = cfg.model, cfg.train
     vocab = padded_vocab_size(m.vocab_size) if m.engine == "megatron" else m.vocab_size
     n = matmul_params(m.num_layers, m.hidden_size, m.ffn_hidden_size, vocab)
     tokens = t.global_batch_size * t.seq_len
-    per_token = flops_per_token(n, m.num_layers, m.hidden_size, t.seq_len)
+    per_token = flops_per_token(n, m.num_layers, m.hidden_size, t.seq_len, behaviour_pass_needed(t))
     return {"params": total_params(m.num_layers, m.hidden_size, m.ffn_hidden_size, vocab),
             "params_matmul": n, "vocab": vocab, "tokens_per_step": tokens,
             "flops_per_token": per_token, "flops_per_step": per_token * tokens}
@@ -373,7 +382,7 @@ def main(argv=None) -> dict:
         "fault_tolerance.memory_snapshot_interval=1", *args.overrides,
         f"train.steps={args.warmup + args.steps}"]))
     if cfg.rl.enabled or cfg.chaos.events:
-        sys.exit("train_speed: needs rl.enabled=false and chaos.events=[] (synthetic batches, no faults)")
+        sys.exit("train_speed: needs rl.enabled=false and chaos.events=[] (no rollouts, no faults)")
     cuda = cfg.cluster.device == "cuda"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_BF16_FLOPS if cuda else None)
     fl = model_flops(cfg)
@@ -434,8 +443,15 @@ def main(argv=None) -> dict:
     snap = ("no-op: distributed optimizer" if m.engine == "megatron" and m.distributed_optimizer and not kept
             else "model + optimizer to host memory" + ("; optimizer shard to its keeper (keeper.py)" if kept else ""))
     stalls = ph["on"].get("save_stalls_s") or []
+    compiled = refs.get("compiled", {})
     result = {
         "device": device, "engine": m.engine,
+        # issue-37 headline keys: the engine's off phase per GPU against the compiled HF loop
+        "tokens_per_s_vs_compiled": ratio(ph["off"]["tokens_per_s"], compiled["tokens_per_s"] * gpus)
+        if "tokens_per_s" in compiled else None,
+        "objective": t.objective, "data_kind": cfg.data.kind,
+        "updates_per_step": t.global_batch_size // t.mini_batch_size,
+        "old_logprob_pass": behaviour_pass_needed(t),
         # issue-24 headline keys; the save ones only with checkpoints on (--set checkpoint.interval=k):
         # bench/checkpoint_io.py measures saves against the raw disk.
         "memory_snapshot_every_step_ratio": ratio(ph["on"]["step_s"], ph["on_no_memory"]["step_s"])
@@ -501,7 +517,9 @@ def print_table(r: dict) -> None:
 
     names = [n for n in ("off", "on_no_memory", "on") if r[n] is not None]
     print(f"\n{r['device']}, {r['engine']} engine, {r['params'] / 1e6:.1f}M params, "
-          f"{r['tokens_per_step']} tokens/step, {r['flops_per_step']:.3g} FLOP/step")
+          f"{r['tokens_per_step']} tokens/step, {r['flops_per_step']:.3g} FLOP/step; objective "
+          f"{r['objective']} on {r['data_kind']} data, {r['updates_per_step']} update(s) per step"
+          f"{', with' if r['old_logprob_pass'] else ', no'} old-log-prob pass")
     print(f"{'':<22}" + "".join(f"{n:>14}" for n in names))
     for label, key, spec in (("step time median (s)", "step_s", ".4f"), ("step time mean (s)", "step_s_mean", ".4f"),
                              ("tokens/s", "tokens_per_s", ",.0f"), ("MFU", "mfu", ".1%"),

@@ -704,3 +704,28 @@ def test_ce_trains_on_mock_data_without_a_behaviour_pass():
     assert one["behaviour_passes"] == two["behaviour_passes"] == 0
     assert one["losses"][-1] < one["losses"][0] - 0.5, one
     assert two["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL), (one, two)
+
+
+def _one_update_ppo_ranks(rank, world, store) -> dict:
+    """Two one-update PPO steps (global = mini batch 8) of the small GPT; returns the behaviour
+    passes that ran and each step's ratio metrics (the old log-probs are the training forward's)."""
+    from megatron_engine import MegatronEngine
+
+    cfg = _cfg(world=world, extra=("train.mini_batch_size=8",))
+    dims, engine = ParallelDims.from_config(cfg), MegatronEngine(cfg)
+    passes, behaviour = [], engine._behaviour_log_probs
+    engine._behaviour_log_probs = lambda *a, **k: (passes.append(1), behaviour(*a, **k))[1]
+    _join(engine, store, 1, rank, dims)
+    out = [engine.train_step(_batch(cfg, step, dims, rank), step) for step in (1, 2)]
+    return {"passes": len(passes), "steps": [{k: o[k] for k in ("loss", "ppo_kl", "pg_clipfrac")} for o in out]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_one_update_ppo_runs_no_behaviour_pass():
+    """PPO with one optimizer update per step: no old-log-prob pass; the ratio is exactly 1
+    (ppo_kl 0, nothing clipped) and the loss finite."""
+    (res,) = spawn_ranks(_one_update_ppo_ranks, 1, timeout_s=600)
+    assert res["passes"] == 0, res
+    for s in res["steps"]:
+        assert s["ppo_kl"] == 0.0 and s["pg_clipfrac"] == 0.0 and s["loss"] == s["loss"], res

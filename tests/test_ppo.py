@@ -167,3 +167,53 @@ def test_ce_objective_is_the_global_token_mean_however_the_rows_are_split():
     assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
     unweighted, _ = ce_objective(log_probs, TrainingBatch(batch.input_ids, batch.attention_mask, mask, None))
     assert unweighted.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def _one_update_ppo(tmp_path, precomputed: bool) -> dict:
+    """Three one-update PPO steps (global = mini batch) of config.yaml's model on one gloo
+    rank; `precomputed`: old log-probs from a separate no-grad forward per micro-batch (the
+    path before `behaviour_pass_needed`), else left to the engine. Returns the losses, the
+    state digest and how many separate log-prob passes the engine ran."""
+    import torch.distributed as dist
+
+    from config import load_config, resolve
+    from parallel_dims import ParallelDims
+    from torch_engine import TorchEngine
+    from training_batch import synthetic_batch
+
+    cfg = resolve(load_config("config.yaml", ["cluster.num_workers=1", "cluster.num_spares=0",
+                                              "train.mini_batch_size=16", f"run_dir={tmp_path}"]), num_gpus=0)
+    t, e = cfg.train, TorchEngine(cfg)
+    e.connect(dist.HashStore(), ParallelDims.from_world(1), 0)
+    passes, log_probs = [], e._log_probs
+    e._log_probs = lambda *a: (passes.append(1), log_probs(*a))[1]
+    try:
+        losses = []
+        for step in (1, 2, 3):
+            b = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
+            if precomputed:
+                with torch.no_grad():
+                    b = b.with_old_log_probs(torch.cat([log_probs(e.module, mb) for mb in b.chunk(len(b) // t.micro_batch_size)]))
+            losses.append(e.train_step(b, step)["loss"])
+        return {"losses": losses, "digest": e.state_digest(), "passes": len(passes)}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_update_ppo_uses_the_training_forward_for_old_log_probs(tmp_path):
+    """With one optimizer update per step the engine runs no separate old-log-prob forward,
+    and its losses and final state are bitwise those of the path with that forward."""
+    skipped = _one_update_ppo(tmp_path / "a", precomputed=False)
+    separate = _one_update_ppo(tmp_path / "b", precomputed=True)
+    assert skipped["passes"] == 0
+    assert skipped["losses"] == separate["losses"]
+    assert skipped["digest"] == separate["digest"]
+
+
+def test_behaviour_pass_needed_only_for_multi_update_ppo():
+    from types import SimpleNamespace as NS
+
+    from ppo import behaviour_pass_needed
+    assert behaviour_pass_needed(NS(objective="ppo", global_batch_size=16, mini_batch_size=8))
+    assert not behaviour_pass_needed(NS(objective="ppo", global_batch_size=16, mini_batch_size=16))
+    assert not behaviour_pass_needed(NS(objective="ce", global_batch_size=16, mini_batch_size=8))

@@ -28,6 +28,7 @@ def drive(cfg, until: int, on_resume=None):
     stop. Returns (trainer, final state digest of each rank)."""
     m = CheckpointManager.from_config(cfg.checkpoint)
     plan = plan_start(cfg, m.committed_manifests(), m.uncommitted_steps())
+    cfg = plan.cfg  # the run's LR horizon set
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group, run=plan.run)
@@ -56,6 +57,19 @@ def test_a_run_stopped_between_checkpoints_resumes_bitwise(uninterrupted, tmp_pa
     assert {s: second.losses[s] for s in (3, 4)} == {s: full[s] for s in (3, 4)}
     assert {s: first.losses[s] for s in range(1, 4)} == {s: full[s] for s in range(1, 4)}
     assert digests == full_digests  # weights, optimizer state, LR schedule, step
+
+
+def test_raising_train_steps_continues_a_finished_run_bitwise(ray_session, tmp_path):
+    """A finished 4-step run, then the same config with train.steps=6: it resumes from step 4,
+    trains steps 5-6 only, and they (and the final state) equal those of a 6-step run with the
+    same LR horizon (train.lr_decay_steps=4, recorded at the first run's start)."""
+    first, _ = drive(make_cfg(tmp_path), 4)
+    second, digests = drive(make_cfg(tmp_path, "train.steps=6"), 6)
+    full, full_digests = reference_run(make_cfg(tmp_path / "full", "train.steps=6", "train.lr_decay_steps=4"), 6)
+    assert second.resumed_from == 4 and second.run.id == first.run.id and set(second.losses) == {5, 6}
+    assert {s: second.losses[s] for s in (5, 6)} == {s: full[s] for s in (5, 6)}
+    assert {s: first.losses[s] for s in range(1, 5)} == {s: full[s] for s in range(1, 5)}
+    assert digests == full_digests
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_and_none_left_stops(uninterrupted, tmp_path, caplog):

@@ -30,13 +30,17 @@ def commit(cfg, step: int, run: RunIdentity | None, layout: dict | None = None):
 
 def test_the_fingerprint_covers_the_math_not_the_placement(tmp_path):
     base = math_fields(make_cfg(tmp_path))
-    assert {"train.seed", "train.lr", "train.steps", "model.hidden_size", "ppo.eps_clip_low"} <= set(base)
+    assert {"train.seed", "train.lr", "train.lr_decay_steps", "model.hidden_size", "ppo.eps_clip_low"} <= set(base)
+    assert "train.steps" not in base and base["train.lr_decay_steps"] == 4  # unset: train.steps
     same = ["cluster.num_workers=2", "cluster.num_spares=0", "train.micro_batch_size=1", "run_dir=/elsewhere",
             "checkpoint.interval=5", "fault_tolerance.restore=checkpoint", "rl.temperature=0.5"]
     for override in same:  # placement, paths, recovery, RL knobs with RL off: the same run
         assert math_fields(make_cfg(tmp_path, override)) == base, override
-    for override in ("train.seed=7", "train.lr=0.002", "train.steps=8", "model.num_layers=3", "rl.enabled=true"):
+    for override in ("train.seed=7", "train.lr=0.002", "train.steps=8", "train.lr_decay_steps=8",
+                     "model.num_layers=3", "rl.enabled=true"):
         assert math_fields(make_cfg(tmp_path, override)) != base, override
+    # how far a run goes is not its math: its LR horizon is
+    assert math_fields(make_cfg(tmp_path, "train.steps=8", "train.lr_decay_steps=4")) == base
     a, b = RunIdentity.new(make_cfg(tmp_path)), RunIdentity.new(make_cfg(tmp_path))
     assert a.fingerprint == b.fingerprint and a.id != b.id and a.name == "run"
 
@@ -57,6 +61,22 @@ def test_plan_start_resumes_its_own_run_and_starts_fresh_without_one(tmp_path, c
     plan = plan_start(make_cfg(tmp_path, "cluster.num_workers=2", "train.micro_batch_size=1"),
                       m.committed_manifests(), m.uncommitted_steps())
     assert (plan.resume_step, plan.run.id) == (4, earlier.id)
+
+
+def test_raising_train_steps_continues_the_run_on_its_lr_horizon(tmp_path):
+    """A finished 4-step run (horizon unset: 4 recorded) and the same config at train.steps=6:
+    the same run, resumed at its step 4, on the horizon it started with. An explicit other
+    horizon is another run."""
+    cfg = make_cfg(tmp_path)
+    m = CheckpointManager(cfg.checkpoint.uri)
+    first = plan_start(cfg, [], [])
+    assert first.cfg.train.lr_decay_steps == 4 and first.run.fields["train.lr_decay_steps"] == 4
+    commit(cfg, 4, first.run)
+    plan = plan_start(make_cfg(tmp_path, "train.steps=6"), m.committed_manifests(), [])
+    assert (plan.resume_step, plan.run.id) == (4, first.run.id)
+    assert plan.cfg.train.steps == 6 and plan.cfg.train.lr_decay_steps == 4
+    with pytest.raises(ConfigError, match="train.lr_decay_steps: 4 there, 6 here"):
+        plan_start(make_cfg(tmp_path, "train.steps=6", "train.lr_decay_steps=6"), m.committed_manifests(), [])
 
 
 @pytest.mark.parametrize("overrides, named", [

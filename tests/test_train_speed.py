@@ -77,6 +77,29 @@ def test_bench_runs_on_cpu(tmp_path):
                         r["off"]["tokens_per_s"] / ref["tokens_per_s"])
 
 
+
+@pytest.mark.parametrize("objective", ["ce", pytest.param("ppo", marks=pytest.mark.slow)])
+def test_bench_one_update_step_on_cpu(tmp_path, stdlib_corpus, objective):
+    """The issue-37 speed runs on CPU: `ce` on the stdlib corpus (rows read from the `.bin` every
+    step) and one-update PPO; the headline keys are there and no old-log-prob pass is counted."""
+    tok, prefix = stdlib_corpus
+    out = tmp_path / "train_speed.json"
+    data = (["--set", "data.kind=indexed", "--set", f"data.path={prefix}", "--set", f"data.tokenizer={tok}"]
+            if objective == "ce" else [])
+    run_bench("train_speed", "--steps", "1", "--warmup", "1", "--out", str(out), "--reference", "eager",
+              "--no-components", "--set", "cluster.device=cpu", "--set", "cluster.num_workers=1",
+              "--set", "cluster.num_spares=0", "--set", "fault_tolerance.memory_snapshot_interval=0",
+              "--set", "model.vocab_size=2048", "--set", f"train.objective={objective}",
+              "--set", "train.mini_batch_size=16", *data)
+    r = json.loads(out.read_text())
+    assert r["objective"] == objective and r["data_kind"] == ("indexed" if objective == "ce" else "synthetic")
+    assert r["updates_per_step"] == 1 and r["old_logprob_pass"] is False
+    n = flops.matmul_params(2, 64, 128, 2048)
+    assert r["flops_per_step"] == flops.flops_per_token(n, 2, 64, 32, old_logprob_pass=False) * 16 * 32
+    assert r["device"] == "cpu" and r["mfu"] is None and r["reference_compiled_mfu"] is None
+    assert r["tokens_per_s_vs_compiled"] is None  # no compiled reference asked for (CPU)
+    assert r["losses_equal"] and positive(r["off"]["tokens_per_s"])
+
 @pytest.mark.slow
 def test_compiled_reference_on_cpu(tmp_path):
     """bench/reference_llama.py under torch.compile (inductor on CPU: about half a minute)."""
