@@ -61,17 +61,20 @@ class RunLease:
     def __init__(self):
         self.epoch, self.holder, self.renewed = 0, None, 0.0
 
-    def claim(self, driver: str, lease_s: float) -> tuple[int, str | None, float]:
-        """Take the lease for `driver` when it is free or lapsed (not renewed for `lease_s`).
-        Returns (epoch, holder, seconds until it lapses): epoch > 0 when `driver` holds it
-        now, 0 when `holder` does."""
+    def claim(self, driver: str, lease_s: float, seen: int | None = None) -> tuple[int, str | None, float, int]:
+        """Take the lease for `driver` when it is free or lapsed (not renewed for `lease_s`),
+        and, with `seen`, only if no other driver took it since the caller saw epoch `seen`
+        (one that took it and already ended the run released it). Returns (epoch, holder,
+        seconds until it lapses, the current epoch): epoch > 0 when `driver` holds it now."""
         now = time.monotonic()
+        if seen is not None and self.epoch != seen and self.holder != driver:
+            return 0, self.holder or "one that ended since", 0.0, self.epoch
         if self.holder not in (None, driver) and now - self.renewed < lease_s:
-            return 0, self.holder, lease_s - (now - self.renewed)
+            return 0, self.holder, lease_s - (now - self.renewed), self.epoch
         if self.holder != driver:
             self.epoch, self.holder = self.epoch + 1, driver
         self.renewed = now
-        return self.epoch, driver, lease_s
+        return self.epoch, driver, lease_s, self.epoch
 
     def renew(self, driver: str, epoch: int) -> bool:
         """Keep the lease; False when another driver took it (the caller is superseded)."""
@@ -101,14 +104,14 @@ class DriverLease:
         self.lost = threading.Event()
         self._stop = threading.Event()
 
-    def _claim(self, timeout_s: float) -> tuple[int, str | None, float]:
+    def _claim(self, timeout_s: float, seen: int | None = None) -> tuple[int, str | None, float, int]:
         """One claim (`RunLease.claim`); the lease actor is made if there is none, and made
         again if it went away (a driver's own lease goes with it when not detached)."""
         opts = {"lifetime": "detached"} if self.detached else {}
 
         def once():
             self.actor = RunLease.options(name=LEASE, namespace=self.ns, get_if_exists=True, **opts).remote()
-            return ray.get(self.actor.claim.remote(self.driver, self.lease_s), timeout=timeout_s)
+            return ray.get(self.actor.claim.remote(self.driver, self.lease_s, seen), timeout=timeout_s)
         try:
             return once()
         except ray.exceptions.RayActorError:
@@ -118,12 +121,12 @@ class DriverLease:
         """Take the lease, waiting once for a live holder's lease to lapse (a driver that was
         just killed). Returns the epoch. Raises LeaseHeld when its holder keeps it or another
         driver takes it meanwhile."""
-        epoch, holder, left = self._claim(timeout_s)
+        epoch, holder, left, seen = self._claim(timeout_s)
         if not epoch:
             log.info("driver lease: held by driver %s, lapses in %.1f s unless renewed: waiting", holder, left)
             time.sleep(left + RENEW_S)
             first = holder
-            epoch, holder, left = self._claim(timeout_s)
+            epoch, holder, left, _ = self._claim(timeout_s, seen)
             if not epoch:
                 how = "still renews it" if holder == first else "took it over meanwhile"
                 raise LeaseHeld(f"another driver of this run ({holder}) {how}: one driver per run; stop it "

@@ -124,4 +124,4 @@ def test_a_malformed_batch_fails_on_the_driver_naming_the_field(monkeypatch, fie
     monkeypatch.setattr(trainer, "synthetic_batch", malformed)
     cfg = load_config(None, ["model.vocab_size=100"])
     with pytest.raises(ValueError, match=field):
-        trainer.Trainer.batch(SimpleNamespace(cfg=cfg), 1)
+        trainer.Trainer.batch(SimpleNamespace(cfg=cfg, data=None), 1)

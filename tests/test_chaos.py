@@ -2,11 +2,14 @@
 on a 3-node Ray cluster with checkpoints on a loopback S3 server; nothing may diverge or be lost."""
 import json
 
+import pytest
+
 from conftest import run_bench
 
 KINDS = 9  # the soak's fault kinds (bench/chaos.py KINDS; its JSON counts every kind, 0 included)
 
 
+@pytest.mark.slow
 def test_one_fault_of_every_kind(tmp_path):
     out = tmp_path / "chaos.json"
     run_bench("chaos", "--faults", str(KINDS), "--seed", "1", "--out", str(out))

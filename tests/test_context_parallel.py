@@ -134,6 +134,7 @@ def _model_worker(rank: int, world: int, store) -> dict:
             "scale": min(g.abs().max().item() for g in ref_grads)}
 
 
+@pytest.mark.slow
 def test_context_parallel_gpt_model_equals_cp1_on_cpu():
     for rank, errors in enumerate(spawn_ranks(_model_worker, 2, timeout_s=300)):
         assert errors["scale"] > 0, errors  # every parameter has a gradient

@@ -288,7 +288,7 @@ def test_a_ce_checkpoint_resumes_at_another_dp_on_the_same_rows(ce_reference, st
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group, data=data)
-        trainer.committed_step = min(group.call("load_checkpoint", manifests[0]))
+        trainer.committed_step = min(r["step"] for r in group.call("load_checkpoint", manifests[0]))
         trainer.train(4)
     finally:
         group.shutdown()

@@ -65,7 +65,7 @@ def trained(ray_session, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", [pytest.param("token-mean", marks=pytest.mark.slow), "seq-mean-token-mean"])
 def test_runs_at_dp_4_2_1_train_the_same(trained, mode):
     runs = {n: trained(n, f"ppo.loss_agg_mode={mode}")[0] for n in (4, 2, 1)}
     assert close(runs[2], runs[4]) and close(runs[1], runs[4]), {n: r[0] for n, r in runs.items()}

@@ -186,6 +186,7 @@ def test_two_drivers_started_at_once_exactly_one_drives_the_run(reference, tmp_p
     wait_clean(10)
 
 
+@pytest.mark.slow
 def test_a_stalled_driver_taken_over_stops_and_leaves_the_run_to_the_new_one(reference, tmp_path):
     """The driver SIGSTOPped mid-step for longer than its lease: a second driver takes the run
     over (a later lease epoch, so later generations), and once the first runs again its calls
@@ -215,6 +216,7 @@ def test_a_stalled_driver_taken_over_stops_and_leaves_the_run_to_the_new_one(ref
     wait_clean(10)
 
 
+@pytest.mark.slow
 def test_too_few_survivors_are_removed_and_the_run_resumes_from_its_checkpoint(reference, tmp_path):
     """Both ranks killed while no driver runs, one spare left: no reattach (CannotReattach);
     the new driver removes what is left, places new actors and resumes from the checkpoint of
@@ -266,6 +268,7 @@ def test_a_driver_dead_before_its_first_record_leaves_nothing_to_the_next(refere
     wait_clean(10)
 
 
+@pytest.mark.slow
 def test_detached_actors_without_a_driver_remove_themselves_and_stop_removes_them(ray_session, tmp_path):
     run_dir, name = tmp_path / "run", "orphan"
     argv = command("train", run_dir, name, "fault_tolerance.driver_failover_timeout_s=4")

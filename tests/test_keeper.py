@@ -88,6 +88,7 @@ def test_a_lost_zero_rank_comes_back_from_a_peer_and_its_keeper(reference, tmp_p
     assert len(set(digests)) == 2  # ZeRO: the ranks hold different shards
 
 
+@pytest.mark.slow
 def test_without_the_keeper_a_zero_rank_comes_back_from_the_checkpoint(reference, tmp_path):
     """The same failure with `fault_tolerance.shard_keeper=false`: no peer holds rank 1's shard,
     so the checkpoint of step 1 (one optimizer shard per DP rank) is loaded and step 2 replayed,

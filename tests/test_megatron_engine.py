@@ -695,6 +695,9 @@ def test_twenty_generations_leak_no_nccl_communicator_memory_or_socket():
     assert a["gpu_allocated"] <= b["gpu_allocated"] and a["gpu_reserved"] <= b["gpu_reserved"] + (64 << 20), res
     assert a["pinned"] <= b["pinned"], res
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 def test_ce_trains_on_mock_data_without_a_behaviour_pass():
     """The `ce` objective in the Megatron engine: no old-log-prob pass, the loss falls on
     megatron's (learnable) mock text, and micro-batches of 1 and 2 rows train the same within

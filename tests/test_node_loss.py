@@ -66,6 +66,7 @@ def test_refuses_connections_only_when_nothing_listens():
     assert refuses_connections(address)
 
 
+@pytest.mark.slow
 def test_a_lost_node_is_found_at_once_with_all_its_actors(cluster, tmp_path):
     """A node whose raylet is killed (no graceful shutdown: its workers outlive it for a while
     and may still answer pings, and Ray lists the node as alive for seconds): one probe names
@@ -119,6 +120,7 @@ def test_node_removed_mid_run_recovers_on_other_node(cluster, reference, tmp_pat
         group.shutdown()
 
 
+@pytest.mark.slow
 def test_memory_snapshots_outlive_the_node_of_their_rank(cluster, reference, tmp_path):
     """Each rank's in-memory snapshots live in the holder of another node: when rank 1's node
     is removed, rank 1's replacement loads its step-2 snapshot (0 steps lost) from there."""

@@ -74,6 +74,7 @@ def test_peer_restore_matches_bitwise(reference, tmp_path):
     assert (tmp_path / "recoveries.jsonl").read_text().count("\n") == 1
 
 
+@pytest.mark.slow
 def test_memory_restore_when_every_rank_is_lost(reference, tmp_path):
     """Both ranks (every DP replica) are killed: no peer holds the state, the in-memory
     snapshots of step 2 held by the SnapshotHolder are restored: 0 steps lost, bitwise equal."""
@@ -300,7 +301,7 @@ def test_a_checkpoint_restore_rides_out_a_storage_outage(reference, tmp_path, s3
     rank is blamed, no second spare spent; the same losses and final state as the run without
     failure."""
     cfg = make_cfg(tmp_path, "fault_tolerance.restore=checkpoint", "checkpoint.retry_budget_s=1",
-                   f"checkpoint.uri={s3_server.uri(tmp_path.name)}")
+                   f"checkpoint.uri={s3_server.uri(tmp_path.name)}", "fault_tolerance.refill_spares=false")
     outage = contextlib.ExitStack()
 
     def down_at_the_kill(trainer):

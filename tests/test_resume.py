@@ -107,6 +107,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_none_left_stops(uninterrupte
     assert digests == full_digests
 
 
+@pytest.mark.slow
 def test_an_rl_run_resumes_bitwise(ray_session, tmp_path):
     """PPO on its own samples (configs/ppo_cpu.yaml) with GAE's value head and a KL term to the
     reference policy: rollouts, rewards and losses after the resume equal the uninterrupted run's."""
@@ -121,6 +122,7 @@ def test_an_rl_run_resumes_bitwise(ray_session, tmp_path):
     assert digests == full_digests
 
 
+@pytest.mark.slow
 def test_a_resume_at_another_dp_size_starts_from_the_saved_weights(uninterrupted, tmp_path):
     """Saved at dp=4 after step 2, resumed at dp=2: right after the load every rank holds the
     saved state bitwise; steps 3-4 then train as the uninterrupted dp=2 run (fp32 round-off:

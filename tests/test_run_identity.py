@@ -141,6 +141,7 @@ def test_the_cli_refuses_another_runs_checkpoint_uri_before_ray_starts(tmp_path)
     assert line.startswith(f"config error: checkpoint.uri: {tmp_path}/ckpt holds run {earlier.id}"), line
 
 
+@pytest.mark.slow
 def test_recovery_loads_no_checkpoint_of_another_run(ray_session, tmp_path):
     """The regression: run A (6 steps, checkpoints at 4 and 6) and then run B (another seed and
     lr) in the same checkpoint.uri, a rank of B killed at step 2 and restored from checkpoint.

@@ -94,6 +94,7 @@ def test_an_async_save_slower_than_the_step_deadline_commits(reference, tmp_path
     assert trainer.losses == reference[0] and digests == reference[1]
 
 
+@pytest.mark.slow
 def test_a_run_whose_saves_never_commit_says_so(ray_session, tmp_path, s3_server, caplog):
     """Storage is down through the whole run: each skipped save is a warning, and the end of
     `train` says in one line that no checkpoint was committed."""

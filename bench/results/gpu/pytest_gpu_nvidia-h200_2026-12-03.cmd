@@ -1,0 +1,1 @@
+python3 -m pytest tests/test_megatron_engine.py tests/test_megatron_checkpoint.py tests/test_checkpoint_security.py tests/test_megatron_peer_restore.py -m gpu -q -rs -p no:cacheprovider -k "engine_one_gpu or kept_shard or host_copy or twenty_generations or ce_trains or one_update_ppo or interrupt or warm_up or megatron_checkpoint or security or peer_restore"
