@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 LEASE = "run-lease"
 RENEW_S = 1.0                    # s between renewals; `driver_lease_s` must be well above it
+ENDED = "one that ended since"  # the holder named when the lease was taken and released meanwhile
 GENERATIONS_PER_EPOCH = 1_000_000  # generations one driver may form; above any real run's count
 
 
@@ -68,7 +69,7 @@ class RunLease:
         seconds until it lapses, the current epoch): epoch > 0 when `driver` holds it now."""
         now = time.monotonic()
         if seen is not None and self.epoch != seen and self.holder != driver:
-            return 0, self.holder or "one that ended since", 0.0, self.epoch
+            return 0, self.holder or ENDED, 0.0, self.epoch
         if self.holder not in (None, driver) and now - self.renewed < lease_s:
             return 0, self.holder, lease_s - (now - self.renewed), self.epoch
         if self.holder != driver:
@@ -128,6 +129,8 @@ class DriverLease:
             first = holder
             epoch, holder, left, _ = self._claim(timeout_s, seen)
             if not epoch:
+                if holder == ENDED:  # the lease this driver waited for went with its run: leave none behind
+                    ray.kill(self.actor, no_restart=True)
                 how = "still renews it" if holder == first else "took it over meanwhile"
                 raise LeaseHeld(f"another driver of this run ({holder}) {how}: one driver per run; stop it "
                                 f"first (`main.py stop --run NAME` removes the run), or choose another run_name")

@@ -294,6 +294,7 @@ def test_a_spare_on_the_failed_device_is_taken_only_after_its_probe_passes(ray_s
         group.shutdown()
 
 
+@pytest.mark.slow  # its outage must overlap the restore: timing-dependent on a loaded 2-core machine
 def test_a_checkpoint_restore_rides_out_a_storage_outage(reference, tmp_path, s3_server):
     """Storage goes down as rank 1 is killed and comes back after 8 s, longer than one
     storage operation's retries (`checkpoint.retry_budget_s=1`: one attempt, about 5 s of the
