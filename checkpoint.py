@@ -452,13 +452,8 @@ class CheckpointManager:
         reader = SafeReader(os.path.join(step_dir, name))
         what = f"loading shard {name!r} from {where}"
         check = expected if expected is not None and hash_files else []
-        with IO.operation(self.retry_budget_s), concurrent.futures.ThreadPoolExecutor(
-                max(1, min(8, len(check))), thread_name_prefix="ckpt-hash") as pool:
-            digests = pool.map(lambda f: _sha256_local(os.path.join(step_dir, f.path)), check)
+        with IO.operation(self.retry_budget_s), hashed_beside(step_dir, check, f"shard {name!r} at {where}"):
             as_checkpoint_error(what, dcp.load, state_dict, storage_reader=reader, no_dist=True, error=CheckpointMismatch)
-            if bad := [f"{f.path}: sha256 mismatch" for f, d in zip(check, digests) if d != f.sha256]:
-                raise CheckpointMismatch(f"shard {name!r} at {where} failed verification: {'; '.join(bad)}; "
-                                         f"the state loaded from it is to be discarded")
         # dcp.load fails on a key the checkpoint lacks or of another shape, but loads a subset
         # silently: a key only the checkpoint has is named here.
         unexpected = sorted(set(reader.metadata.state_dict_metadata) - set(flatten_state_dict(state_dict)[0]))
@@ -926,6 +921,27 @@ def _sha256_local(path: str) -> str:
             h.update(chunk)
             IO.moved(len(chunk))
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def hashed_beside(step_dir: str, files: list[FileEntry], what: str):
+    """Hash `files` (manifest entries under the local `step_dir`) in threads while the body
+    runs: a load reading the same bytes waits for no hashing pass (the second reader finds them
+    in the page cache). Raises CheckpointMismatch naming `what` and the files after the body
+    when a sha256 differs, also when the body raised (changed bytes can make the load fail
+    first; the mismatch is the cause to name): the state the body loaded is then to be discarded."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(files))), thread_name_prefix="ckpt-hash") as pool:
+        digests = pool.map(lambda f: _sha256_local(os.path.join(step_dir, f.path)), files)
+        failure = None
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 (re-raised below unless a mismatch explains it)
+            failure = e
+        if bad := [f"{f.path}: sha256 mismatch" for f, d in zip(files, digests) if d != f.sha256]:
+            raise CheckpointMismatch(f"{what} failed verification: {'; '.join(bad)}; "
+                                     f"the state loaded from it is to be discarded") from failure
+        if failure is not None:
+            raise failure
 
 
 def _check_local_file(step_dir: str, f: FileEntry, hash_file: bool = True) -> str | None:

@@ -14,7 +14,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from checkpoint import IO, CheckpointError, CheckpointMismatch, as_checkpoint_error
+from checkpoint import IO, CheckpointError, CheckpointMismatch, as_checkpoint_error, hashed_beside
 from host_memory import carve, pin_in_background, pinned_empty, state_nbytes
 from megatron_compat import torch_dist_reader, write_buckets
 
@@ -249,13 +249,15 @@ class PendingSave:
                 shutil.rmtree(self.stage, ignore_errors=True)
 
 
-def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
+def load_sharded(ckpt, manifest, sharded_state_dict: dict, hash_share: list | None = None) -> dict:
     """Collective over the default process group: `dist_checkpointing.load` of shard
     `megatron` of the committed checkpoint `manifest` into `sharded_state_dict` (the saved
     layout may differ in DP and TP size: dist_checkpointing reshards). Returns the loaded
     state dict. Files are read in parallel, tensors straight into their destinations where the
-    stored bytes allow (`megatron_compat.torch_dist_reader`); local files are not hashed here
-    (a restore verifies them first: `CheckpointManager.verify_files`).
+    stored bytes allow (`megatron_compat.torch_dist_reader`). Local files: this rank hashes
+    `hash_share` (manifest entries; the ranks share the files) beside the load
+    (`checkpoint.hashed_beside`) and raises CheckpointMismatch after it on a sha256 mismatch
+    (the loaded state is then to be discarded on every rank: the caller tries another checkpoint).
 
     Object storage: the global files are downloaded into a private staging directory first,
     then each `.distcp` file only when this rank's load plan reads from it (so a rank fetches
@@ -268,7 +270,8 @@ def load_sharded(ckpt, manifest, sharded_state_dict: dict) -> dict:
     what = f"loading {ckpt.step_uri(manifest.step)}/{MEGATRON_SHARD}"
     path = ckpt.local_dir(manifest.step, MEGATRON_SHARD)
     if path is not None:
-        with torch_dist_reader(), IO.operation(ckpt.retry_budget_s):
+        with torch_dist_reader(), IO.operation(ckpt.retry_budget_s), \
+                hashed_beside(os.path.dirname(path), hash_share or [], f"{ckpt.step_uri(manifest.step)}"):
             return as_checkpoint_error(what, dist_checkpointing.load, sharded_state_dict, path, error=CheckpointMismatch)
     import tempfile
 

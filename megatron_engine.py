@@ -104,7 +104,7 @@ class MegatronEngine:
     (snapshots, rollback, peer broadcast, reset) and of the checkpoint.
     """
 
-    checks_while_loading = False  # the ranks hash every file before a load (`verify_checkpoint`)
+    checks_while_loading = True  # `load_checkpoint` hashes this rank's share of local files beside the load
 
     def __init__(self, cfg: Config):
         # Process set-up, before CUDA is initialised in this process.
@@ -965,16 +965,19 @@ class MegatronEngine:
         return files
 
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
-        """Collective over all ranks: load the committed checkpoint `manifest` (already verified
-        by the ranks, `MegatronActor.verify_checkpoint`) into this rank's shards; the saved layout may differ
-        in DP and TP size (dist_checkpointing reshards). RNG states are restored only when the
+        """Collective over all ranks: load the committed checkpoint `manifest` (sizes already
+        checked by the ranks, `MegatronActor.verify_checkpoint`) into this rank's shards; the saved layout may differ
+        in DP and TP size (dist_checkpointing reshards). Local files: rank r hashes every
+        world-size-th file from r beside the load (the verify round's share) and raises
+        CheckpointMismatch on a mismatch (`load_sharded`). RNG states are restored only when the
         layout is the same (rank r gets rank r's); otherwise each rank keeps its own."""
         d = self.dims
         same = {k: manifest.layout.get(k) for k in ("tp", "pp", "cp", "dp")} == \
             {"tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp}
         self._wait_snapshot_copy()  # the load overwrites what it may still be reading
         self._save_plans = None  # a recovery: plan the next save afresh
-        loaded = load_sharded(ckpt, manifest, self._sharded_state(True, same))
+        loaded = load_sharded(ckpt, manifest, self._sharded_state(True, same),
+                              hash_share=manifest.files[rank::d.world_size])
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         if self.ref_model is not None:

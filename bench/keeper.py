@@ -20,12 +20,13 @@ A fraction whose host memory (rollback + send buffers + 3 copies at the holder) 
 half of the available memory is skipped and noted.
 
 Usage (repository root): python -m bench.keeper [--fractions 0.125,1] [--steps 8] [--warmup 2]
-                                                [--set a.b=v ...] [--out PATH]
+                                                [--breakdown] [--set a.b=v ...] [--out PATH]
 JSON: {"redundancy_overhead_ratio" (kept.step_s / off.step_s at the first fraction),
 "shard_fraction", "kept_every_step" (every timed and warm-up step's shard sent, none skipped or
 failed, at the first fraction), "device", "engine", "params", "off": {"step_s", "steps_s"},
 "cases": {fraction: {"step_s", "steps_s", "ratio", "shard_gb", "rollback_gb", "kept":
-{sent, skipped, failed}, "kept_every_step"} or {"skipped": why}}, "config"}.
+{sent, skipped, failed}, "kept_every_step", "send_wait_s"} or {"skipped": why}; with --breakdown
+also "FRACTION:rollback", ":copy", ":send_only" (see `kept_case`)}, "config"}.
 """
 from __future__ import annotations
 
@@ -87,11 +88,27 @@ def sync(engine) -> None:
         torch.cuda.synchronize()
 
 
-def phase(engine, cfg, first: int, warmup: int, steps: int, keep=None) -> tuple[list[float], int]:
-    """Run steps first.. first+warmup+steps-1; returns (timed step seconds, next step).
-    `keep`: (ShardSender, holder) sending each step's shard."""
+class CopyOnly:
+    """The `ShardSender.after_step` of case `copy`: the shard's host copy without the send (the
+    previous copy waited for first, as the sender waits for its send)."""
+
+    def __init__(self):
+        self.copy = None
+        self.sender = ShardSender().sender  # counts only: nothing is sent
+
+    def after_step(self, engine, holder, key, step):
+        if self.copy is not None:
+            self.copy.wait()
+        self.copy = engine.start_shard_copy()
+        self.sender.sent += 1
+
+
+def phase(engine, cfg, first: int, warmup: int, steps: int, keep=None) -> tuple[list[float], int, float]:
+    """Run steps first.. first+warmup+steps-1; returns (timed step seconds, next step, seconds
+    of the timed steps spent waiting for the previous step's send). `keep`: (ShardSender or
+    `CopyOnly`, holder) sending each step's shard."""
     t, m = cfg.train, cfg.model
-    times = []
+    times, waited = [], 0.0
     for step in range(first, first + warmup + steps):
         batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
         sync(engine)
@@ -99,24 +116,62 @@ def phase(engine, cfg, first: int, warmup: int, steps: int, keep=None) -> tuple[
         engine.snapshot()
         engine.train_step(batch, step)
         if keep is not None:
+            tw = time.perf_counter()
+            keep[0].sender.wait()
+            if step >= first + warmup:
+                waited += time.perf_counter() - tw
             keep[0].after_step(engine, keep[1], shard_key("bench", 0), step)
         t1 = time.perf_counter()
         if step >= first + warmup:
             times.append(t1 - t0)
-    return times, first + warmup + steps
+    return times, first + warmup + steps, waited
+
+
+def kept_case(engine, cfg, args, step: int, mode: str) -> tuple[dict, int]:
+    """One timed phase from `step` in `mode`: 'kept' (rollback snapshot + shard copy + send),
+    'rollback' (the rollback snapshot only), 'copy' (rollback + shard copy, nothing sent),
+    'send_only' (shard copy + send, no rollback snapshot). Returns ({"step_s", "steps_s",
+    "kept", "send_wait_s"}, next step)."""
+    megatron = hasattr(engine, "_keeps_rollback")
+    if megatron:
+        engine._keeps_rollback = (lambda: False) if mode == "send_only" else (lambda: True)
+    holder = sender = None
+    if mode in ("kept", "send_only"):
+        holder, sender = SnapshotHolder.remote(), ShardSender()
+        sender.connect(holder)
+        sender.sender.wait()
+    elif mode == "copy":
+        sender = CopyOnly()
+    if megatron and sender is not None:  # pin the send buffers before timing (done at join in a run)
+        engine.start_shard_copy()
+        engine._shard_arena.result()
+    times, step, waited = phase(engine, cfg, step, args.warmup, args.steps,
+                                (sender, holder) if sender is not None else None)
+    counts = {}
+    if sender is not None:
+        sender.sender.wait()
+        counts = sender.sender.counts()
+    if holder is not None:
+        ray.kill(holder)
+    if megatron:
+        engine._keeps_rollback = lambda: True
+    return {"step_s": statistics.median(times), "steps_s": times, "kept": counts, "send_wait_s": waited}, step
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fractions", default="0.125,1", help="shard sizes, as fractions of the optimizer state")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time, at the first fraction: the rollback snapshot alone, plus the shard copy, "
+                         "and the copy + send without the rollback snapshot")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--config", default="config.yaml")
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
-    phases = 1 + len(fractions)
+    phases = 1 + len(fractions) + (3 if args.breakdown else 0)
     cfg = resolve(load_config(args.config, ["cluster.num_workers=1", "cluster.num_spares=0",
                                             "model.distributed_optimizer=true",
                                             f"train.steps={phases * (args.warmup + args.steps)}", *args.sets]))
@@ -132,7 +187,7 @@ def main(argv=None) -> dict:
     engine.connect(dist.PrefixStore("gen1", store), ParallelDims.from_config(cfg), 0)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # its own Ray
     device = torch.cuda.get_device_name(0) if cfg.model.engine == "megatron" else f"cpu ({os.cpu_count()} cores)"
-    off, step = phase(engine, cfg, 1, args.warmup, args.steps)
+    off, step, _ = phase(engine, cfg, 1, args.warmup, args.steps)
     off_s = statistics.median(off)
     cases = {}
     for fraction in fractions:
@@ -144,22 +199,20 @@ def main(argv=None) -> dict:
             cases[str(fraction)] = {"skipped": f"needs {(rollback_b + 4 * shard_b) / 1e9:.1f} GB of host memory, "
                                                f"{avail / 1e9:.1f} GB available"}
             continue
-        holder, sender = SnapshotHolder.remote(), ShardSender()
-        sender.connect(holder)
-        sender.sender.wait()
-        if hasattr(engine, "_shard_arena"):  # pin the send buffers before timing (done at join in a run)
-            engine.start_shard_copy()
-            engine._shard_arena.result()
-        times, step = phase(engine, cfg, step, args.warmup, args.steps, (sender, holder))
-        sender.sender.wait()
-        counts = sender.sender.counts()
+        if args.breakdown and fraction == fractions[0]:
+            for mode in ("rollback", "copy", "send_only"):
+                part, step = kept_case(engine, cfg, args, step, mode)
+                cases[f"{fraction}:{mode}"] = {**part, "ratio": part["step_s"] / off_s}
+                print(f"fraction {fraction} {mode}: step {part['step_s']:.4f} s (x{part['step_s'] / off_s:.3f}), "
+                      f"send wait {part['send_wait_s']:.3f} s", flush=True)
+        case, step = kept_case(engine, cfg, args, step, "kept")
+        counts = case["kept"]
         cases[str(fraction)] = {
-            "step_s": statistics.median(times), "steps_s": times, "ratio": statistics.median(times) / off_s,
-            "shard_gb": shard_b / 1e9, "rollback_gb": rollback_b / 1e9, "kept": counts,
+            **case, "ratio": case["step_s"] / off_s, "shard_gb": shard_b / 1e9, "rollback_gb": rollback_b / 1e9,
             "kept_every_step": counts == {"sent": args.warmup + args.steps, "skipped": 0, "failed": 0}}
-        print(f"fraction {fraction}: step {cases[str(fraction)]['step_s']:.4f} s vs {off_s:.4f} s off "
-              f"(x{cases[str(fraction)]['ratio']:.3f}), shard {shard_b / 1e9:.2f} GB, kept {counts}", flush=True)
-        ray.kill(holder)
+        print(f"fraction {fraction}: step {case['step_s']:.4f} s vs {off_s:.4f} s off "
+              f"(x{cases[str(fraction)]['ratio']:.3f}), shard {shard_b / 1e9:.2f} GB, kept {counts}, "
+              f"send wait {case['send_wait_s']:.3f} s", flush=True)
     first = cases[str(fractions[0])]
     result = {"redundancy_overhead_ratio": first.get("ratio"), "shard_fraction": fractions[0],
               "kept_every_step": first.get("kept_every_step", False), "device": device,

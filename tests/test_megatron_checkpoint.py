@@ -100,6 +100,22 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
             out["cached"].append(load_sharded(cached, cached.read_manifest(step), _state(rank, 0, -1.0))["w"])
         out["cache_reused"] = plans.strategy.validated_cache_reuse
 
+    if not corrupt:  # local disk: each rank hashes its share beside the load (MegatronEngine.load_checkpoint)
+        m5 = ckpt.read_manifest(5)
+        victim = next(f for f in m5.files if f.path.startswith("megatron/__1_"))
+        if rank == 0:  # a byte changed at the same size: only a hash finds it
+            path = os.path.join(os.path.dirname(ckpt.local_dir(5, "megatron")), victim.path)
+            data = bytearray(open(path, "rb").read())
+            data[len(data) // 2] ^= 0xFF
+            open(path, "wb").write(bytes(data))
+        dist.barrier()
+        share = m5.files[rank::WORLD]
+        try:
+            load_sharded(ckpt, m5, _state(rank, 0, -1.0), hash_share=share)
+            out["corrupt_local"] = (victim in share, None)
+        except CheckpointError as exc:
+            out["corrupt_local"] = (victim in share, f"{type(exc).__name__}: {exc}")
+
     if corrupt:
         if rank == 0:
             victim = next(f for f in manifest.files if f.path.startswith("megatron/__1_"))
@@ -163,6 +179,15 @@ def test_save_commit_load_reshard(request, tmp_path):
         assert not set(results[0]["files"]) & set(results[1]["files"])
         if backend == "local":  # the remote ones were corrupted on purpose at the end
             assert CheckpointManager(uri, storage_options=opts).verify(3) == []
+            # step 5's changed file is named after the load by the rank whose share holds it; the
+            # other rank loads, or fails its own load of the changed bytes: a bad checkpoint either way
+            shares = [results[r]["corrupt_local"] for r in range(WORLD)]
+            assert sum(mine for mine, _ in shares) == 1, shares
+            for mine, error in shares:
+                if mine:
+                    assert error.startswith("CheckpointMismatch") and "sha256 mismatch" in error, shares
+                else:
+                    assert error is None or error.startswith("CheckpointMismatch"), shares
         for r, out in results.items():
             w, rng, step = out["same"]
             torch.testing.assert_close(w, full.chunk(WORLD, 0)[r], rtol=0, atol=0)
