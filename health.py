@@ -24,7 +24,7 @@ from comms import refuses_connections
 from failures import StaleGenerationError, WorkerFailure
 
 if TYPE_CHECKING:
-    from actor_group import ActorSlot
+    from actor_slot import ActorSlot
     from config import FaultToleranceConfig
 
 log = logging.getLogger(__name__)

@@ -285,6 +285,7 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
 
     import driver_failover
     from actor_group import ActorGroup
+    from fault_tolerance import reattach
     from metrics import RunMetrics
     from run_lease import DriverLease, LeaseHeld, LeaseLost, first_generation
     from trainer import Trainer
@@ -323,7 +324,7 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
                 log.info(trainer.data.describe(cfg.train.steps))
             if record is not None:
                 trainer.run = dataclasses.replace(trainer.run, id=record["run"]["id"])
-                driver_failover.reattach(trainer, record["committed_step"], set(group.dead))
+                reattach(trainer, record["committed_step"], set(group.dead))
             elif start.resume_step is not None:
                 trainer.resume(start.resume_step)
             else:
