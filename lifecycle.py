@@ -4,13 +4,15 @@ between them, checked as they happen.
     created --build--> spare --prepare_spare--> warming --> warm
     spare / warming / warm / member / aborted --join--> joining --> member (of generation g)
     joining / member / any built state --abort--> aborted --join--> joining ...
+    warming / warm / aborted --prepare_spare--> warming (warmed again for a new driver's store)
 
 A spare is built (model and optimizer made) but in no process group; `warming` pays the
 process's one-time costs (`MegatronActor.prepare_spare`); `joining` forms generation g's
 process groups; `member` trains in generation g; `aborted` left its generation (its
 communicators aborted) and waits to join the next one, as a survivor or, after a DP shrink, as a
 spare. Being replaced is the driver's decision (`ActorGroup.replace`): the actor is killed and
-has no state after that. The driver reads the state in each heartbeat (`MegatronActor.ping`).
+has no state after that. Each heartbeat carries the state (`MegatronActor.ping`); a rank that
+goes silent is reported with the state it last had (`HealthMonitor`).
 """
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ CREATED, SPARE, WARMING, WARM, JOINING, MEMBER, ABORTED = (
 MOVES: dict[str, set[str]] = {
     CREATED: {SPARE},
     SPARE: {WARMING, JOINING, ABORTED},
-    WARMING: {WARM, JOINING, ABORTED},  # a warm-up that raised leaves it warming
-    WARM: {JOINING, ABORTED},
+    WARMING: {WARMING, WARM, JOINING, ABORTED},  # a warm-up that raised leaves it warming
+    WARM: {WARMING, JOINING, ABORTED},  # a reattaching driver warms its spares for its own store
     JOINING: {MEMBER, ABORTED},
     MEMBER: {JOINING, ABORTED},
-    ABORTED: {JOINING, ABORTED},
+    ABORTED: {WARMING, JOINING, ABORTED},  # a member dropped by a DP shrink is a spare
 }
 """state -> the states it may move to."""
 

@@ -41,3 +41,14 @@ def test_a_spares_life_through_generations():
     life.move(JOINING)                      # a planned re-form (grow back)
     life.move(ABORTED)                      # an abort overtakes the join
     assert not life.joined(3) and life.state == ABORTED and life.generation is None
+
+
+def test_a_spare_is_warmed_again_by_a_driver_that_took_the_run_over():
+    """A reattaching driver warms the surviving spares for its own store (`ActorGroup._attach`):
+    warm ones, one whose warm-up raised, and a member a DP shrink made a spare."""
+    for state in (WARM, WARMING, ABORTED):
+        life = at(state)
+        life.move(WARMING)
+        life.move(WARM)
+        life.move(JOINING)
+        assert life.joined(9) and life.generation == 9
