@@ -78,7 +78,8 @@ def placement_plan(cfg: Config) -> list[dict]:
     (local index // actors per GPU), actors per GPU = 1 / cluster.gpus_per_actor; then the run's
     own `assign_roles` picks ranks (one per device first) and spares. Ray decides the real
     nodes and GPUs at run time; they are logged as `event=placement` lines."""
-    from actor_group import ActorSlot, assign_roles
+    from actor_group import assign_roles
+    from actor_slot import ActorSlot
 
     c = cfg.cluster
     per_gpu = max(1, int(1 / c.gpus_per_actor + 1e-9))
