@@ -265,8 +265,6 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
     return 0
 
 
-
-
 def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: list[Manifest],
                        timeout: float, check_manifest: Callable[[Manifest], None],
                        notes: list[str]) -> int | None:
