@@ -12,12 +12,12 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actor_slot import ActorSlot
 from config import Config, require
 from driver_failover import PLACEMENT_GROUP, CannotReattach, new_name
 from dispatch import dispatch_remote, get_dispatch_type
@@ -30,21 +30,6 @@ from parallel_dims import ParallelDims, RankCoords
 from snapshots import SnapshotHolder
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ActorSlot:
-    """A placed actor and where it runs. `device` is (node IP, GPU id) on GPU machines and
-    (node IP, bundle index) on CPU, the unit that must not hold two ranks of one group."""
-    handle: object
-    node_ip: str
-    node_id: str
-    gpu_ids: list
-    bundle_index: int
-
-    @property
-    def device(self) -> tuple:
-        return (self.node_id, self.gpu_ids[0] if self.gpu_ids else f"b{self.bundle_index}")
 
 
 def _device_order(slots: list[ActorSlot]) -> list[ActorSlot]:
@@ -239,7 +224,7 @@ class ActorGroup:
                  first_generation: int = 0):
         """`attach`: the record of a run whose driver died (`driver_failover.find`): its named
         actors and placement group are taken over (none is started or built); the caller then
-        forms a generation and restores (`driver_failover.reattach`). `self.dead`: the ranks
+        forms a generation and restores (`fault_tolerance.reattach`). `self.dead`: the ranks
         of that record whose actor is gone. `first_generation`: generations are numbered from
         the one after it (`run_lease.first_generation`: a later driver's are above an earlier one's)."""
         import torch.distributed as dist
@@ -377,7 +362,7 @@ class ActorGroup:
                 pass
         self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
                                     lambda: self.generation, lambda: self.agents)
-        self.build_s = 0.0  # health starts once no rank is None (driver_failover.reattach)
+        self.build_s = 0.0  # health starts once no rank is None (fault_tolerance.reattach)
         self.store_host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=cfg.fault_tolerance.step_timeout_s))
@@ -474,6 +459,12 @@ class ActorGroup:
             for key, s in steps.items():
                 held.setdefault(tuple(key), set()).update(s)
         return held
+
+    def submit(self, method: str, *args, ranks: list[int] | None = None) -> list:
+        """Start `method(generation, *args)` on the workers of `ranks` (default: every rank, in
+        rank order) without waiting; returns their ObjectRefs in that order, for `wait`."""
+        ranks = range(len(self.workers)) if ranks is None else ranks
+        return [getattr(self.workers[r].handle, method).remote(self.generation, *args) for r in ranks]
 
     def call(self, method: str, *args, dispatch: str = "pass_through", timeout: float | None = None):
         """Call `method(generation, *args)` on every worker as the named dispatch splits it (each

@@ -10,7 +10,7 @@ A new `main.py train` with the same config, attached to the same cluster, finds 
 (`find`), checks it is the same run (name and config fingerprint, run id of the checkpoints,
 layout), takes the actors by name (`ActorGroup(cfg, attach=record)`), makes its own rendezvous
 store and a new generation, and every surviving rank rolls back to the committed step from its
-own live state (`reattach`: zero steps lost, no checkpoint read); ranks that did not survive
+own live state (`fault_tolerance.reattach`: zero steps lost, no checkpoint read); ranks that did not survive
 are replaced from spares and restored from a DP peer as in any recovery. More dead ranks than
 live spares (`CannotReattach`), or an empty record (its driver died before its first `save`,
 `check_record`): the new driver removes what is left and starts as one without failover would,
@@ -208,36 +208,3 @@ class DriverFailover:
         """The run ended or failed for good: remove the record too (the group removes the rest)."""
         self._stop.set()
         ray.kill(self.record, no_restart=True)
-
-
-def reattach(trainer, committed_step: int, dead: set[int]) -> None:
-    """Bring a group taken over from a dead driver (`ActorGroup(cfg, attach=...)`) back to
-    training at `committed_step`: abort the old generation's communicators, replace the ranks
-    that did not survive (`dead`) from spares, form a new generation on this driver's store and
-    restore every rank from its own live state (rollback), a replaced one from a DP peer
-    (`fault_tolerance.recover`'s restore). Logs `event=reattach`."""
-    from failures import RecoveryTimeline, WorkerFailure
-    from checkpoint import check_compatible
-    from fault_tolerance import restore
-
-    t0 = time.perf_counter()
-    group = trainer.group
-    trainer.committed_step = committed_step
-    try:
-        dead |= group.health.abort_survivors(dead)
-        survivors = [s for r, s in enumerate(group.workers) if r not in dead]
-        if dead:
-            if trainer.cfg.fault_tolerance.refill_spares:
-                group.refill([group.workers[r].bundle_index for r in dead])
-            group.replace(dead)
-        group.health.start()
-        group.form_generation()
-        tl = RecoveryTimeline("crash", sorted(dead), [])
-        step = restore(group, trainer.ckpt, committed_step, survivors, trainer.cfg.fault_tolerance,
-                       lambda manifest: check_compatible(trainer.cfg, manifest), tl, trainer.run.id)
-    except WorkerFailure as failure:
-        step = trainer.handle_failure(failure).restored_step
-        tl = trainer.recoveries[-1]
-    trainer.committed_step = trainer.resumed_from = step
-    log.info("event=reattach run=%s step=%d committed=%d replaced=%s source=%s seconds=%.3f",
-             trainer.run.id, step, committed_step, sorted(dead), tl.restore_source, time.perf_counter() - t0)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 
 import ray
 
-from checkpoint import CheckpointError, CheckpointManager, Manifest
+from checkpoint import CheckpointError, CheckpointManager, Manifest, check_compatible
 from failures import RecoveryError, RecoveryTimeline, WorkerFailure
 from keeper import shard_key
 from parallel_dims import ParallelDims
@@ -194,13 +194,13 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
     """Bring every rank to one committed step (`plan_restore`); returns that step.
     `survivor_slots`: the ActorSlots that were in the last committed step and are still members;
     `run_id`: only checkpoints of this run count (None: any)."""
-    dims, gen, timeout = group.dims, group.generation, ft.step_timeout_s
+    dims, timeout = group.dims, ft.step_timeout_s
     survivors = {r for r, s in enumerate(group.workers) if any(s is v for v in survivor_slots)}
     clean = set()  # ranks holding the committed step's state after rolling back locally
     if ft.restore != "checkpoint":
         ranks = sorted(survivors)
-        clean = {r for r, ok in zip(ranks, group.wait(
-            [group.workers[r].handle.rollback.remote(gen, committed) for r in ranks], timeout, ranks)) if ok}
+        clean = {r for r, ok in zip(ranks, group.wait(group.submit("rollback", committed, ranks=ranks),
+                                                       timeout, ranks)) if ok}
     manifests = None
 
     def floor() -> int:
@@ -228,20 +228,19 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
             refs, ranks = [], []
             for src, callers, members in plan.broadcasts:
                 ranks += callers
-                refs += [group.workers[r].handle.broadcast_state.remote(gen, src, members) for r in callers]
+                refs += group.submit("broadcast_state", src, members, ranks=callers)
             group.wait(refs, timeout, ranks)
         else:
-            group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
+            group.wait(group.submit("rollback", 0), timeout)
         if plan.source == "peer" or all(group.wait(
-                [group.workers[r].handle.restore_snapshot.remote(gen, committed, list(group.holders.values()), True)
-                 for r in plan.ranks], timeout, plan.ranks)):
+                group.submit("restore_snapshot", committed, list(group.holders.values()), True, ranks=plan.ranks),
+                timeout, plan.ranks)):
             timeline.restore_source = plan.source
             return committed
         timeline.notes.append("a keeper lost the optimizer shard it held")  # on to the checkpoint
     if plan.source == "memory":
         holders = list(group.holders.values())
-        ok = group.wait([group.workers[r].handle.restore_snapshot.remote(gen, plan.step, holders)
-                         for r in plan.ranks], timeout, plan.ranks)
+        ok = group.wait(group.submit("restore_snapshot", plan.step, holders, ranks=plan.ranks), timeout, plan.ranks)
         if all(ok):
             timeline.restore_source = "memory" if plan.step == committed else f"memory step {plan.step}"
             if plan.step < committed:
@@ -261,12 +260,9 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
     log.warning("restarting from the initial state (step 0): no source holds committed step %d "
                 "(fault_tolerance.allow_restart_from_scratch)", committed)
     timeline.restore_source = "initial"
-    group.wait([s.handle.rollback.remote(gen, 0) for s in group.workers], timeout)
+    group.wait(group.submit("rollback", 0), timeout)
     group.drop_snapshots_after(0)
     return 0
-
-
-restore = _restore  # the restore step of a recovery, also used by a reattaching driver (driver_failover.py)
 
 
 def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: list[Manifest],
@@ -280,11 +276,10 @@ def restore_checkpoint(group: ActorGroup, ckpt: CheckpointManager, manifests: li
     `notes` name it, and the next older one is tried. Used by recovery and by a resuming run.
     Raises ConfigError (`check_manifest`: another model or layout), WorkerFailure,
     CheckpointError (storage down past the retry budget)."""
-    gen = group.generation
     for manifest in _verified_by_ranks(group, ckpt, manifests, timeout):
         check_manifest(manifest)  # ConfigError: stop, don't retry
         ref = ray.put(manifest)  # serialized once, not once per rank
-        loaded = group.wait([s.handle.load_checkpoint.remote(gen, ref) for s in group.workers], timeout)
+        loaded = group.wait(group.submit("load_checkpoint", ref), timeout)
         if down := [f"rank {r}: {x['storage']}" for r, x in enumerate(loaded) if isinstance(x, dict) and "storage" in x]:
             raise CheckpointError("; ".join(down))
         if errors := [f"rank {r}: {e}" for r, e in enumerate(loaded) if isinstance(e, str)]:
@@ -336,11 +331,9 @@ def _verified_by_ranks(group: ActorGroup, ckpt: CheckpointManager, manifests: li
     rank reading its share of the files in parallel (the driver reads only manifests); a step
     with problems is skipped with a warning naming them. Raises CheckpointError when storage is
     down past the retry budget (an outage is not "no checkpoint")."""
-    world = group.dims.world_size
     for manifest in reversed(manifests):
         ref = ray.put(manifest)  # serialized once, not once per rank
-        results = group.wait([s.handle.verify_checkpoint.remote(group.generation, ref, r, world)
-                              for r, s in enumerate(group.workers)], timeout)
+        results = group.wait(group.submit("verify_checkpoint", ref), timeout)
         if errors := [f"rank {r}: {e}" for r, e in enumerate(results) if isinstance(e, str)]:
             raise CheckpointError("; ".join(errors))
         problems = [p for ps in results for p in ps]
@@ -439,3 +432,32 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, 
         tl.failed_ranks = sorted(set(tl.failed_ranks) | failed)
         return tl
     raise RecoveryError(f"recovery failed {max_attempts} times: {tl.notes[-1]}")
+
+
+def reattach(trainer, committed_step: int, dead: set[int]) -> None:
+    """Bring a group taken over from a dead driver (`ActorGroup(cfg, attach=...)`) back to
+    training at `committed_step`: abort the old generation's communicators, replace the ranks
+    that did not survive (`dead`) from spares, form a new generation on this driver's store and
+    restore every rank from its own live state (rollback), a replaced one from a DP peer
+    (`recover`'s restore). Logs `event=reattach`. `trainer`: the driver's `trainer.Trainer`."""
+    t0 = time.perf_counter()
+    group = trainer.group
+    trainer.committed_step = committed_step
+    try:
+        dead |= group.health.abort_survivors(dead)
+        survivors = [s for r, s in enumerate(group.workers) if r not in dead]
+        if dead:
+            if trainer.cfg.fault_tolerance.refill_spares:
+                group.refill([group.workers[r].bundle_index for r in dead])
+            group.replace(dead)
+        group.health.start()
+        group.form_generation()
+        tl = RecoveryTimeline("crash", sorted(dead), [])
+        step = _restore(group, trainer.ckpt, committed_step, survivors, trainer.cfg.fault_tolerance,
+                       lambda manifest: check_compatible(trainer.cfg, manifest), tl, trainer.run.id)
+    except WorkerFailure as failure:
+        step = trainer.handle_failure(failure).restored_step
+        tl = trainer.recoveries[-1]
+    trainer.committed_step = trainer.resumed_from = step
+    log.info("event=reattach run=%s step=%d committed=%d replaced=%s source=%s seconds=%.3f",
+             trainer.run.id, step, committed_step, sorted(dead), tl.restore_source, time.perf_counter() - t0)

@@ -24,7 +24,7 @@ from comms import refuses_connections
 from failures import StaleGenerationError, WorkerFailure
 
 if TYPE_CHECKING:
-    from actor_group import ActorSlot
+    from actor_slot import ActorSlot
     from config import FaultToleranceConfig
 
 log = logging.getLogger(__name__)
@@ -418,8 +418,14 @@ class HealthMonitor:
         return results
 
     def _silence_detail(self, silent: set[int]) -> str:
+        """Each silent rank's node, the lifecycle state it last reported (`lifecycle.py`) and
+        how long it has not answered."""
         workers = self._workers()
-        return "; ".join(f"rank {r} ({workers[r].node_ip}) answered no ping for "
+
+        def last_state(r: int) -> str:
+            b = self.beats.beat(workers[r].handle)
+            return (b.info if b is not None else {}).get("state", "never answered")
+        return "; ".join(f"rank {r} ({workers[r].node_ip}, last {last_state(r)}) answered no ping for "
                          f"{self.beats.silence_s(workers[r].handle):.1f} s" for r in sorted(silent))
 
     def _progress(self, key: str = "progress") -> dict[int, int]:

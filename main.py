@@ -78,7 +78,8 @@ def placement_plan(cfg: Config) -> list[dict]:
     (local index // actors per GPU), actors per GPU = 1 / cluster.gpus_per_actor; then the run's
     own `assign_roles` picks ranks (one per device first) and spares. Ray decides the real
     nodes and GPUs at run time; they are logged as `event=placement` lines."""
-    from actor_group import ActorSlot, assign_roles
+    from actor_group import assign_roles
+    from actor_slot import ActorSlot
 
     c = cfg.cluster
     per_gpu = max(1, int(1 / c.gpus_per_actor + 1e-9))
@@ -285,6 +286,7 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
 
     import driver_failover
     from actor_group import ActorGroup
+    from fault_tolerance import reattach
     from metrics import RunMetrics
     from run_lease import DriverLease, LeaseHeld, LeaseLost, first_generation
     from trainer import Trainer
@@ -323,7 +325,7 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
                 log.info(trainer.data.describe(cfg.train.steps))
             if record is not None:
                 trainer.run = dataclasses.replace(trainer.run, id=record["run"]["id"])
-                driver_failover.reattach(trainer, record["committed_step"], set(group.dead))
+                reattach(trainer, record["committed_step"], set(group.dead))
             elif start.resume_step is not None:
                 trainer.resume(start.resume_step)
             else:

@@ -30,6 +30,7 @@ from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
 from keeper import ShardSender, keeps_shards, shard_key
+from lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
 from parallel_dims import ParallelDims
 from rendezvous import arrive, release, wait_formed
 from snapshots import SnapshotSender, from_wire
@@ -47,6 +48,7 @@ class MegatronActor:
         self.cfg, self.bundle_index = cfg, bundle_index
         self.engine = None
         self.generation: int | None = None
+        self.life = Lifecycle()           # spare, warming, joining, member of a generation, aborted
         self.joined = 0                   # highest generation joined: lower ones are a superseded driver's
         self.rank: int | None = None
         self.dims: ParallelDims | None = None
@@ -112,7 +114,7 @@ class MegatronActor:
         (`_driver_watchdog`)."""
         self._last_ping, self._pinged = time.monotonic(), True
         e = self.engine
-        return {"generation": self.generation, "rank": self.rank,
+        return {"generation": self.generation, "rank": self.rank, "state": self.life.state,
                 "progress": e.progress if e else 0,
                 "step_progress": e.progress - e.step_start_progress if e else 0,
                 "io_progress": io_progress(),  # a slow save / verify / load is not a hang
@@ -137,6 +139,7 @@ class MegatronActor:
         collective `health_timeout_s / 2` seconds later: the caller must replace this actor."""
         t0 = time.perf_counter()
         self._check_driver(generation)
+        self.life.move(ABORTED)
         self.generation = None
         self._abort_epoch += 1
         if (joining := self._joining) is not None:  # free every member waiting in this generation's barrier
@@ -165,6 +168,7 @@ class MegatronActor:
             from torch_engine import TorchEngine as Engine
         self.engine = Engine(self.cfg)
         self.engine.fault_point = self.fault_point
+        self.life.move(SPARE)
         return time.perf_counter() - t0
 
     def snapshot_nbytes(self) -> int:
@@ -177,10 +181,12 @@ class MegatronActor:
         snapshot it will keep once it joins, and pay the process's one-time first-step costs,
         so none of these slows a recovery or its first steps (`Engine.reserve_host_memory`,
         `Engine.warm_up`, `CheckpointManager.warm_client`)."""
+        self.life.move(WARMING)
         self._store_client(host, port)
         self.engine.reserve_host_memory(snapshot_nbytes)
         self.engine.warm_up()
         self.ckpt.warm_client()
+        self.life.move(WARM)
 
     @ray.method(concurrency_group=CONTROL)
     def probe(self) -> str | None:
@@ -202,12 +208,26 @@ class MegatronActor:
         driver's store at host:port (prefix `gen{generation}`); `holder`: the SnapshotHolder to
         send in-memory snapshots to (None: off). Returns seconds by part: `rendezvous_s` (until
         every member arrived), then the engine's (`Engine.connect`: `process_group_s`, ...).
-        Raises StaleGenerationError for a generation below one joined before (`run_lease`)."""
+        Raises StaleGenerationError for a generation below one joined before (`run_lease`), or
+        when an abort came during the join."""
+        self._check_driver(generation)
+        self.joined = generation
+        self.life.move(JOINING)
+        try:
+            phases = self._join(generation, rank, dims, host, port, holder)
+        except BaseException:
+            self.life.move(ABORTED)
+            raise
+        if not self.life.joined(generation):
+            self.generation = None
+            raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while joining")
+        return phases
+
+    def _join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int, holder) -> dict[str, float]:
+        """The join itself (`join`): barrier, process groups, snapshot and keeper connections."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        self._check_driver(generation)
-        self.joined = generation
         epoch = self._abort_epoch
         self.fault_point("during_recovery")
         self.engine.disconnect()
@@ -371,13 +391,14 @@ class MegatronActor:
         self.fault_point("mid_save")  # written, not yet committed
         return files
 
-    def verify_checkpoint(self, generation: int, manifest: Manifest, part: int, parts: int) -> list[str] | str:
-        """Check part `part` of `parts` of the manifest's files (every `parts`-th file from
-        `part`: sizes, sha256; the ranks share the reading). Returns the problems found, or the
-        message of a storage error (storage down past the retry budget: not a bad checkpoint)."""
+    def verify_checkpoint(self, generation: int, manifest: Manifest) -> list[str] | str:
+        """Check this rank's share of the manifest's files (every world-size-th file from its
+        rank: sizes, and sha256 where the engine does not hash while loading; the ranks share
+        the reading). Returns the problems found, or the message of a storage error (storage
+        down past the retry budget: not a bad checkpoint)."""
         self._check(generation)
         try:
-            return self.ckpt.verify_files(manifest.step, manifest.files[part::parts],
+            return self.ckpt.verify_files(manifest.step, manifest.files[self.rank::self.dims.world_size],
                                           hash_files=not self.engine.checks_while_loading)
         except CheckpointError as e:
             return str(e)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import ray
 
-from actor_group import ActorSlot
+from actor_slot import ActorSlot
 from bench import write_json
 from bench.control_rank import ControlRank
 from bench.scale import loglog_slope

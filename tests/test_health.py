@@ -11,7 +11,8 @@ import time
 import pytest
 import ray
 
-from actor_group import ActorGroup, ActorSlot
+from actor_group import ActorGroup
+from actor_slot import ActorSlot
 from config import load_config, resolve
 from failures import WorkerFailure
 from health import BLAMELESS_HANGS, Heartbeats, HealthMonitor, actor_key, hang_culprits, suspected_node

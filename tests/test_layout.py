@@ -7,20 +7,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = {p.stem for p in ROOT.glob("*.py")}
-LEAVES = ("config", "failures", "host_memory", "parallel_dims")  # import nothing of the project
+LEAVES = ("actor_slot", "config", "failures", "host_memory", "lifecycle")  # import nothing of the project
 
 
 def imports(path: Path) -> set[str]:
-    """Root modules (and `bench`, `tests` helpers) that `path` imports, at any depth of the file
-    (lazy imports inside functions count: a cycle through them still ties two concepts), except
-    imports only for type checking (`if TYPE_CHECKING:`)."""
-    tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    """Root modules (and `bench`, `tests` helpers) that `path` imports, at any depth of the file:
+    lazy imports inside functions and imports for type checking only (`if TYPE_CHECKING:`)
+    count too, since a cycle through them still ties two concepts together."""
     names = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

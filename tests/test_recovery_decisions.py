@@ -5,7 +5,8 @@ actors (test_recovery.py, test_fault_tolerance.py, test_node_loss.py) check that
 carries these plans out."""
 import pytest
 
-from actor_group import ActorSlot, BackupPool
+from actor_group import BackupPool
+from actor_slot import ActorSlot
 from failures import RecoveryError
 from fault_tolerance import (grow_back_size, plan_memory_restore, plan_peer_restore, plan_restore, same_shard,
                              scratch_restart_refusal)

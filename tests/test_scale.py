@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from actor_group import ActorSlot, BackupPool, assign_roles, placement_report
+from actor_group import BackupPool, assign_roles, placement_report
+from actor_slot import ActorSlot
 from conftest import run_bench
 
 
