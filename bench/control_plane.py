@@ -33,7 +33,7 @@ Usage (repository root): python -m bench.control_plane [--sizes 64 256 1024] [--
     [--steps 20] [--idle-s 5] [--health-timeout-s 3] [--no-store] [--phase-timeout-s 180]
     [--start-batch 128] [--out FILE]
 Prints a table and writes bench/results/control_plane_cpu.json (top level: sizes (those
-measured to the end), driver_cpu_per_step_s, driver_cpu_per_round_s, recovery_control_s,
+measured to the end), driver_cpu_per_step_s, step_wall_s, driver_cpu_per_round_s, recovery_control_s,
 detect_kill_s, detect_silent_s, abort_s, rebuild_s, restore_plan_s, start_s, rank_pss_mb,
 agent_pss_mb, driver_pss_mb, growth_exponent_driver_cpu, failures, device, settings).
 """
@@ -67,7 +67,7 @@ NOTE = "control plane only: the rank actors' engine does no math"
 SPARES = 2
 HOLD_S = 120.0  # a held step (a rank in a collective) lasts until an abort frees it
 PSS_SAMPLE = 32  # rank actors whose PSS is read per size
-KEYS = ("driver_cpu_per_step_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
+KEYS = ("driver_cpu_per_step_s", "step_wall_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
         "rebuild_s", "restore_plan_s", "recovery_control_s", "start_s", "rank_pss_mb", "agent_pss_mb",
         "driver_pss_mb")
 
@@ -94,8 +94,8 @@ def phase(n: int, name: str, limit_s: float, fn, *args):
     thread.start()
     thread.join(limit_s)
     if thread.is_alive():
-        print(f"N={n} {name}: not done after {limit_s:.0f} s", flush=True)
-        raise PhaseTimeout(f"not done after {limit_s:.0f} s")
+        print(f"N={n} {name}: not done after {limit_s:g} s", flush=True)
+        raise PhaseTimeout(f"not done after {limit_s:g} s")
     if "error" in out:
         print(f"N={n} {name}: failed after {time.monotonic() - t0:.2f} s: {out['error']!r:.300}", flush=True)
         raise out["error"]
@@ -161,13 +161,16 @@ class Run:
         return dispatch_remote([s.handle for s in self.workers], "train_step", dims, "pass_through",
                                self.generation, step, batch, hold_s, put=ray.put)
 
-    def steps(self, first: int, count: int) -> float:
-        """`count` steps waited on by the health monitor; driver CPU seconds per step."""
+    def steps(self, first: int, count: int) -> dict[str, float]:
+        """`count` steps waited on by the health monitor: driver CPU seconds (every thread of
+        the driver process: the heartbeats' too, so this grows with the step's wall time) and
+        wall seconds per step."""
         batch = list(range(64))
-        c0 = time.process_time()
+        c0, w0 = time.process_time(), time.monotonic()
         for s in range(first, first + count):
             self.health.wait(self.step(s, batch), self.ft.step_timeout_s)
-        return (time.process_time() - c0) / count
+        return {"driver_cpu_per_step_s": (time.process_time() - c0) / count,
+                "step_wall_s": (time.monotonic() - w0) / count}
 
     def idle(self, seconds: float) -> float:
         """Driver CPU seconds per heartbeat round over an idle window of `seconds`."""
@@ -251,7 +254,7 @@ def measure(n: int, args, ft) -> dict:
         name = "warm steps"
         phase(n, name, limit, run.steps, 0, 3)
         name = f"{args.steps} steps"
-        row["driver_cpu_per_step_s"] = phase(n, name, limit, run.steps, 3, args.steps)
+        row.update(phase(n, name, limit, run.steps, 3, args.steps))
         name = "memory"
         row.update(phase(n, name, limit, run.memory))
         name = f"idle {args.idle_s:g} s"
