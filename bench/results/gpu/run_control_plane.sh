@@ -21,7 +21,9 @@ case $mode in
   store) name=control_plane_store_nvidia-h200_$(date +%F); sizes="${SIZES:-64 256 512}" ;;
   *) echo "mode must be nostore or store, got '$mode'"; exit 2 ;;
 esac
-echo "$(nproc) cores, $(free -g | awk '/Mem:/ {print $7}') GB available"
+# Each Ray worker runs ~28 threads (2-core VM), each taking a pid: 1,155 workers need ~32k.
+echo "pid_max $(cat /proc/sys/kernel/pid_max), threads-max $(cat /proc/sys/kernel/threads-max), cgroup pids.max $(cat /sys/fs/cgroup/pids.max 2>/dev/null || echo n/a)"
+echo "$(nproc) cores, $(free -g | awk '/Mem:/ {print $7}') GB available, open files $(ulimit -n) soft / $(ulimit -Hn) hard"
 keep_run "$name" "$dest" "${BENCH_TIMEOUT:-540}" 40 "python3 -m bench.control_plane --sizes $sizes
  --steps 10 --idle-s 3 --phase-timeout-s 200 --out $dest/$name.json $*"
 ray stop --force >/dev/null 2>&1 || true  # a run cut by the timeout leaves its local Ray behind
