@@ -44,6 +44,7 @@ import datetime
 import os
 import platform
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -321,6 +322,8 @@ def main(argv=None) -> dict:
         f"fault_tolerance.health_interval_s={args.health_interval_s}",
         "fault_tolerance.rendezvous_timeout_s=120", "fault_tolerance.step_timeout_s=120"]).fault_tolerance
     print(NOTE, flush=True)
+    # `timeout` sends SIGTERM: exit through Python's cleanup, which stops the local Ray started here.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": actor_env(ROOT, RAY_IGNORE_UNHANDLED_ERRORS="1")})

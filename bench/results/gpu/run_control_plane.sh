@@ -26,4 +26,3 @@ echo "pid_max $(cat /proc/sys/kernel/pid_max), threads-max $(cat /proc/sys/kerne
 echo "$(nproc) cores, $(free -g | awk '/Mem:/ {print $7}') GB available, open files $(ulimit -n) soft / $(ulimit -Hn) hard"
 keep_run "$name" "$dest" "${BENCH_TIMEOUT:-540}" 40 "python3 -m bench.control_plane --sizes $sizes
  --steps 10 --idle-s 3 --phase-timeout-s 200 --out $dest/$name.json $*"
-ray stop --force >/dev/null 2>&1 || true  # a run cut by the timeout leaves its local Ray behind

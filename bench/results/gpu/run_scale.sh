@@ -14,4 +14,3 @@ name=scale_cpu_h200host_nvidia-h200_$(date +%F)
 echo "$(nproc) cores, $(free -g | awk '/Mem:/ {print $7}') GB available, open files $(ulimit -n) soft / $(ulimit -Hn) hard"
 keep_run "$name" "$dest" "${BENCH_TIMEOUT:-540}" 40 "python3 -m bench.scale --sizes ${SIZES:-128 192 256}
  --nodes 4 --failures actor --max-mem-gb 110 --out $dest/$name.json $*"
-ray stop --force >/dev/null 2>&1 || true  # a run cut by the timeout leaves its local Ray behind
