@@ -478,6 +478,7 @@ class HealthMonitor:
         unanswered = self.abort_survivors(set())
         refs = {r: s.handle.noop.remote() for r, s in enumerate(workers) if r not in unanswered}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ft.health_timeout_s)
+        ready = set(ready)
         stuck = unanswered | {r for r, ref in refs.items() if ref not in ready}
         if not stuck:
             hang: dict[str, int] = {}
@@ -560,6 +561,7 @@ class HealthMonitor:
             refs = {r: workers[r].handle.abort.remote(self._generation()) for r in todo}
             ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
                                 timeout=max(0.0, deadline - time.monotonic()))
+            ready = set(ready)  # a list would make the membership tests below O(ranks^2)
             todo = []
             for r, ref in refs.items():
                 try:

@@ -18,14 +18,24 @@ generation with a spare in the killed rank's place); the restore plan; recovery 
 detect (killed) + abort + rebuild + plan. Growth exponent: the log-log slope of driver CPU per
 step against N.
 
-Memory: an actor that joins through the store imports torch (~200 MB PSS each); `--no-store`
-skips the barrier (no torch in the actors, ~50 MB each) so that 1,024 ranks fit one host.
+Memory: per N, the proportional set size (PSS: shared pages split between the processes that
+map them) of the rank actors (a sample), an agent and the driver. An actor that joins through
+the store imports torch for its TCPStore client; `--no-store` skips the barrier (no torch in
+the actors). A size whose projected rank PSS (the previous size's per-actor PSS times N)
+exceeds 90% of MemAvailable is skipped and recorded.
+
+Robust to a cut run: one progress line per phase per size (flushed), the JSON rewritten after
+every size, and every phase run under `--phase-timeout-s`: a phase past it is recorded as that
+size's failure (`failures` in the JSON) and the next size runs. Actors start in batches of
+`--start-batch`, one line per batch.
 
 Usage (repository root): python -m bench.control_plane [--sizes 64 256 1024] [--ranks-per-node 8]
-    [--steps 20] [--idle-s 5] [--health-timeout-s 3] [--no-store] [--out FILE]
-Prints a table and writes bench/results/control_plane_cpu.json (top level: sizes,
-driver_cpu_per_step_s, driver_cpu_per_round_s, recovery_control_s, detect_kill_s,
-detect_silent_s, abort_s, rebuild_s, restore_plan_s, growth_exponent_driver_cpu, device, ...).
+    [--steps 20] [--idle-s 5] [--health-timeout-s 3] [--no-store] [--phase-timeout-s 180]
+    [--start-batch 128] [--out FILE]
+Prints a table and writes bench/results/control_plane_cpu.json (top level: sizes (those
+measured to the end), driver_cpu_per_step_s, step_wall_s, driver_cpu_per_round_s, recovery_control_s,
+detect_kill_s, detect_silent_s, abort_s, rebuild_s, restore_plan_s, start_s, rank_pss_mb,
+agent_pss_mb, driver_pss_mb, growth_exponent_driver_cpu, failures, device, settings).
 """
 from __future__ import annotations
 
@@ -34,15 +44,17 @@ import datetime
 import os
 import platform
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
 import ray
 
 from actor_slot import ActorSlot
-from bench import write_json
+from bench import actor_env, write_json
 from bench.control_rank import ControlRank
-from bench.scale import loglog_slope
+from bench.scale import loglog_slope, mem_available_gb, pss_mb
 from config import load_config
 from dispatch import dispatch_remote
 from failures import WorkerFailure
@@ -55,6 +67,41 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTE = "control plane only: the rank actors' engine does no math"
 SPARES = 2
 HOLD_S = 120.0  # a held step (a rank in a collective) lasts until an abort frees it
+PSS_SAMPLE = 32  # rank actors whose PSS is read per size
+KEYS = ("driver_cpu_per_step_s", "step_wall_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
+        "rebuild_s", "restore_plan_s", "recovery_control_s", "start_s", "rank_pss_mb", "agent_pss_mb",
+        "driver_pss_mb")
+
+
+class PhaseTimeout(Exception):
+    """A phase of one size ran past `--phase-timeout-s`."""
+
+
+def phase(n: int, name: str, limit_s: float, fn, *args):
+    """`fn(*args)` in a daemon thread, with a progress line when it starts and when it ends.
+    Raises PhaseTimeout when it has not ended after `limit_s` seconds (the thread is left to the
+    size's cleanup, which kills the actors it waits for), or what `fn` raised."""
+    print(f"N={n} {name} ...", flush=True)
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = e
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=target, name=f"phase-{name}", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        print(f"N={n} {name}: not done after {limit_s:g} s", flush=True)
+        raise PhaseTimeout(f"not done after {limit_s:g} s")
+    if "error" in out:
+        print(f"N={n} {name}: failed after {time.monotonic() - t0:.2f} s: {out['error']!r:.300}", flush=True)
+        raise out["error"]
+    print(f"N={n} {name}: {time.monotonic() - t0:.2f} s", flush=True)
+    return out.get("value")
 
 
 class Run:
@@ -63,28 +110,42 @@ class Run:
     def __init__(self, n: int, args, ft):
         self.n, self.args, self.ft = n, args, ft
         self.generation = 0
+        self.actors, self.pids, self.agents = [], [], {}
+        self.workers, self.spares, self.logical = [], [], {}
+        self.health = self.store = self.host = None
+
+    def start(self) -> None:
+        """Start the actors in batches of `--start-batch` (one line each), their agents, the
+        store and the heartbeats."""
+        ft, rpn = self.ft, self.args.ranks_per_node
+        total, t0 = self.n + SPARES, time.monotonic()
+        while len(self.actors) < total:
+            batch = [ControlRank.remote(ft.rendezvous_timeout_s)
+                     for _ in range(min(self.args.start_batch, total - len(self.actors)))]
+            self.actors += batch
+            self.pids += ray.get([a.pid.remote() for a in batch])
+            print(f"N={self.n}   {len(self.actors)}/{total} rank actors up ({time.monotonic() - t0:.1f} s, "
+                  f"MemAvailable {mem_available_gb():.1f} GB)", flush=True)
         ip, node = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
-        actors = [ControlRank.remote(ft.rendezvous_timeout_s) for _ in range(n + SPARES)]
-        self.pids = ray.get([a.pid.remote() for a in actors])
-        rpn = args.ranks_per_node
-        slots = [ActorSlot(a, ip, node, [], i) for i, a in enumerate(actors)]
+        slots = [ActorSlot(a, ip, node, [], i) for i, a in enumerate(self.actors)]
         # Heartbeats see logical nodes; raylet checks (`lost_ranks`) see the real one.
         self.logical = {s.bundle_index: ActorSlot(s.handle, ip, f"node{s.bundle_index // rpn}", [], s.bundle_index)
                         for s in slots}
-        self.agents = {f"node{k}": NodeAgent.remote(ft.health_interval_s / 2)
-                       for k in range((n + SPARES + rpn - 1) // rpn)}
-        self.workers, self.spares = slots[:n], slots[n:]
+        self.agents = {f"node{k}": NodeAgent.remote(ft.health_interval_s / 2) for k in range(-(-total // rpn))}
+        ray.get([a.node_id.remote() for a in self.agents.values()])
+        print(f"N={self.n}   {len(self.agents)} node agents up ({time.monotonic() - t0:.1f} s)", flush=True)
+        self.workers, self.spares = slots[:self.n], slots[self.n:]
         self.health = HealthMonitor(ft, lambda: self.workers, lambda: self.spares, lambda: self.generation)
         self.health.beats = Heartbeats(lambda: [self.logical[s.bundle_index] for s in self.workers + self.spares],
                                        ft.health_interval_s, ft.health_timeout_s, lambda: self.agents)
-        self.store = None
-        if not args.no_store:
+        if not self.args.no_store:
             import torch.distributed as dist
+
             self.store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=ft.rendezvous_timeout_s))
-        self.host = None if self.store is None else ip
-        if self.store is not None:
-            ray.get([a.connect.remote(ip, self.store.port) for a in actors])
+            self.host = ip
+            ray.get([a.connect.remote(ip, self.store.port) for a in self.actors])
+            print(f"N={self.n}   store clients connected ({time.monotonic() - t0:.1f} s)", flush=True)
         self.health.start()
 
     def join(self) -> float:
@@ -101,6 +162,31 @@ class Run:
         return dispatch_remote([s.handle for s in self.workers], "train_step", dims, "pass_through",
                                self.generation, step, batch, hold_s, put=ray.put)
 
+    def steps(self, first: int, count: int) -> dict[str, float]:
+        """`count` steps waited on by the health monitor: driver CPU seconds (every thread of
+        the driver process: the heartbeats' too, so this grows with the step's wall time) and
+        wall seconds per step."""
+        batch = list(range(64))
+        c0, w0 = time.process_time(), time.monotonic()
+        for s in range(first, first + count):
+            self.health.wait(self.step(s, batch), self.ft.step_timeout_s)
+        return {"driver_cpu_per_step_s": (time.process_time() - c0) / count,
+                "step_wall_s": (time.monotonic() - w0) / count}
+
+    def idle(self, seconds: float) -> float:
+        """Driver CPU seconds per heartbeat round over an idle window of `seconds`."""
+        c0, w0 = time.process_time(), time.monotonic()
+        time.sleep(seconds)
+        return (time.process_time() - c0) / ((time.monotonic() - w0) / self.ft.health_interval_s)
+
+    def memory(self) -> dict[str, float]:
+        """PSS (MB): mean of a sample of rank actors, of the agents, and the driver's."""
+        pids = self.pids[::max(1, len(self.pids) // PSS_SAMPLE)]
+        agent_pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in list(self.agents.values())[:4]])
+        return {"rank_pss_mb": sum(map(pss_mb, pids)) / len(pids),
+                "agent_pss_mb": sum(map(pss_mb, agent_pids)) / len(agent_pids),
+                "driver_pss_mb": pss_mb(os.getpid())}
+
     def fail(self, rank: int, how: str) -> tuple[float, WorkerFailure]:
         """Hold every rank in a step, then kill (or SIGSTOP) `rank`; seconds until detected."""
         refs = self.step(10_000, list(range(64)), HOLD_S)
@@ -116,61 +202,105 @@ class Run:
             return time.monotonic() - t0, failure
         raise RuntimeError(f"{how} of rank {rank} was not detected")
 
-    def recover(self, failure: WorkerFailure) -> dict[str, float]:
-        """Abort the survivors, put spares in the failed ranks' places, form a generation,
-        plan the restore. Seconds by phase."""
+    def abort(self, failure: WorkerFailure) -> tuple[float, set[int]]:
+        """Abort the survivors; (seconds, the failed ranks)."""
         t0 = time.monotonic()
         failed = set(failure.ranks) | self.health.abort_survivors(set(failure.ranks))
-        t1 = time.monotonic()
+        return time.monotonic() - t0, failed
+
+    def rebuild(self, failed: set[int]) -> float:
+        """Put spares in the failed ranks' places and form a generation; seconds."""
         for r in sorted(failed):
             self.workers[r] = self.spares.pop(0)
-        rebuild = self.join()
-        t2 = time.monotonic()
-        survivors = set(range(self.n)) - failed
-        ranks = sorted(survivors)
+        return self.join()
+
+    def restore_plan(self, failed: set[int]) -> float:
+        """The survivors' rollback round, then the restore plan; seconds."""
+        t0 = time.monotonic()
+        ranks = sorted(set(range(self.n)) - failed)
         done = self.health.wait([self.workers[r].handle.rollback.remote(self.generation, 0) for r in ranks],
                                 self.ft.step_timeout_s, ranks)
         clean = {r for r, ok in zip(ranks, done) if ok}
-        plan = plan_restore("auto", 0, [list(range(self.n))], survivors, clean, None, lambda: 0)
+        plan = plan_restore("auto", 0, [list(range(self.n))], set(ranks), clean, None, lambda: 0)
         assert plan.source == "peer", plan
-        return {"abort_s": t1 - t0, "rebuild_s": rebuild, "restore_plan_s": time.monotonic() - t2}
+        return time.monotonic() - t0
 
     def close(self) -> None:
-        self.health.stop()
+        """Stop the heartbeats, kill every actor and wait (up to 60 s) for their processes to end."""
+        if self.health is not None:
+            self.health.stop()
         for pid in self.pids:
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        for s in self.logical.values():
-            ray.kill(s.handle)
-        for a in self.agents.values():
+        for a in [*self.actors, *self.agents.values()]:
             ray.kill(a)
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{pid}").exists() for pid in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
 
 def measure(n: int, args, ft) -> dict:
-    run = Run(n, args, ft)
+    """One size's row: KEYS that were measured, and `failed` ("phase: error") when a phase failed
+    or ran past `--phase-timeout-s`."""
+    run, row, limit = Run(n, args, ft), {"n": n}, args.phase_timeout_s
+    name = "start"
     try:
-        run.join()
-        batch = list(range(64))
-        for s in range(3):  # warm: first calls, heartbeats settled
-            run.health.wait(run.step(s, batch), ft.step_timeout_s)
-        c0 = time.process_time()
-        for s in range(args.steps):
-            run.health.wait(run.step(s, batch), ft.step_timeout_s)
-        cpu_step = (time.process_time() - c0) / args.steps
-        c0, w0 = time.process_time(), time.monotonic()
-        time.sleep(args.idle_s)
-        cpu_round = (time.process_time() - c0) / ((time.monotonic() - w0) / ft.health_interval_s)
-        detect_kill, failure = run.fail(1, "kill")
-        phases = run.recover(failure)
-        detect_silent, failure = run.fail(2, "stop")
-        run.health.abort_survivors(set(failure.ranks))
+        t0 = time.monotonic()
+        phase(n, name, limit, run.start)
+        row["start_s"] = time.monotonic() - t0
+        name = "join"
+        phase(n, name, limit, run.join)
+        name = "warm steps"
+        phase(n, name, limit, run.steps, 0, 3)
+        name = f"{args.steps} steps"
+        row.update(phase(n, name, limit, run.steps, 3, args.steps))
+        name = "memory"
+        row.update(phase(n, name, limit, run.memory))
+        name = f"idle {args.idle_s:g} s"
+        row["driver_cpu_per_round_s"] = phase(n, name, limit, run.idle, args.idle_s)
+        name = "detect killed"
+        row["detect_kill_s"], failure = phase(n, name, limit, run.fail, 1, "kill")
+        name = "abort"
+        row["abort_s"], failed = phase(n, name, limit, run.abort, failure)
+        name = "rebuild"
+        row["rebuild_s"] = phase(n, name, limit, run.rebuild, failed)
+        name = "restore plan"
+        row["restore_plan_s"] = phase(n, name, limit, run.restore_plan, failed)
+        row["recovery_control_s"] = row["detect_kill_s"] + row["abort_s"] + row["rebuild_s"] + row["restore_plan_s"]
+        name = "detect silent"
+        row["detect_silent_s"], failure = phase(n, name, limit, run.fail, 2, "stop")
+        name = "abort after silent"
+        phase(n, name, limit, run.abort, failure)
+    except Exception as e:  # noqa: BLE001 - recorded; the next size runs
+        row["failed"] = f"{name}: {type(e).__name__}: {str(e)[:300]}"
     finally:
-        run.close()
-    return {"n": n, "driver_cpu_per_step_s": cpu_step, "driver_cpu_per_round_s": cpu_round,
-            "detect_kill_s": detect_kill, "detect_silent_s": detect_silent, **phases,
-            "recovery_control_s": detect_kill + sum(phases.values())}
+        try:
+            phase(n, "close", limit, run.close)
+        except Exception as e:  # noqa: BLE001 - a size that cannot be cleaned up is said so
+            row.setdefault("failed", f"close: {type(e).__name__}: {str(e)[:300]}")
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return row
+
+
+def summary(rows: list[dict], args) -> dict:
+    """The JSON of the sizes measured so far: lists over the sizes measured to the end, and
+    `failures` (each with what it measured before it failed)."""
+    done = [r for r in rows if "failed" not in r]
+    sizes = [r["n"] for r in done]
+
+    def slope(key):
+        return round(loglog_slope(sizes, [r[key] for r in done]), 3) if len(done) > 1 else None
+
+    return {"note": NOTE, "sizes": sizes, **{k: [round(r[k], 5) for r in done] for k in KEYS},
+            "growth_exponent_driver_cpu": slope("driver_cpu_per_step_s"),
+            "growth_exponent_driver_cpu_per_round": slope("driver_cpu_per_round_s"),
+            "failures": [r for r in rows if "failed" in r],
+            "device": f"cpu: {os.cpu_count()} cores ({platform.node()})",
+            "settings": {"ranks_per_node": args.ranks_per_node, "steps": args.steps, "idle_s": args.idle_s,
+                         "health_timeout_s": args.health_timeout_s, "health_interval_s": args.health_interval_s,
+                         "join_through_store": not args.no_store, "phase_timeout_s": args.phase_timeout_s}}
 
 
 def main(argv=None) -> dict:
@@ -182,36 +312,39 @@ def main(argv=None) -> dict:
     p.add_argument("--health-timeout-s", type=float, default=3.0)
     p.add_argument("--health-interval-s", type=float, default=0.5)
     p.add_argument("--no-store", action="store_true", help="skip the join barrier (no torch in the actors)")
+    p.add_argument("--phase-timeout-s", type=float, default=180.0,
+                   help="a phase of one size running longer is recorded as that size's failure")
+    p.add_argument("--start-batch", type=int, default=128, help="rank actors started per batch")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "control_plane_cpu.json"))
     args = p.parse_args(argv)
     ft = load_config(str(ROOT / "config.yaml"), [
         f"fault_tolerance.health_timeout_s={args.health_timeout_s}",
         f"fault_tolerance.health_interval_s={args.health_interval_s}",
         "fault_tolerance.rendezvous_timeout_s=120", "fault_tolerance.step_timeout_s=120"]).fault_tolerance
-    print(NOTE)
+    print(NOTE, flush=True)
+    # `timeout` sends SIGTERM: exit through Python's cleanup, which stops the local Ray started here.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_IGNORE_UNHANDLED_ERRORS": "1"}})
-    rows = []
+                 runtime_env={"env_vars": actor_env(ROOT, RAY_IGNORE_UNHANDLED_ERRORS="1")})
+    rows, per_rank_mb = [], 0.0
     for n in args.sizes:
-        rows.append(measure(n, args, ft))
-        print({k: round(v, 4) for k, v in rows[-1].items()}, flush=True)
-    keys = [k for k in rows[0] if k != "n"]
-    result = {"note": NOTE, "sizes": [r["n"] for r in rows], **{k: [round(r[k], 5) for r in rows] for k in keys},
-              "growth_exponent_driver_cpu": round(loglog_slope([r["n"] for r in rows],
-                                                               [r["driver_cpu_per_step_s"] for r in rows]), 3),
-              "growth_exponent_driver_cpu_per_round": round(loglog_slope([r["n"] for r in rows],
-                                                                         [r["driver_cpu_per_round_s"] for r in rows]), 3),
-              "device": f"cpu: {os.cpu_count()} cores ({platform.node()})",
-              "settings": {"ranks_per_node": args.ranks_per_node, "steps": args.steps, "idle_s": args.idle_s,
-                           "health_timeout_s": args.health_timeout_s, "health_interval_s": args.health_interval_s,
-                           "join_through_store": not args.no_store}}
-    print(f"{'N':>6} " + " ".join(f"{k[:16]:>16}" for k in keys))
+        if per_rank_mb and (need := (n + SPARES) * per_rank_mb / 1024) > 0.9 * (have := mem_available_gb()):
+            rows.append({"n": n, "failed": f"skipped: {need:.1f} GB of rank PSS projected, "
+                                           f"{have:.1f} GB available"})
+            print(f"N={n}: {rows[-1]['failed']}", flush=True)
+        else:
+            rows.append(measure(n, args, ft))
+            per_rank_mb = max(per_rank_mb, rows[-1].get("rank_pss_mb", 0.0) + rows[-1].get("agent_pss_mb", 0.0)
+                              / args.ranks_per_node)
+        result = summary(rows, args)
+        write_json(args.out, result)  # a cut run keeps the sizes it measured
+    print(f"{'N':>6} " + " ".join(f"{k[:16]:>16}" for k in KEYS))
     for r in rows:
-        print(f"{r['n']:>6} " + " ".join(f"{r[k]:>16.4f}" for k in keys))
+        print(f"{r['n']:>6} " + (" ".join(f"{r.get(k, float('nan')):>16.4f}" for k in KEYS)
+                                  + (f"  FAILED {r['failed']}" if "failed" in r else "")))
     print(f"growth exponent of driver CPU per step: {result['growth_exponent_driver_cpu']}; "
-          f"per round: {result['growth_exponent_driver_cpu_per_round']}  ({NOTE})")
-    write_json(args.out, result)
+          f"per round: {result['growth_exponent_driver_cpu_per_round']}  ({NOTE})", flush=True)
     return result
 
 

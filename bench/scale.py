@@ -44,6 +44,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actor_group import ActorGroup
+from bench import actor_env
 from config import load_config, resolve
 from failures import RecoveryTimeline
 from trainer import Trainer
@@ -101,8 +102,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict,
     node_handles = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                                        "RAY_IGNORE_UNHANDLED_ERRORS": "1", **env}})
+             runtime_env={"env_vars": actor_env(ROOT, RAY_IGNORE_UNHANDLED_ERRORS="1", **env)})
     rows, actor_mb = [], 0.0
     run_dir = f"/tmp/bench_scale_{n}_{int(time.time())}"
     cfg = make_cfg(n, nodes, run_dir, overrides)

@@ -1,0 +1,1 @@
+python -m bench.control_plane --sizes 8 16 32 64 --steps 10 --idle-s 3 --no-store --phase-timeout-s 400 --out bench/results/control_plane_cpu.json  # 2-core VM shared with other jobs (load average ~50), code of this commit's parent

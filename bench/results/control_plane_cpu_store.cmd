@@ -1,0 +1,1 @@
+python -m bench.control_plane --sizes 8 16 32 --steps 10 --idle-s 3 --phase-timeout-s 400 --out bench/results/control_plane_cpu_store.json  # same VM, right after control_plane_cpu.json; 64 with torch in every actor did not fit the VM's free memory next to the other jobs
