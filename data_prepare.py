@@ -157,8 +157,8 @@ class ChatTemplate:
             end = self._render(messages[:i + 1], False, where)
             if not (text.startswith(start) and text.startswith(end) and len(start) <= len(end)):
                 raise ConfigError(f"--chat-template: the chat template of {self.name} is not prefix-stable: {where} "
-                                  f"renders the turns before message {i + 1} differently once later turns are "
-                                  "added (it rewrites earlier turns); pass --chat-template FILE")
+                                  f"renders its first {i + 1} messages differently once later ones follow (the "
+                                  "template rewrites earlier turns); pass --chat-template FILE")
             if m["content"] not in end[len(start):]:
                 raise ConfigError(f"--chat-template: cannot locate assistant message {i + 1} of {where} in the "
                                   f"chat template of {self.name}'s render (its content is not where the template "

@@ -5,6 +5,7 @@ update does not depend on the split; a short run's loss falls and a peer recover
 bitwise."""
 import ast
 import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -183,10 +184,10 @@ def test_truncation_keeps_the_start_or_the_end_on_purpose(sft_corpus, tmp_path):
     ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and not loop.last %}"
      "{{ m['content'][:3] }}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-     "is not prefix-stable: conversation 1 renders the turns before message 4 differently"),
+     r"is not prefix-stable: conversation 1 of \S+ renders its first 2 messages differently once later ones follow"),
     # never shows what the assistant said
     (CHATML.replace("{{ m['content'] }}", "{{ m['content'] if m['role'] != 'assistant' else '...' }}"),
-     "cannot locate assistant message 2 of conversation 1"),
+     r"cannot locate assistant message 2 of conversation 1 of \S+ in the chat template"),
 ])
 def test_a_chat_template_whose_assistant_turns_cannot_be_located_is_one_line(sft_corpus, tmp_path, template,
                                                                             expected):
@@ -199,7 +200,7 @@ def test_a_chat_template_whose_assistant_turns_cannot_be_located_is_one_line(sft
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     with pytest.raises(ConfigError, match=r"^--chat-template: .*; pass --chat-template FILE$") as e:
         prepare_sft([str(tmp_path / "c.jsonl")], tok, str(tmp_path / "out"), chat_template=str(tmp_path / "t.jinja"))
-    assert expected in str(e.value)
+    assert re.search(expected, str(e.value)), str(e.value)
 
 
 def test_train_checks_sft_files_before_any_actor(sft_corpus, tmp_path):
