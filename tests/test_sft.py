@@ -90,7 +90,7 @@ def test_the_loss_mask_decodes_to_exactly_the_assistant_turns(sft_corpus):
         t, m = ids[i], masks[i].astype(bool)
         assert tok.decode(t[m].tolist()) == "".join(c["content"] + "<|im_end|>\n" for c in chat
                                                    if c["role"] == "assistant"), i
-        assert tok.decode(t.tolist()) == tok.apply_chat_template(chat, chat_template=CHATML, tokenize=False)
+        assert t.tolist() == tok.apply_chat_template(chat, chat_template=CHATML)["input_ids"]  # the same tokens
 
 
 def test_sft_batches_are_the_masks_padded_and_the_same_rows_at_any_dp(sft):
@@ -233,24 +233,23 @@ def test_sft_loss_falls(ray_session, sft_corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_peer_recovery_matches_the_run_without_failure_bitwise(ray_session, sft_corpus, sft, tmp_path):
+def test_sft_with_a_rank_killed_inside_the_allreduce_matches_the_run_without_failure_bitwise(
+        ray_session, sft_corpus, sft, tmp_path):
     from actor_group import ActorGroup
     from conftest import reference_run
     from trainer import Trainer
 
     sets = ("train.steps=8", "train.lr=0.01")
     ref_losses, ref_states = reference_run(sft_cfg(sft_corpus, *sets, tmp_path=tmp_path / "ref"), 8)
-    cfg = sft_cfg(sft_corpus, *sets, "cluster.num_spares=1", tmp_path=tmp_path)
+    cfg = sft_cfg(sft_corpus, *sets, "cluster.num_spares=1",
+                  "chaos.events=[{step: 5, rank: 1, kind: kill, point: inside_allreduce}]", tmp_path=tmp_path)
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group, data=sft)
-        trainer.train(4)
-        ray.kill(group.workers[1].handle, no_restart=True)
         trainer.train(8)
-        states = group.state_digests()
+        assert group.state_digests() == ref_states
     finally:
         group.shutdown()
-    (tl,) = trainer.recoveries
-    assert (tl.restore_source, tl.steps_lost) == ("peer", 0)
-    assert trainer.losses == ref_losses and states == ref_states
+    assert [(tl.restore_source, tl.steps_lost) for tl in trainer.recoveries] == [("peer", 0)]
+    assert trainer.losses == ref_losses
     assert trainer.data_digests == {s: sft.batch(s).digest() for s in range(1, 9)}
