@@ -4,7 +4,9 @@ Sources are Megatron indexed datasets (.bin/.idx, read with megatron-core's `Ind
 weighted blends of them, and megatron-core's mock dataset. A sample is a packed window of
 `train.seq_len` tokens: megatron-core's `build_sample_idx` with sequence length seq_len - 1 and
 the extra label token, over the document order `RandomState(seed).shuffle` - the windows of
-Megatron's own `GPTDataset(sequence_length=seq_len - 1)`, bit for bit. Only the order is ours:
+Megatron's own `GPTDataset(sequence_length=seq_len - 1)`, bit for bit. For SFT data
+(`Conversations`) a sample is one conversation, padded, with its stored loss mask. Only the
+order is ours:
 
     g      = (step - 1) * GBS + j                 row j of step `step`, j in [0, GBS)
     (k, c) = blend(g)                             megatron's greedy blending (prefix-stable)
@@ -106,7 +108,7 @@ def check_token_ids(prefix: str, header: dict, vocab_size: int) -> None:
 
 def check_sft_masks(prefix: str, header: dict, seq_len: int) -> None:
     """The loss masks of SFT dataset `prefix` (`prefix` + LOSS_MASK_SUFFIX, made with it by
-    `data prepare --messages-key`) exist, are uint8 0/1 and have its conversations' lengths,
+    `data prepare --messages-key`) exist, are uint8 and have its conversations' lengths,
     and no conversation is longer than `seq_len` (train.seq_len). Raises ConfigError naming
     data.path and the fix."""
     masks = prefix + LOSS_MASK_SUFFIX
@@ -119,8 +121,6 @@ def check_sft_masks(prefix: str, header: dict, seq_len: int) -> None:
         raise ConfigError(f"data.path: {masks} does not match {prefix} ({mh['sequences']:,} masks, "
                           f"{header['sequences']:,} conversations, or other lengths or dtype); prepare them "
                           "again together with `main.py data prepare --messages-key`")
-    if int(np.memmap(masks + ".bin", dtype=np.uint8, mode="r", shape=(mh["tokens"],)).max(initial=0)) > 1:
-        raise ConfigError(f"data.path: {masks}.bin holds values other than 0 and 1; it is not a loss mask")
     longest = int(np.argmax(header["lengths"])) if header["sequences"] else 0
     if header["sequences"] and header["lengths"][longest] > seq_len:
         raise ConfigError(f"data.path: conversation {longest + 1:,} of {prefix} is {header['lengths'][longest]:,} "
@@ -204,7 +204,7 @@ class Data:
     of (datasets, weights, seed, seq_len, global_batch_size, eod settings) and their arguments.
 
     Args:
-        datasets: [(weight, Windows)], weights > 0 (normalised here).
+        datasets: [(weight, Windows or Conversations)] (all of one kind), weights > 0 (normalised here).
         seed: seed of the window permutations (each dataset's document order has its own).
         global_batch_size: GBS, rows per step.
         eod_id / eod_mask_loss: with eod_mask_loss, no loss on a token that follows eod_id.
@@ -311,9 +311,9 @@ def load_tokenizer(path: str):
 def open_data(cfg: Config) -> Data:
     """The run's `Data` for data.kind mock, indexed or sft, every file checked first (see
     `index_header`, `check_token_ids`, `check_sft_masks`), the tokenizer (data.tokenizer, else
-    model.hf_path) checked against model.vocab_size. Raises ConfigError (one line naming the field) for bad
-    input, fewer windows than one global batch in a dataset, or megatron-core without its
-    compiled dataset helpers."""
+    model.hf_path) checked against model.vocab_size. Raises ConfigError (one line naming the
+    field) for bad input, fewer windows (conversations) than one global batch in a dataset, or
+    megatron-core without its compiled dataset helpers."""
     d, t, m = cfg.data, cfg.train, cfg.model
     if d.kind not in ("mock", "indexed", "sft"):
         raise ValueError(f"data.kind={d.kind!r} has no dataset to open")
@@ -378,7 +378,8 @@ def data_fingerprint(cfg: Config) -> str | None:
         return None
     h = hashlib.sha256(repr(sorted(dataclasses.asdict(d).items())).encode())
     if d.kind in ("indexed", "sft"):
-        prefixes = [os.path.expanduser(p) for _, p in (parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)])]
+        pairs = parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]
+        prefixes = [os.path.expanduser(p) for _, p in pairs]
         for p in prefixes + [p + LOSS_MASK_SUFFIX for p in prefixes if d.kind == "sft"]:
             with open(p + ".idx", "rb") as f:
                 h.update(hashlib.file_digest(f, "sha256").digest())
