@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 from config import ConfigError, load_config, resolve
