@@ -135,7 +135,7 @@ class TrainConfig:
     """Seed of the model init and the data order; data = f(seed, step, dp rank)."""
     objective: Literal["ppo", "ce"] = "ppo"
     """ppo: the clipped PPO loss (synthetic batches or rl.enabled); ce: next-token cross
-    entropy over the loss mask (data.kind mock or indexed), token-mean over each global
+    entropy over the loss mask (data.kind mock, indexed or sft), token-mean over each global
     mini-batch, no extra forward pass."""
 
     def lr_decay_updates(self) -> int:
@@ -208,17 +208,20 @@ class RLConfig:
 
 @dataclass
 class DataConfig:
-    """What the run trains on (docs/data.md): synthetic PPO batches, Megatron's mock data, or
-    Megatron indexed datasets (.bin/.idx) as packed windows of train.seq_len tokens. The rows
-    of step s are a pure function of (data, seed, s): the same at any dp and any train.steps."""
+    """What the run trains on (docs/data.md): synthetic PPO batches, Megatron's mock data,
+    Megatron indexed datasets (.bin/.idx) as packed windows of train.seq_len tokens, or SFT
+    conversations (one per row, padded). The rows of step s are a pure function of
+    (data, seed, s): the same at any dp and any train.steps."""
 
-    kind: Literal["synthetic", "mock", "indexed"] = "synthetic"
+    kind: Literal["synthetic", "mock", "indexed", "sft"] = "synthetic"
     """synthetic: random tokens and advantages (PPO); mock: megatron-core's mock dataset
-    (Megatron-LM --mock-data); indexed: the dataset(s) of data.path or data.blend."""
+    (Megatron-LM --mock-data); indexed: the dataset(s) of data.path or data.blend; sft: the
+    conversations of data.path or data.blend (made by `data prepare --messages-key`), loss on
+    assistant tokens only."""
     path: str | None = None
-    """indexed: a Megatron dataset prefix, without .bin/.idx (e.g. /data/c4_text_document)."""
+    """indexed / sft: a Megatron dataset prefix, without .bin/.idx (e.g. /data/c4_text_document)."""
     blend: str | None = None
-    """indexed: weights and prefixes in Megatron's --data-path form, "0.7 /data/a_text_document
+    """indexed / sft: weights and prefixes in Megatron's --data-path form, "0.7 /data/a_text_document
     0.3 /data/b_text_document" (instead of data.path); weights > 0, normalised."""
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory (null: model.hf_path, if any): its size is checked
@@ -575,22 +578,24 @@ def parse_blend(text: str) -> list[tuple[float, str]]:
 
 
 def _validate_data(cfg: Config) -> None:
-    """data.* against the objective: ce needs real windows (mock / indexed), PPO needs
+    """data.* against the objective: ce needs real rows (mock / indexed / sft), PPO needs
     advantages (synthetic or RL). The files themselves are checked by `data.open_data`."""
     d, t = cfg.data, cfg.train
     if t.objective == "ce":
         require(d.kind != "synthetic", "train.objective",
-                "ce trains on text: set data.kind=mock or data.kind=indexed with data.path")
+                "ce trains on text: set data.kind=mock, or data.kind=indexed or sft with data.path")
         require(not cfg.rl.enabled, "train.objective", "ce with rl.enabled: RL trains with ppo; set one of them")
     else:
         require(d.kind == "synthetic", "data.kind",
                 f"{d.kind} data has no advantages for the ppo objective; set train.objective=ce")
-    if d.kind == "indexed":
+    if d.kind in ("indexed", "sft"):
         require((d.path is None) != (d.blend is None), "data.path",
-                "data.kind=indexed needs exactly one of data.path (a prefix) or data.blend "
+                f"data.kind={d.kind} needs exactly one of data.path (a prefix) or data.blend "
                 "('0.7 /data/a_text_document 0.3 /data/b_text_document')")
         if d.blend is not None:
             parse_blend(d.blend)
+    require(not (d.kind == "sft" and d.eod_mask_loss), "data.eod_mask_loss",
+            "is for packed text; SFT conversations are not packed (their loss mask is stored): set it false")
     require(d.eod_id is None or 0 <= d.eod_id < cfg.model.vocab_size, "data.eod_id",
             f"must be in [0, model.vocab_size={cfg.model.vocab_size})")
 

@@ -4,7 +4,9 @@ Sources are Megatron indexed datasets (.bin/.idx, read with megatron-core's `Ind
 weighted blends of them, and megatron-core's mock dataset. A sample is a packed window of
 `train.seq_len` tokens: megatron-core's `build_sample_idx` with sequence length seq_len - 1 and
 the extra label token, over the document order `RandomState(seed).shuffle` - the windows of
-Megatron's own `GPTDataset(sequence_length=seq_len - 1)`, bit for bit. Only the order is ours:
+Megatron's own `GPTDataset(sequence_length=seq_len - 1)`, bit for bit. For SFT data
+(`Conversations`) a sample is one conversation, padded, with its stored loss mask. Only the
+order is ours:
 
     g      = (step - 1) * GBS + j                 row j of step `step`, j in [0, GBS)
     (k, c) = blend(g)                             megatron's greedy blending (prefix-stable)
@@ -43,6 +45,7 @@ _INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._IN
 _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
            7: np.float32, 8: np.uint16}  # indexed_dataset.DType codes
 _SCAN_TOKENS = 1 << 26  # token-id range check: every token up to this many, else spread samples
+LOSS_MASK_SUFFIX = "_loss_mask"  # SFT: {tokens prefix}_loss_mask.bin/.idx, uint8, 1 = an assistant token
 
 
 def index_header(prefix: str) -> dict:
@@ -103,6 +106,28 @@ def check_token_ids(prefix: str, header: dict, vocab_size: int) -> None:
                           f"{vocab_size:,} (model.vocab_size); tokenized with another tokenizer?")
 
 
+def check_sft_masks(prefix: str, header: dict, seq_len: int) -> None:
+    """The loss masks of SFT dataset `prefix` (`prefix` + LOSS_MASK_SUFFIX, made with it by
+    `data prepare --messages-key`) exist, are uint8 and have its conversations' lengths,
+    and no conversation is longer than `seq_len` (train.seq_len). Raises ConfigError naming
+    data.path and the fix."""
+    masks = prefix + LOSS_MASK_SUFFIX
+    if not (Path(masks + ".bin").is_file() and Path(masks + ".idx").is_file()):
+        raise ConfigError(f"data.path: {prefix} has no SFT loss masks ({os.path.basename(masks)}.bin/.idx); "
+                          "make SFT data with `main.py data prepare --messages-key messages`, or train it as "
+                          "text with data.kind=indexed")
+    mh = index_header(masks)
+    if mh["dtype"] != np.uint8 or not np.array_equal(mh["lengths"], header["lengths"]):
+        raise ConfigError(f"data.path: {masks} does not match {prefix} ({mh['sequences']:,} masks, "
+                          f"{header['sequences']:,} conversations, or other lengths or dtype); prepare them "
+                          "again together with `main.py data prepare --messages-key`")
+    longest = int(np.argmax(header["lengths"])) if header["sequences"] else 0
+    if header["sequences"] and header["lengths"][longest] > seq_len:
+        raise ConfigError(f"data.path: conversation {longest + 1:,} of {prefix} is {header['lengths'][longest]:,} "
+                          f"tokens, more than train.seq_len={seq_len:,}; raise train.seq_len or prepare again "
+                          f"with --max-len {seq_len} (--truncation right to cut longer ones)")
+
+
 def _stable_seed(*parts) -> int:
     """A 63-bit seed that is a pure function of `parts` (no global RNG, no Python hash)."""
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
@@ -144,12 +169,42 @@ class Windows:
         return out
 
 
+class Conversations:
+    """The conversations of one SFT dataset (`data_prepare.prepare_sft`), one per sample: sample
+    w is document w of `low` (an `IndexedDataset`), right-padded to `seq_len` with `pad_id`
+    (the window order's permutation shuffles them; nothing is packed). `masks` is the parallel
+    uint8 dataset of its loss masks (1 = an assistant token). `len(self)` conversations;
+    `window(w)` int64 [seq_len]; `sample_masks(w)` (attention int64, loss float32) [seq_len]."""
+
+    def __init__(self, low, masks, seq_len: int, pad_id: int):
+        self.low, self.masks, self.seq_len, self.pad_id = low, masks, seq_len, pad_id
+
+    def __len__(self) -> int:
+        return len(self.low)
+
+    def window(self, w: int) -> np.ndarray:
+        """Tokens of conversation `w`, then pad_id up to seq_len (int64 [seq_len])."""
+        out = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        ids = self.low.get(int(w))
+        out[:len(ids)] = ids
+        return out
+
+    def sample_masks(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(attention_mask int64: 1 on the conversation's tokens; loss_mask float32: its stored
+        mask, 0 on padding and on column 0, which no logit predicts), each [seq_len]."""
+        mask = self.masks.get(int(w))
+        attention, loss = np.zeros(self.seq_len, np.int64), np.zeros(self.seq_len, np.float32)
+        attention[:len(mask)] = 1
+        loss[1:len(mask)] = mask[1:]
+        return attention, loss
+
+
 class Data:
     """The rows of every step of one run: `rows(step, dp, d)` / `batch(step)`, pure functions
     of (datasets, weights, seed, seq_len, global_batch_size, eod settings) and their arguments.
 
     Args:
-        datasets: [(weight, Windows)], weights > 0 (normalised here).
+        datasets: [(weight, Windows or Conversations)] (all of one kind), weights > 0 (normalised here).
         seed: seed of the window permutations (each dataset's document order has its own).
         global_batch_size: GBS, rows per step.
         eod_id / eod_mask_loss: with eod_mask_loss, no loss on a token that follows eod_id.
@@ -216,8 +271,13 @@ class Data:
 
     def batch(self, step: int, dp: int = 1, d: int = 0) -> TrainingBatch:
         """`rows` as a TrainingBatch: attention_mask all ones, loss_mask 1 from column 1 on (no
-        logit predicts column 0), 0 after an EOD with eod_mask_loss; no advantages."""
+        logit predicts column 0), 0 after an EOD with eod_mask_loss; no advantages. SFT
+        (`Conversations`): each conversation's attention and loss masks (`sample_masks`)."""
         ids = torch.from_numpy(self.rows(step, dp, d))
+        if isinstance(self.windows[0], Conversations):
+            attention, loss = zip(*(self.windows[k].sample_masks(w) for _, k, _, w in self.addresses(step, dp, d)))
+            return TrainingBatch(input_ids=ids, attention_mask=torch.from_numpy(np.stack(attention)),
+                                 loss_mask=torch.from_numpy(np.stack(loss)), advantages=None)
         mask = torch.ones(ids.shape, dtype=torch.float32)
         mask[:, 0] = 0
         if self.eod_mask_loss and self.eod_id is not None:
@@ -249,18 +309,20 @@ def load_tokenizer(path: str):
 
 
 def open_data(cfg: Config) -> Data:
-    """The run's `Data` for data.kind mock or indexed, every file checked first (see
-    `index_header`, `check_token_ids`), the tokenizer (data.tokenizer, else model.hf_path)
-    checked against model.vocab_size. Raises ConfigError (one line naming the field) for bad
-    input, fewer windows than one global batch in a dataset, or megatron-core without its
-    compiled dataset helpers."""
+    """The run's `Data` for data.kind mock, indexed or sft, every file checked first (see
+    `index_header`, `check_token_ids`, `check_sft_masks`), the tokenizer (data.tokenizer, else
+    model.hf_path) checked against model.vocab_size. Raises ConfigError (one line naming the
+    field) for bad input, fewer windows (conversations) than one global batch in a dataset, or
+    megatron-core without its compiled dataset helpers."""
     d, t, m = cfg.data, cfg.train, cfg.model
-    if d.kind not in ("mock", "indexed"):
+    if d.kind not in ("mock", "indexed", "sft"):
         raise ValueError(f"data.kind={d.kind!r} has no dataset to open")
     seed = t.seed if d.seed is None else d.seed
     pairs = parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]
     headers = [(w, os.path.expanduser(p), index_header(os.path.expanduser(p))) for w, p in pairs] \
-        if d.kind == "indexed" else []  # the files first: numpy only, no slow imports
+        if d.kind in ("indexed", "sft") else []  # the files first: numpy only, no slow imports
+    for _, p, h in headers if d.kind == "sft" else []:
+        check_sft_masks(p, h, t.seq_len)
     tok_path = d.tokenizer or m.hf_path
     tok = load_tokenizer(tok_path) if tok_path else None
     if tok is not None and len(tok) > m.vocab_size:
@@ -290,11 +352,17 @@ def open_data(cfg: Config) -> Data:
         raise ConfigError("data.path: megatron-core has no C++ dataset helpers (megatron.core.datasets."
                           "helpers_cpp): it was built without a C++ compiler; reinstall it from a PyPI wheel "
                           "(cp311-cp313 x86_64, cp312 aarch64) or with g++ available") from None
-    windows = [(w, Windows(low, t.seq_len, seed)) for w, _, low in sources]
+    if d.kind == "sft":  # padded with the tokenizer's pad id, else the EOD id, else 0
+        pad = next(i for i in (getattr(tok, "pad_token_id", None), eod, 0) if i is not None)
+        windows = [(w, Conversations(low, IndexedDataset(p + LOSS_MASK_SUFFIX), t.seq_len, pad))
+                   for w, p, low in sources]
+    else:
+        windows = [(w, Windows(low, t.seq_len, seed)) for w, _, low in sources]
     names = [p for _, p, _ in sources]
+    unit = "conversations" if d.kind == "sft" else f"windows of {t.seq_len:,} tokens"
     for (_, ds), name in zip(windows, names):
         if len(ds) < t.global_batch_size:
-            raise ConfigError(f"data.path: {len(ds):,} windows of {t.seq_len:,} tokens in {name}, fewer than "
+            raise ConfigError(f"data.path: {len(ds):,} {unit} in {name}, fewer than "
                               f"one global batch (train.global_batch_size={t.global_batch_size}); add data "
                               "or lower train.seq_len / train.global_batch_size")
     return Data(windows, seed, t.global_batch_size, eod, d.eod_mask_loss, names, tok)
@@ -302,15 +370,17 @@ def open_data(cfg: Config) -> Data:
 
 def data_fingerprint(cfg: Config) -> str | None:
     """16 hex digits naming the data a run trains on: data.* and, per indexed dataset, the
-    SHA-256 of its .idx and the size of its .bin (None for synthetic batches). Two runs with
+    SHA-256 of its .idx and the size of its .bin, and for sft those of its loss masks (None
+    for synthetic batches). Two runs with
     equal fingerprints read the same rows at every step."""
     d = cfg.data
     if d.kind == "synthetic":
         return None
     h = hashlib.sha256(repr(sorted(dataclasses.asdict(d).items())).encode())
-    if d.kind == "indexed":
-        for _, p in parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]:
-            p = os.path.expanduser(p)
+    if d.kind in ("indexed", "sft"):
+        pairs = parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]
+        prefixes = [os.path.expanduser(p) for _, p in pairs]
+        for p in prefixes + [p + LOSS_MASK_SUFFIX for p in prefixes if d.kind == "sft"]:
             with open(p + ".idx", "rb") as f:
                 h.update(hashlib.file_digest(f, "sha256").digest())
             h.update(str(Path(p + ".bin").stat().st_size).encode())

@@ -4,14 +4,17 @@ step trains on, with no Ray and no GPU.
 prepare : jsonl / jsonl.gz / parquet rows -> `{prefix}_{key}_document.bin/.idx` (the names and
           format Megatron-LM's tools/preprocess_data.py writes), tokenized with a local Hugging
           Face tokenizer, one document per row, EOD appended; written with megatron-core's
-          `IndexedDatasetBuilder`, so Megatron-LM reads them too.
+          `IndexedDatasetBuilder`, so Megatron-LM reads them too. With `--messages-key`: SFT,
+          one conversation per row rendered with the chat template, and its loss mask (1 on
+          assistant tokens) in a parallel uint8 dataset `{prefix}_{key}_document_loss_mask`.
 inspect : `--step S` with the run's config: the datasets' windows, the step's data digest (the
           one `train` logs) and its first rows decoded.
 stdlib  : an offline corpus for demos and tests: a byte-level BPE tokenizer trained on Python's
           own `pydoc_data/topics.py`, and the standard library's .py files prepared with it.
 
-Bad input (a missing column, an unreadable file, a tokenizer that is not a local directory)
-ends with one line on stderr and exit status 2.
+Bad input (a missing column, an unreadable file, a tokenizer that is not a local directory, a
+chat template that is missing or whose assistant turns cannot be located, a conversation over
+--max-len) ends with one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -52,6 +55,13 @@ def read_rows(path: str):
                     raise ConfigError(f"--input: {path} line {n} is not JSON: {e}") from None
 
 
+def _column(row: dict, key: str, path: str, n: int, flag: str) -> None:
+    """Raise ConfigError (naming `flag`, row `n` of `path` and the row's columns) unless row has `key`."""
+    if key not in row:
+        raise ConfigError(f"{flag}: {key!r} is not a column of {path} (row {n} has: "
+                          f"{', '.join(sorted(row)) or 'nothing'}); pass {flag} COLUMN")
+
+
 def prepare(inputs: list[str], tokenizer: str, output_prefix: str, key: str = "text",
             append_eod: bool = True, batch_rows: int = 256) -> str:
     """Tokenize column `key` of every row of `inputs` (in order) into one Megatron dataset
@@ -84,9 +94,7 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, key: str = "t
     for path in inputs:
         texts = []
         for n, row in enumerate(read_rows(path), 1):
-            if key not in row:
-                raise ConfigError(f"--json-keys: {key!r} is not a column of {path} (row {n} has: "
-                                  f"{', '.join(sorted(row)) or 'nothing'}); pass --json-keys COLUMN")
+            _column(row, key, path, n, "--json-keys")
             if not isinstance(row[key], str):
                 raise ConfigError(f"--json-keys: {key!r} of row {n} of {path} is {type(row[key]).__name__}, not text")
             texts.append(row[key])
@@ -97,6 +105,121 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, key: str = "t
     builder.finalize(prefix + ".idx")
     if not docs:
         raise ConfigError(f"--input: no documents in {', '.join(inputs)}")
+    return prefix
+
+
+class ChatTemplate:
+    """A tokenizer's chat template (or `template`, a Jinja text replacing it) checked for SFT:
+    `encode(messages, where)` renders a conversation, tokenizes it whole and marks the tokens
+    of its assistant turns. A turn is located as the text the template adds after the
+    generation prompt: render(messages[:i], add_generation_prompt=True) and
+    render(messages[:i + 1]) must both be prefixes of the whole conversation's render
+    (prefix-stable), and the span between them must hold the message's content. Raises
+    ConfigError (one line naming the fix) for a slow tokenizer (no offsets), no template, a
+    template that fails, is not prefix-stable or does not show an assistant's content."""
+
+    def __init__(self, tok, name: str, template: str | None = None):
+        self.tok, self.name, self.template = tok, name, template or tok.chat_template
+        if not self.template:
+            raise ConfigError(f"--tokenizer: {name} has no chat template; pass --chat-template FILE "
+                              "(a Jinja chat template, e.g. the model's chat_template.jinja)")
+        if not tok.is_fast:
+            raise ConfigError(f"--tokenizer: {name} is a slow (Python) tokenizer without token offsets; "
+                              "use a directory with tokenizer.json (a fast tokenizer)")
+
+    def _render(self, messages: list[dict], generation: bool, where: str) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                add_generation_prompt=generation)
+        except (TemplateError, TypeError, ValueError) as e:
+            raise ConfigError(f"--chat-template: the chat template of {self.name} fails on {where} "
+                              f"({type(e).__name__}: {e}); pass --chat-template FILE") from None
+
+    def encode(self, messages, where: str) -> tuple[list[int], list[int]]:
+        """(token ids, loss mask) of conversation `messages` ([{role, content}], text contents):
+        mask 1 on each token that carries text of an assistant turn (its content and the
+        template's turn end, e.g. `<|im_end|>`), 0 elsewhere. `where` names the row in errors."""
+        import numpy as np
+
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise ConfigError(f"--messages-key: {where} is not a non-empty list of {{role, content}} messages "
+                              "with text contents (the OpenAI / Hugging Face chat format)")
+        text = self._render(messages, False, where)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = self._render(messages[:i], True, where)
+            end = self._render(messages[:i + 1], False, where)
+            if not (text.startswith(start) and text.startswith(end) and len(start) <= len(end)):
+                raise ConfigError(f"--chat-template: the chat template of {self.name} is not prefix-stable: {where} "
+                                  f"renders its first {i + 1} messages differently once later ones follow (the "
+                                  "template rewrites earlier turns); pass --chat-template FILE")
+            if m["content"] not in end[len(start):]:
+                raise ConfigError(f"--chat-template: cannot locate assistant message {i + 1} of {where} in the "
+                                  f"chat template of {self.name}'s render (its content is not where the template "
+                                  "puts the assistant's turn); pass --chat-template FILE")
+            spans.append((len(start), len(end)))
+        if not spans:
+            raise ConfigError(f"--messages-key: {where} has no assistant message to train on")
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = np.array(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(offsets), dtype=bool)
+        for s, e in spans:
+            mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
+        return list(enc["input_ids"]), mask.astype(int).tolist()
+
+
+def prepare_sft(inputs: list[str], tokenizer: str, output_prefix: str, key: str = "messages",
+                max_len: int | None = None, truncation: str = "error", chat_template: str | None = None) -> str:
+    """SFT data: column `key` of every row of `inputs` (in order) is one conversation
+    ([{role, content}]), rendered by the tokenizer's chat template (or the Jinja file
+    `chat_template`) into one document of `{output_prefix}_{key}_document` (.bin/.idx, as
+    `prepare` writes; no EOD appended: the template ends the turns) and its loss mask into the
+    uint8 dataset `..._document_loss_mask` (same lengths; 1 = an assistant token,
+    `ChatTemplate.encode`). A conversation longer than `max_len` tokens is an error, or with
+    truncation "right" / "left" keeps its first / last `max_len` tokens. Returns the tokens'
+    prefix. Raises ConfigError (one line) for bad rows, templates or lengths."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    from data import LOSS_MASK_SUFFIX, load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    if chat_template is not None and not Path(chat_template).is_file():
+        raise ConfigError(f"--chat-template: {chat_template}: no such file")
+    chat = ChatTemplate(tok, tokenizer, Path(chat_template).read_text(encoding="utf-8") if chat_template else None)
+    prefix = f"{output_prefix}_{key}_document"
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    tokens = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(len(tok)))
+    masks = IndexedDatasetBuilder(prefix + LOSS_MASK_SUFFIX + ".bin", dtype=np.uint8)
+    docs = 0
+    for path in inputs:
+        for n, row in enumerate(read_rows(path), 1):
+            _column(row, key, path, n, "--messages-key")
+            ids, mask = chat.encode(row[key], f"conversation {n:,} of {path}")
+            if max_len is not None and len(ids) > max_len:
+                if truncation == "error":
+                    raise ConfigError(f"--max-len: conversation {n:,} of {path} is {len(ids):,} tokens, more than "
+                                      f"--max-len {max_len:,}; raise --max-len (and train.seq_len) or pass "
+                                      "--truncation right (keep its start) or left (keep its end)")
+                keep = slice(None, max_len) if truncation == "right" else slice(len(ids) - max_len, None)
+                ids, mask = ids[keep], mask[keep]
+                if not any(mask):
+                    raise ConfigError(f"--truncation: conversation {n:,} of {path} has no assistant token in its "
+                                      f"{'first' if truncation == 'right' else 'last'} {max_len:,} tokens "
+                                      f"(--truncation {truncation}); raise --max-len")
+            tokens.add_document(np.array(ids, dtype=np.int64), [len(ids)])
+            masks.add_document(np.array(mask, dtype=np.uint8), [len(mask)])
+            docs += 1
+    tokens.finalize(prefix + ".idx")
+    masks.finalize(prefix + LOSS_MASK_SUFFIX + ".idx")
+    if not docs:
+        raise ConfigError(f"--input: no conversations in {', '.join(inputs)}")
     return prefix
 
 
@@ -168,6 +291,13 @@ def main(argv: list[str]) -> int:
                       help="writes PREFIX_KEY_document.bin/.idx (Megatron-LM's naming)")
     prep.add_argument("--json-keys", default="text", metavar="KEY", help="the text column (default: text)")
     prep.add_argument("--no-append-eod", action="store_true", help="do not end each document with the EOS id")
+    sft = prep.add_argument_group("SFT (one conversation per row, loss on assistant tokens; docs/data.md)")
+    sft.add_argument("--messages-key", metavar="KEY", help="the chat column ([{role, content}]): SFT data, "
+                     "rendered with the chat template, plus PREFIX_KEY_document_loss_mask.bin/.idx")
+    sft.add_argument("--max-len", type=int, metavar="N", help="longest conversation in tokens (train.seq_len)")
+    sft.add_argument("--truncation", choices=["error", "right", "left"], default="error",
+                     help="a conversation over --max-len: error (default), keep its start (right) or end (left)")
+    sft.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the tokenizer's")
     insp = modes.add_parser("inspect", help="what step S trains on (no Ray, no GPU)")
     insp.add_argument("--config", default="config.yaml", metavar="FILE")
     insp.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
@@ -178,7 +308,13 @@ def main(argv: list[str]) -> int:
     std.add_argument("--max-files", type=int, default=None, metavar="N")
     args = p.parse_args(argv)
     try:
-        if args.mode == "prepare":
+        if args.mode == "prepare" and args.messages_key is not None:
+            print(prepare_sft(args.input, args.tokenizer, args.output_prefix, args.messages_key, args.max_len,
+                              args.truncation, args.chat_template))
+        elif args.mode == "prepare":
+            if args.max_len is not None or args.truncation != "error" or args.chat_template is not None:
+                raise ConfigError("--max-len, --truncation and --chat-template are for SFT data: pass "
+                                  "--messages-key COLUMN")
             print(prepare(args.input, args.tokenizer, args.output_prefix, args.json_keys, not args.no_append_eod))
         elif args.mode == "inspect":
             if args.step < 1:
