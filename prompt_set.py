@@ -185,3 +185,32 @@ def open_prompt_set(cfg: Config) -> PromptSet:
         out.data_sources.append(row.get("data_source"))
         out.extra_infos.append(row.get("extra_info"))
     return out
+
+
+def write_arithmetic_prompts(path: str, rows: int = 500, seed: int = 0, chat: bool = True) -> str:
+    """A GSM8K-style prompt set for demos and tests, written in veRL's layout as parquet (or
+    jsonl, by the suffix of `path`): row i asks for a + b with one-digit a, b drawn from
+    `random.Random(seed)`, the answer (their sum) at reward_model.ground_truth, data_source
+    "arithmetic", extra_info {"index": i}. `chat`: the prompt as a one-message chat list, else
+    the plain string. The same bytes for the same arguments. Returns `path`."""
+    import random
+
+    rng = random.Random(seed)
+    records = []
+    for i in range(rows):
+        a, b = rng.randrange(10), rng.randrange(10)
+        question = f"What is {a} + {b}? Give the answer after ####.\n"
+        records.append({"data_source": "arithmetic",
+                        "prompt": [{"role": "user", "content": question}] if chat else question,
+                        "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                        "extra_info": {"index": i}})
+    out = Path(path).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), out)
+    else:
+        out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(out)
