@@ -42,7 +42,7 @@ def prompts(rows: list[list[int]], S: int):
 
 def test_sampling_respects_masks_max_length_and_eos():
     ids, mask = prompts([[3, 4], [5, 6, 7], [4]], S=8)
-    out = sample(fixed_logits({5: 3}), ids, mask, [1, 2, 3], max_new_tokens=3, eos_id=EOS_ID,
+    out = sample(fixed_logits({5: 3}), ids, mask, [1, 2, 3], max_new_tokens=3, stop_ids=EOS_ID,
                  pad_id=PAD_ID)
     n = mask.sum(-1)
     for b in range(3):
@@ -60,7 +60,7 @@ def test_sampling_respects_masks_max_length_and_eos():
     assert out["log_probs"][1, 3] < 0 and out["log_probs"][1, 4] == 0
     # the buffer end bounds a completion too
     ids, mask = prompts([[3, 4, 5, 6, 7, 3, 4]], S=8)
-    out = sample(fixed_logits(), ids, mask, [1], max_new_tokens=5, eos_id=EOS_ID, pad_id=PAD_ID)
+    out = sample(fixed_logits(), ids, mask, [1], max_new_tokens=5, stop_ids=EOS_ID, pad_id=PAD_ID)
     assert out["loss_mask"].sum() == 1 and out["attention_mask"].sum() == 8
 
 
