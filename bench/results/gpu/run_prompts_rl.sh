@@ -14,4 +14,4 @@ keep_run grpo_prompts_megatron "$dest" 900 25 "python main.py train --config con
  --set data.path=/tmp/gpu_prompts/train.parquet --set data.tokenizer=/tmp/gpu_prompts/corpus/tokenizer
  --set cluster.device=cuda --set cluster.gpus_per_actor=0.5 --set model.distributed_optimizer=false
  --set train.steps=20 --set run_dir=/tmp/gpu_prompts/run --set checkpoint.uri=/tmp/gpu_prompts/run/ckpt
- --set chaos.events=[{"step":8,"rank":0,"kind":"kill","point":"inside_allreduce"}]"
+ --set chaos.events=[{\"step\":8,\"rank\":0,\"kind\":\"kill\",\"point\":\"inside_allreduce\"}]"
