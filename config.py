@@ -204,6 +204,19 @@ class RLConfig:
     """Per-token KL estimator (Schulman 2020): k1 = -log ratio, k3 = ratio - log ratio - 1."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (0: none); >= 0."""
+    reward: str = "gsm8k"
+    """data.kind=prompts: the reward of a completion (`rewards.py`): gsm8k (veRL's rule: the
+    number after the last "#### " equals the ground truth), exact (the stripped text equals it),
+    or "module:function" / "path/file.py:function", your own with veRL's compute_score signature
+    (data_source, solution_str, ground_truth, extra_info) -> float. It must be deterministic
+    (a replayed step scores its completions again), else set rl.record_rewards."""
+    reward_args: dict = field(default_factory=dict)
+    """Keyword arguments of rl.reward, e.g. {method: flexible, format_score: 0.1} for gsm8k
+    (veRL's custom_reward_function.reward_kwargs)."""
+    record_rewards: bool = False
+    """Store each committed step's rewards in run_dir/recorded_rewards.jsonl; a replayed step
+    whose completions are the recorded ones uses the recorded rewards instead of calling
+    rl.reward again (for rewards that are not deterministic: an LLM judge, a sandbox)."""
 
 
 @dataclass
@@ -213,13 +226,22 @@ class DataConfig:
     conversations (one per row, padded). The rows of step s are a pure function of
     (data, seed, s): the same at any dp and any train.steps."""
 
-    kind: Literal["synthetic", "mock", "indexed", "sft"] = "synthetic"
+    kind: Literal["synthetic", "mock", "indexed", "sft", "prompts"] = "synthetic"
     """synthetic: random tokens and advantages (PPO); mock: megatron-core's mock dataset
     (Megatron-LM --mock-data); indexed: the dataset(s) of data.path or data.blend; sft: the
     conversations of data.path or data.blend (made by `data prepare --messages-key`), loss on
-    assistant tokens only."""
+    assistant tokens only; prompts: an RL prompt set in veRL's layout at data.path (needs
+    rl.enabled; `prompt_set.py`)."""
     path: str | None = None
-    """indexed / sft: a Megatron dataset prefix, without .bin/.idx (e.g. /data/c4_text_document)."""
+    """indexed / sft: a Megatron dataset prefix, without .bin/.idx (e.g. /data/c4_text_document);
+    prompts: a .parquet / .jsonl / .jsonl.gz file, a local path or an s3:// gs:// file:// URL
+    (veRL's data.train_files)."""
+    prompt_key: str = "prompt"
+    """prompts: the column of the prompt, a chat list [{role, content}] (rendered with the
+    tokenizer's chat template once, at load) or a plain string (veRL's data.prompt_key)."""
+    answer_key: str = "reward_model.ground_truth"
+    """prompts: the column of the answer the reward compares with; a dotted path reads nested
+    columns (veRL's layout: reward_model.ground_truth)."""
     blend: str | None = None
     """indexed / sft: weights and prefixes in Megatron's --data-path form, "0.7 /data/a_text_document
     0.3 /data/b_text_document" (instead of data.path); weights > 0, normalised."""
@@ -581,7 +603,11 @@ def _validate_data(cfg: Config) -> None:
     """data.* against the objective: ce needs real rows (mock / indexed / sft), PPO needs
     advantages (synthetic or RL). The files themselves are checked by `data.open_data`."""
     d, t = cfg.data, cfg.train
-    if t.objective == "ce":
+    if d.kind == "prompts":
+        require(cfg.rl.enabled and t.objective == "ppo", "data.kind",
+                "prompts are RL prompts: set rl.enabled=true and train.objective=ppo")
+        require(d.path is not None, "data.path", "data.kind=prompts needs the prompt file (.parquet / .jsonl)")
+    elif t.objective == "ce":
         require(d.kind != "synthetic", "train.objective",
                 "ce trains on text: set data.kind=mock, or data.kind=indexed or sft with data.path")
         require(not cfg.rl.enabled, "train.objective", "ce with rl.enabled: RL trains with ppo; set one of them")

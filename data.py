@@ -370,13 +370,18 @@ def open_data(cfg: Config) -> Data:
 
 def data_fingerprint(cfg: Config) -> str | None:
     """16 hex digits naming the data a run trains on: data.* and, per indexed dataset, the
-    SHA-256 of its .idx and the size of its .bin, and for sft those of its loss masks (None
-    for synthetic batches). Two runs with
+    SHA-256 of its .idx and the size of its .bin, and for sft those of its loss masks, or the
+    SHA-256 of a prompt set's file (None for synthetic batches). Two runs with
     equal fingerprints read the same rows at every step."""
     d = cfg.data
     if d.kind == "synthetic":
         return None
     h = hashlib.sha256(repr(sorted(dataclasses.asdict(d).items())).encode())
+    if d.kind == "prompts":  # the file's bytes (its tokens depend on data.tokenizer, in data.*)
+        import fsspec
+
+        with fsspec.open(d.path if "://" in d.path else os.path.expanduser(d.path), "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
     if d.kind in ("indexed", "sft"):
         pairs = parse_blend(d.blend) if d.blend is not None else [(1.0, d.path)]
         prefixes = [os.path.expanduser(p) for _, p in pairs]

@@ -11,6 +11,7 @@ inspect : `--step S` with the run's config: the datasets' windows, the step's da
           one `train` logs) and its first rows decoded.
 stdlib  : an offline corpus for demos and tests: a byte-level BPE tokenizer trained on Python's
           own `pydoc_data/topics.py`, and the standard library's .py files prepared with it.
+arithmetic : a GSM8K-style RL prompt set in veRL's layout (`prompt_set.write_arithmetic_prompts`).
 
 Bad input (a missing column, an unreadable file, a tokenizer that is not a local directory, a
 chat template that is missing or whose assistant turns cannot be located, a conversation over
@@ -306,6 +307,11 @@ def main(argv: list[str]) -> int:
     std = modes.add_parser("stdlib", help="offline demo corpus: BPE tokenizer + the stdlib prepared")
     std.add_argument("--output-dir", default="runs/stdlib_corpus", metavar="DIR")
     std.add_argument("--max-files", type=int, default=None, metavar="N")
+    ari = modes.add_parser("arithmetic", help="GSM8K-style RL prompt set (veRL layout): a + b, answer after ####")
+    ari.add_argument("--output", default="runs/arithmetic/train.parquet", metavar="FILE", help=".parquet or .jsonl")
+    ari.add_argument("--rows", type=int, default=500, metavar="N")
+    ari.add_argument("--seed", type=int, default=0)
+    ari.add_argument("--plain", action="store_true", help="prompts as plain strings, not chat lists")
     args = p.parse_args(argv)
     try:
         if args.mode == "prepare" and args.messages_key is not None:
@@ -321,6 +327,9 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"--step {args.step}: steps count from 1")
             raw = load_config(args.config, args.overrides)
             print(inspect_step(resolve(raw, num_gpus=raw.cluster.gpus_per_node or None), args.step, args.rows))
+        elif args.mode == "arithmetic":
+            from prompt_set import write_arithmetic_prompts
+            print(write_arithmetic_prompts(args.output, args.rows, args.seed, chat=not args.plain))
         else:
             tok, prefix = stdlib_corpus(args.output_dir, args.max_files)
             print(f"tokenizer {tok}\ndataset {prefix}")

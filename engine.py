@@ -111,9 +111,11 @@ class Engine(Protocol):
         dp). Returns python floats `loss`, `mini_losses`, `grad_norm`, `lr`, PPO metrics, and
         on the first step after a `connect` optionally `phases` (seconds by part)."""
 
-    def generate(self, prompts: TrainingBatch, step: int, rows: list[int]) -> dict:
+    def generate(self, prompts: TrainingBatch, step: int, rows: list[int], stop_ids: tuple[int, ...],
+                 pad_id: int) -> dict:
         """RL rollout: sample completions of this replica's prompt rows (`rows`: their global
-        row indices, which seed the sampling) with the current policy; changes no state.
+        row indices, which seed the sampling) with the current policy, stopping at the task's
+        `stop_ids` and padding with its `pad_id` (the tokenizer's); changes no state.
         Returns `rl.sample`'s dict of CPU [B, S] tensors plus `values` (float32 or None)."""
 
     # -- in-memory state ---------------------------------------------------------------------

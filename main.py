@@ -520,7 +520,7 @@ def main(argv=None) -> int:
                 # A local Ray's size is known before it starts: refuse a layout that cannot fit now.
                 preflight(cfg, {"CPU": local_ray_cpus(cfg), "GPU": gpus_visible()})
                 local_ray.reap(cfg.run_dir)  # what a killed driver of this run left running
-            if cfg.data.kind != "synthetic":  # every data file checked before Ray starts
+            if cfg.data.kind in ("mock", "indexed"):  # every data file checked before Ray starts (prompts: check_task)
                 from data import open_data
                 data = open_data(cfg)
             if args.mode == "train":

@@ -333,14 +333,15 @@ class MegatronActor:
                 return True
         return False
 
-    def generate(self, generation: int, step: int, prompts) -> dict:
+    def generate(self, generation: int, step: int, prompts, stop_ids: tuple[int, ...], pad_id: int) -> dict:
         """RL rollout of step `step`: sample completions of this DP replica's prompt rows (a
         TrainingBatch of right-padded prompts, rows d, d+dp, ... of the global batch as
-        `MeshDispatch` interleaves them) with the current policy. Reads the state, changes
-        nothing; see `TorchEngine.generate` for the result."""
+        `MeshDispatch` interleaves them) with the current policy, stopping at the task's
+        `stop_ids`, padded with its `pad_id`. Reads the state, changes nothing; see
+        `TorchEngine.generate` for the result."""
         self._check(generation)
         dp, d = self.dims.dp, self.dims.coords(self.rank).dp
-        return self.engine.generate(prompts, step, list(range(d, d + len(prompts) * dp, dp)))
+        return self.engine.generate(prompts, step, list(range(d, d + len(prompts) * dp, dp)), stop_ids, pad_id)
 
     def save_checkpoint(self, generation: int, step: int, async_save: bool = False) -> list | str | None:
         """Write this rank's shards of step `step`; returns the files written, or the message of

@@ -451,10 +451,12 @@ class MegatronEngine:
         return torch.cat([o["log_probs"] for o in out]) if ps.is_pipeline_last_stage() else torch.zeros_like(batch.loss_mask)
 
     @torch.no_grad()
-    def generate(self, prompts: TrainingBatch, step: int, rows: list[int]) -> dict:
+    def generate(self, prompts: TrainingBatch, step: int, rows: list[int], stop_ids: tuple[int, ...],
+                 pad_id: int) -> dict:
         """Sample completions of this replica's prompt rows with the current policy, as
         `TorchEngine.generate`: row j's randomness comes from `rl.row_seed(train.seed, step,
-        rows[j])` (global row indices), so a row samples the same at any DP size; every rank
+        rows[j])` (global row indices), so a row samples the same at any DP size; a row stops at
+        any of `stop_ids` and is padded with `pad_id`; every rank
         of the replica (all TP and PP ranks) returns the same result (`sample_rollouts`).
         `progress` grows by one per sampling round. Returns `rl.sample`'s dict of CPU [B, S]
         tensors plus `values` (float32 [B, S], the value head's estimates, GAE) or None.
@@ -470,7 +472,8 @@ class MegatronEngine:
             self.progress += 1
 
         return sample_rollouts(self.ddp, prompts, [row_seed(self.cfg.train.seed, step, row) for row in rows],
-                               self.rl, self.cfg.model.vocab_size, self.rl.advantage == "gae", on_round)
+                               self.rl, self.cfg.model.vocab_size, self.rl.advantage == "gae", stop_ids, pad_id,
+                               on_round)
 
     def train_step(self, batch: TrainingBatch, step: int) -> dict:
         """One PPO (or cross-entropy: train.objective=ce, no behaviour pass) step on this

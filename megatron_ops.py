@@ -205,19 +205,20 @@ def align_values(v: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_rollouts(model, prompts: TrainingBatch, seeds: list[int], rl_cfg, vocab_size: int,
-                    with_values: bool, on_round=None) -> dict:
+                    with_values: bool, stop_ids: tuple[int, ...], pad_id: int, on_round=None) -> dict:
     """`rl.sample` of `prompts` (right-padded int64 [B, S] input_ids / attention_mask, CPU) on
     this rank's Megatron model stage (`sampling_logits_fn`; temperature and top-p of `rl_cfg`),
-    row b drawing from a generator seeded with seeds[b]. Collective over the model-parallel
+    row b drawing from a generator seeded with seeds[b], stopping at any of `stop_ids`, padded
+    with `pad_id`. Collective over the model-parallel
     (TP x PP) group of the replica: every rank returns the same result. With `with_values`,
     one more forward of the sampled sequences gives the value head's estimates (`token_values`,
     last stage, broadcast over the PP group).
 
     Returns `rl.sample`'s dict of CPU [B, S] tensors plus `values` (float32 [B, S] or None)."""
-    from rl import EOS_ID, PAD_ID, sample
+    from rl import sample
 
     out = sample(sampling_logits_fn(model, vocab_size, rl_cfg.temperature, on_round),
-                 prompts.input_ids, prompts.attention_mask, seeds, rl_cfg.max_new_tokens, EOS_ID, PAD_ID,
+                 prompts.input_ids, prompts.attention_mask, seeds, rl_cfg.max_new_tokens, stop_ids, pad_id,
                  temperature=1.0, top_p=rl_cfg.top_p)
     out["values"] = None
     if with_values:

@@ -15,14 +15,24 @@ Pluggable tasks: `register_task(name, factory)`; `rl.task` names the factory and
 `rl.task_args` are its keyword arguments; `rl.task_module` names a module imported first (where
 a user's `register_task` calls live). A `Task` is a tokenizer, a prompt source
 (`prompt(rng) -> Prompt`) and a reward function (`reward(prompt, response_ids) -> float`).
+With data.kind=prompts the task is a prompt set (`prompt_set.py`, veRL's layout) scored by
+`rl.reward` (`rewards.py`); its prompts of step s are the rows the training data's address
+(`data.Data.addresses`) gives for s, and its pad / stop ids are the tokenizer's.
 `check_task(cfg)` builds the configured task and checks it against the config (ConfigError).
+
+Rewards must be deterministic: a replayed step scores its completions again. With
+`rl.record_rewards` the rewards of every committed step are stored (`RecordedRewards`) and a
+replay of the same completions uses them instead.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib
+import json
+import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -62,21 +72,29 @@ class Tokenizer:
 
 @dataclass
 class Prompt:
-    """One prompt: its token ids (starting with <bos>) and whatever the reward needs."""
+    """One prompt: its token ids and whatever the reward needs (a prompt set's row: its
+    ground truth, data_source and extra_info)."""
     tokens: list[int]
     answer: Any = None
+    data_source: str | None = None
+    extra_info: Any = None
 
 
 @dataclass
 class Task:
     """A verifiable task: `prompt(rng)` draws one prompt from a `random.Random`; `reward(prompt,
-    response)` scores a completion (token ids after the prompt, up to and including <eos> when
-    it was generated) exactly; `max_prompt_len` bounds len(Prompt.tokens)."""
-    tokenizer: Tokenizer
-    prompt: Callable[[random.Random], Prompt]
+    response)` scores a completion (token ids after the prompt, up to and including the stop
+    token when it was generated) exactly; `max_prompt_len` bounds len(Prompt.tokens).
+    Generation pads with `pad_id` and stops at any of `stop_ids` (the tokenizer's). A prompt-set
+    task has `prompt_set` (a `prompt_set.PromptSet`) instead of `prompt`."""
+    tokenizer: Any
+    prompt: Callable[[random.Random], Prompt] | None
     reward: Callable[[Prompt, list[int]], float]
     max_prompt_len: int
     info: dict = field(default_factory=dict)
+    pad_id: int = PAD_ID
+    stop_ids: tuple[int, ...] = (EOS_ID,)
+    prompt_set: Any = None
 
 
 DIGIT_OPS = ("copy", "reverse", "add")
@@ -132,12 +150,32 @@ def make_task(name: str, args: dict | None = None, module: str | None = None) ->
     return _TASKS[name](**(args or {}))
 
 
+def prompt_set_task(cfg: Config) -> Task:
+    """The task of a prompt set (data.kind=prompts): the rows of data.path (`prompt_set.
+    open_prompt_set`, every row checked), scored by rl.reward with rl.reward_args
+    (`rewards.load_reward`) on the completion decoded without special tokens. Raises
+    ConfigError."""
+    from prompt_set import open_prompt_set
+    from rewards import load_reward
+
+    score = load_reward(cfg.rl.reward, cfg.rl.reward_args)
+    ps = open_prompt_set(cfg)
+    tok = ps.tokenizer
+
+    def reward(p: Prompt, response: list[int]) -> float:
+        return score(p.data_source, tok.decode(response, skip_special_tokens=True), p.answer, p.extra_info)
+
+    return Task(tok, None, reward, ps.max_len, pad_id=ps.pad_id, stop_ids=ps.stop_ids, prompt_set=ps)
+
+
 def check_task(cfg: Config) -> Task:
-    """The task of `rl.task` / `rl.task_args` / `rl.task_module`, built and checked against the
-    model and sequence sizes (its tokens fit model.vocab_size; its longest prompt plus
-    rl.max_new_tokens fits train.seq_len). Raises ConfigError naming the field; the driver calls
-    it before Ray starts."""
+    """The task of `rl.task` / `rl.task_args` / `rl.task_module` (or, with data.kind=prompts,
+    `prompt_set_task`), built and checked against the model and sequence sizes (its tokens fit
+    model.vocab_size; its longest prompt plus rl.max_new_tokens fits train.seq_len). Raises
+    ConfigError naming the field; the driver calls it before Ray starts."""
     r, t, m = cfg.rl, cfg.train, cfg.model
+    if cfg.data.kind == "prompts":
+        return prompt_set_task(cfg)
     try:
         task = make_task(r.task, r.task_args, r.task_module)
     except KeyError as e:
@@ -183,7 +221,7 @@ def top_p_filter(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
 
 @torch.no_grad()
 def sample(logits_fn: Callable[[Tensor, Tensor], Tensor], input_ids: Tensor, attention_mask: Tensor,
-           seeds: list[int], max_new_tokens: int, eos_id: int, pad_id: int,
+           seeds: list[int], max_new_tokens: int, stop_ids, pad_id: int,
            temperature: float = 1.0, top_p: float = 1.0, on_token=None) -> dict[str, Tensor]:
     """Batched autoregressive sampling with temperature and top-p, one generator per row.
 
@@ -191,7 +229,8 @@ def sample(logits_fn: Callable[[Tensor, Tensor], Tensor], input_ids: Tensor, att
     Each round runs the model on the prefix up to the longest row (no KV cache: the tiny CPU
     models need none, and a full forward keeps every row's numbers independent of when others
     stopped) and appends one token to every row still running at its own length. A row stops at
-    <eos>, after `max_new_tokens`, or at the end of the buffer (S columns). A token is drawn by
+    a token of `stop_ids` (an id or a sequence of ids: the tokenizer's EOS and turn ends), after
+    `max_new_tokens`, or at the end of the buffer (S columns). A token is drawn by
     inverse-CDF from the row's own generator (`seeds[b]`): one uniform per row and round, so
     the draw depends on no other row.
 
@@ -211,6 +250,7 @@ def sample(logits_fn: Callable[[Tensor, Tensor], Tensor], input_ids: Tensor, att
     if len(seeds) != B:
         raise ValueError(f"{len(seeds)} seeds for {B} rows")
     gens = [torch.Generator().manual_seed(s) for s in seeds]
+    stops = torch.as_tensor(stop_ids, dtype=torch.long).reshape(-1)
     lengths = mask.sum(-1)  # [B]
     if (lengths < 1).any() or (mask != (torch.arange(S) < lengths[:, None]).long()).any():
         raise ValueError("prompts must be right-padded with at least one token each")
@@ -237,7 +277,7 @@ def sample(logits_fn: Callable[[Tensor, Tensor], Tensor], input_ids: Tensor, att
         loss_mask[r, at[r]] = 1.0
         log_probs[r, at[r]] = logp[r, token[r]]
         lengths = lengths + running.long()
-        running = running & (token != eos_id) & (lengths < S)
+        running = running & ~torch.isin(token, stops) & (lengths < S)
         if on_token is not None:
             on_token()
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
@@ -273,44 +313,121 @@ def unstride(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
             for k in parts[0] if parts[0][k] is not None}
 
 
+class RecordedRewards:
+    """The rewards of committed steps (`rl.record_rewards`), in a JSON-lines file: one line
+    {step, digest, rewards} per committed step, appended and fsynced when the step commits.
+    `digest` names what was scored (`rollout_digest`): a replay uses the recorded rewards only
+    when it scored the same thing."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.steps: dict[int, tuple[str, list[float]]] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    self.steps[rec["step"]] = (rec["digest"], rec["rewards"])
+
+    def get(self, step: int, digest: str) -> list[float] | None:
+        """The recorded rewards of `step` if they scored `digest`, else None."""
+        rec = self.steps.get(step)
+        return rec[1] if rec is not None and rec[0] == digest else None
+
+    def record(self, step: int, digest: str, rewards: list[float]) -> None:
+        """Store the rewards of committed `step` (replacing another record of it)."""
+        if self.steps.get(step) == (digest, rewards):
+            return
+        self.steps[step] = (digest, rewards)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "digest": digest, "rewards": rewards}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def rollout_digest(prompts: list[Prompt], ids: Tensor, mask: Tensor) -> str:
+    """SHA-256 of what a step's rewards score: every row's tokens and completion mask, and each
+    prompt's answer, data source and extra info."""
+    h = hashlib.sha256(ids.numpy().tobytes())
+    h.update(mask.numpy().tobytes())
+    h.update(repr([(p.answer, p.data_source, p.extra_info) for p in prompts]).encode())
+    return h.hexdigest()
+
+
 class Rollouts:
     """Prompts of each step and the experience built from the sampled completions.
 
-    Step s uses `train.global_batch_size / rl.group_size` prompts, prompt j drawn from
-    `random.Random(row_seed(seed, s, -1 - j))`; rows [j*G, (j+1)*G) are its G samples."""
+    Step s uses P = `train.global_batch_size / rl.group_size` prompts; rows [j*G, (j+1)*G) are
+    prompt j's G samples. Prompt j is drawn from `random.Random(row_seed(seed, s, -1 - j))`,
+    or, for a prompt set, is the row the training data's address gives for sample
+    (s - 1) * P + j (`data.Data.addresses` over the set's rows: a seeded permutation per
+    epoch, data.seed else train.seed)."""
 
     def __init__(self, cfg):
+        from data import Data
+
         self.cfg, self.rl = cfg, cfg.rl
         self.task = check_task(cfg)
         self.tok = self.task.tokenizer
+        self.order = None
+        if self.task.prompt_set is not None:
+            seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
+            self.order = Data([(1.0, self.task.prompt_set)], seed, cfg.train.global_batch_size // cfg.rl.group_size,
+                              names=[cfg.data.path])
+        self.recorded = RecordedRewards(Path(cfg.run_dir) / "recorded_rewards.jsonl") if cfg.rl.record_rewards else None
+        self._scored: tuple[int, str, list[float]] | None = None  # (step, digest, rewards) in flight
 
     def prompts(self, step: int) -> list[Prompt]:
         t, g = self.cfg.train, self.rl.group_size
-        return [self.task.prompt(random.Random(row_seed(t.seed, step, -1 - j)))
-                for j in range(t.global_batch_size // g)]
+        if self.order is None:
+            return [self.task.prompt(random.Random(row_seed(t.seed, step, -1 - j)))
+                    for j in range(t.global_batch_size // g)]
+        ps = self.task.prompt_set
+        return [Prompt(ps.tokens[w], ps.ground_truths[w], ps.data_sources[w], ps.extra_infos[w])
+                for _, _, _, w in self.order.addresses(step)]
 
     def prompt_batch(self, prompts: list[Prompt]) -> TrainingBatch:
-        """Each prompt repeated `group_size` times, right-padded to train.seq_len: input_ids /
-        attention_mask int64 [B, S]; loss_mask and advantages are zeros (filled by the rollout)."""
+        """Each prompt repeated `group_size` times, right-padded with the task's pad id to
+        train.seq_len: input_ids / attention_mask int64 [B, S], the mask 1 on each prompt's own
+        length (not `ids != pad`: a pad id may equal EOS or occur in a prompt); loss_mask and
+        advantages are zeros (filled by the rollout)."""
         S, g = self.cfg.train.seq_len, self.rl.group_size
-        ids = torch.full((len(prompts) * g, S), self.tok.pad_id, dtype=torch.long)
+        ids = torch.full((len(prompts) * g, S), self.task.pad_id, dtype=torch.long)
+        lengths = torch.tensor([len(p.tokens) for p in prompts]).repeat_interleave(g)
         for j, p in enumerate(prompts):
             ids[j * g:(j + 1) * g, :len(p.tokens)] = torch.tensor(p.tokens)
-        mask = (ids != self.tok.pad_id).long()
+        mask = (torch.arange(S) < lengths[:, None]).long()
         return TrainingBatch(ids, mask, torch.zeros(ids.shape), torch.zeros(ids.shape))
 
-    def experience(self, prompts: list[Prompt], parts: list[dict]) -> tuple[TrainingBatch, dict]:
-        """Rewards and advantages of a rollout. `parts`: `MegatronActor.generate` results, one per
-        DP replica in dp order. Returns the TrainingBatch for `train_step` (old_log_probs None:
-        recomputed by the engine) and stats: reward (mean), exact (fraction of samples with
-        reward 1), response_len (mean tokens)."""
+    def score(self, step: int, prompts: list[Prompt], ids: Tensor, mask: Tensor) -> Tensor:
+        """float32 [B]: each row's reward, the task's reward of its completion (the tokens under
+        `mask`); with rl.record_rewards the recorded rewards of `step` when they scored the
+        same rollout (`RecordedRewards`)."""
+        g = self.rl.group_size
+        digest = rollout_digest(prompts, ids, mask) if self.recorded is not None else ""
+        rewards = self.recorded.get(step, digest) if self.recorded is not None else None
+        if rewards is None:
+            rewards = [float(self.task.reward(prompts[i // g], ids[i][mask[i].bool()].tolist()))
+                       for i in range(mask.shape[0])]
+        self._scored = (step, digest, rewards)
+        return torch.tensor(rewards)
+
+    def commit(self, step: int) -> None:
+        """Step `step` is committed: with rl.record_rewards, store the rewards it used."""
+        if self.recorded is not None and self._scored is not None and self._scored[0] == step:
+            self.recorded.record(*self._scored)
+
+    def experience(self, step: int, prompts: list[Prompt], parts: list[dict]) -> tuple[TrainingBatch, dict]:
+        """Rewards (`score`) and advantages of step `step`'s rollout. `parts`:
+        `MegatronActor.generate` results, one per DP replica in dp order. Returns the
+        TrainingBatch for `train_step` (old_log_probs None: recomputed by the engine) and
+        stats: reward (mean), exact (fraction of samples with reward 1), response_len (mean
+        tokens)."""
         rl = self.rl
         out = unstride(parts)
         mask = out["loss_mask"]
         g = rl.group_size
-        scores = torch.tensor([
-            float(self.task.reward(prompts[i // g], out["input_ids"][i][mask[i].bool()].tolist()))
-            for i in range(mask.shape[0])])
+        scores = self.score(step, prompts, out["input_ids"], mask)
         last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # index of each row's last response token
         returns = old_values = None
         if rl.advantage == "grpo":

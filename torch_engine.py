@@ -347,13 +347,15 @@ class TorchEngine:
         return ppo_objective(token_log_probs(logits, mb.input_ids), mb, self.cfg.ppo, r, values, entropy)
 
     @torch.no_grad()
-    def generate(self, prompts: TrainingBatch, step: int, rows: list[int]) -> dict:
+    def generate(self, prompts: TrainingBatch, step: int, rows: list[int], stop_ids: tuple[int, ...],
+                 pad_id: int) -> dict:
         """Sample completions of this replica's prompt rows with the current policy (see
         `rl.sample`); row j's randomness comes from `rl.row_seed(train.seed, step, rows[j])`,
         `rows` being the global row indices, so a row samples the same on any replica and at any
-        DP size. Returns `rl.sample`'s dict of [B, S] tensors, plus `values` (float32 [B, S],
-        the value head's estimates, GAE) or None."""
-        from rl import EOS_ID, PAD_ID, row_seed, sample
+        DP size; a row stops at any of `stop_ids` and is padded with `pad_id`. Returns
+        `rl.sample`'s dict of [B, S] tensors, plus `values` (float32 [B, S], the value head's
+        estimates, GAE) or None."""
+        from rl import row_seed, sample
 
         r, t = self.rl, self.cfg.train
         if r is None:
@@ -367,7 +369,7 @@ class TorchEngine:
 
         out = sample(logits_fn, prompts.input_ids, prompts.attention_mask,
                      [row_seed(t.seed, step, row) for row in rows], r.max_new_tokens,
-                     EOS_ID, PAD_ID, temperature=1.0, top_p=r.top_p, on_token=on_token)
+                     stop_ids, pad_id, temperature=1.0, top_p=r.top_p, on_token=on_token)
         out["values"] = None
         if self.module.value_head is not None:
             out["values"] = self._forward(self.module, TrainingBatch(

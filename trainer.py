@@ -57,7 +57,7 @@ class Trainer:
     def __init__(self, cfg: Config, group: ActorGroup, metrics: RunMetrics | None = None,
                  run: RunIdentity | None = None, data=None):
         self.cfg, self.group = cfg, group
-        if data is None and cfg.data.kind != "synthetic":
+        if data is None and cfg.data.kind in ("mock", "indexed"):
             data = open_data(cfg)
         self.data = data  # data.Data, or None for synthetic batches
         self.data_fingerprint = data_fingerprint(cfg)  # recorded by every checkpoint (None: synthetic)
@@ -148,10 +148,10 @@ class Trainer:
         """RL: the step's prompts, sampled by every DP replica (`generate`, interleaved rows as
         `MeshDispatch` splits them), scored and turned into a TrainingBatch with advantages.
         Sets `self._stats` (reward, exact, response_len). Raises WorkerFailure."""
-        prompts = self.rollouts.prompts(step)
-        parts = self.group.call("generate", step, self.rollouts.prompt_batch(prompts),
+        prompts, task = self.rollouts.prompts(step), self.rollouts.task
+        parts = self.group.call("generate", step, self.rollouts.prompt_batch(prompts), task.stop_ids, task.pad_id,
                                 dispatch="mesh", timeout=self.step_deadline())
-        batch, self._stats = self.rollouts.experience(prompts, parts)
+        batch, self._stats = self.rollouts.experience(step, prompts, parts)
         return batch
 
     def _step(self, step: int) -> float:
@@ -234,6 +234,8 @@ class Trainer:
             log.error("event=data_mismatch step=%d first=%s replay=%s: a replayed step read other data",
                       step, self.data_digests[step][:16], self._digest[:16])
         self.data_digests.setdefault(step, self._digest)
+        if self.rollouts is not None:
+            self.rollouts.commit(step)
         if step in self.losses:
             self.replayed.setdefault(step, []).append(loss)
             if reward is not None:

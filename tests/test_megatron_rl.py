@@ -167,7 +167,7 @@ def _layout_run(cfg, tp: int, pp: int, head_seed: int) -> dict:
     from megatron_model import build_gpt_model, hf_bridge
     from megatron_ops import add_value_head, sample_rollouts, token_values
     from ppo import token_log_probs
-    from rl import row_seed
+    from rl import EOS_ID, PAD_ID, row_seed
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, pp, create_gloo_process_groups=False)
@@ -181,7 +181,7 @@ def _layout_run(cfg, tp: int, pp: int, head_seed: int) -> dict:
     rounds = []
     prompts = _prompts()
     out = sample_rollouts(model, prompts, [row_seed(1234, 1, row) for row in range(4)], cfg.rl, VOCAB,
-                          with_values=True, on_round=lambda: rounds.append(1))
+                          with_values=True, stop_ids=(EOS_ID,), pad_id=PAD_ID, on_round=lambda: rounds.append(1))
     out["rounds"] = len(rounds)
     out["vocab_parallel"] = _vocab_parallel_checks(ps.get_tensor_model_parallel_rank(), tp)
     out["engine_loss"] = _engine_loss_checks(cfg, ps.get_tensor_model_parallel_rank(), tp)
@@ -285,12 +285,13 @@ def _gpu_rl_scenarios(rank: int, world: int, store, tmp: str, layouts: list) -> 
                 prompts = rollouts.prompts(step)
                 mine = MeshDispatch.split(dims, (rollouts.prompt_batch(prompts),), {})[rank][0][0]
                 d = dims.coords(rank).dp
-                part = e.generate(mine, step, list(range(d, d + len(mine) * dims.dp, dims.dp)))
+                part = e.generate(mine, step, list(range(d, d + len(mine) * dims.dp, dims.dp)),
+                                  rollouts.task.stop_ids, rollouts.task.pad_id)
                 everyone = [None] * world
                 dist.all_gather_object(everyone, part)
                 same = all(torch.equal(everyone[r]["input_ids"], part["input_ids"]) for r in range(world)
                            if dims.coords(r).dp == d)
-                batch, stats = rollouts.experience(prompts, MeshDispatch.collect(dims, everyone))
+                batch, stats = rollouts.experience(step, prompts, MeshDispatch.collect(dims, everyone))
                 return MeshDispatch.split(dims, (batch,), {})[rank][0][0], part, same
 
             e.snapshot()

@@ -1,6 +1,7 @@
 """On-policy RL: sampling, task rewards, advantages against hand-computed values, config errors,
 and loops on real Ray actors (reward rises; a run recovered from peers or resumed from a
 checkpoint samples and trains exactly as the run without failure)."""
+import json
 import random
 
 import pytest
@@ -41,7 +42,7 @@ def prompts(rows: list[list[int]], S: int):
 
 def test_sampling_respects_masks_max_length_and_eos():
     ids, mask = prompts([[3, 4], [5, 6, 7], [4]], S=8)
-    out = sample(fixed_logits({5: 3}), ids, mask, [1, 2, 3], max_new_tokens=3, eos_id=EOS_ID,
+    out = sample(fixed_logits({5: 3}), ids, mask, [1, 2, 3], max_new_tokens=3, stop_ids=EOS_ID,
                  pad_id=PAD_ID)
     n = mask.sum(-1)
     for b in range(3):
@@ -59,7 +60,7 @@ def test_sampling_respects_masks_max_length_and_eos():
     assert out["log_probs"][1, 3] < 0 and out["log_probs"][1, 4] == 0
     # the buffer end bounds a completion too
     ids, mask = prompts([[3, 4, 5, 6, 7, 3, 4]], S=8)
-    out = sample(fixed_logits(), ids, mask, [1], max_new_tokens=5, eos_id=EOS_ID, pad_id=PAD_ID)
+    out = sample(fixed_logits(), ids, mask, [1], max_new_tokens=5, stop_ids=EOS_ID, pad_id=PAD_ID)
     assert out["loss_mask"].sum() == 1 and out["attention_mask"].sum() == 8
 
 
@@ -321,3 +322,60 @@ def test_recovered_run_samples_and_trains_as_uninterrupted(reference, tmp_path, 
         assert trainer.replayed_rewards == {3: [ref.rewards[3]]}
         assert trainer.replayed == {3: [ref.losses[3]]}
     assert digests == ref_digests
+
+
+# -- GRPO on a prompt set in veRL's layout --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prompt_set(stdlib_corpus, tmp_path_factory):
+    """Overrides of a GRPO run on a generated arithmetic prompt set (plain prompts, the fixture
+    tokenizer, veRL's flexible GSM8K reward with 0.1 for a wrong number)."""
+    from prompt_set import write_arithmetic_prompts
+
+    path = write_arithmetic_prompts(str(tmp_path_factory.mktemp("prompts") / "train.parquet"), rows=40, chat=False)
+    return ["data.kind=prompts", f"data.path={path}", f"data.tokenizer={stdlib_corpus[0]}", "model.vocab_size=2048",
+            "model.max_seq_len=32", "train.seq_len=32", "rl.max_new_tokens=4",
+            "rl.reward_args={method: flexible, format_score: 0.1}"]
+
+
+@pytest.fixture(scope="module")
+def prompt_reference(ray_session, prompt_set, tmp_path_factory):
+    return run(make_cfg(tmp_path_factory.mktemp("prompts-ref"), *prompt_set), 6)
+
+
+@pytest.mark.slow
+def test_grpo_on_a_prompt_set_with_two_kills_equals_the_run_without_failure(prompt_reference, prompt_set, tmp_path):
+    """Rank 1 killed at the start of step 3 (after its rollout), rank 0 inside the gradient
+    all-reduce of step 5; both replaced from spares: prompts (data digests), rewards, losses and
+    weights bitwise equal to the run without failure."""
+    ref, ref_digests = prompt_reference
+    trainer, digests = run(make_cfg(tmp_path, *prompt_set, "chaos.events=[{step: 3, rank: 1, kind: kill, point: "
+                                    "step_start}, {step: 5, rank: 0, kind: kill, point: inside_allreduce}]",
+                                    spares=2), 6)
+    assert len(trainer.recoveries) == 2
+    assert trainer.data_digests == ref.data_digests and len(ref.data_digests) == 6
+    assert trainer.rewards == ref.rewards and trainer.losses == ref.losses
+    assert trainer.rollout_stats == ref.rollout_stats and digests == ref_digests
+    assert any(r > 0 for r in ref.rewards.values())   # the reward function saw real completions
+
+
+def test_recorded_rewards_are_reused_by_a_replay(stdlib_corpus, prompt_set, tmp_path):
+    """rl.record_rewards with a reward that is not deterministic: the rewards a step committed
+    are stored, and a replay of the same completions (here: a new driver) uses them; other
+    completions are scored again."""
+    (tmp_path / "noisy.py").write_text("import random\n"
+                                       "def score(data_source, solution_str, ground_truth, extra_info):\n"
+                                       "    return random.random()\n")
+    cfg = make_cfg(tmp_path, *prompt_set, f"rl.reward={tmp_path}/noisy.py:score", "rl.reward_args={}",
+                   "rl.record_rewards=true")
+    ro = Rollouts(cfg)
+    prompts = ro.prompts(1)
+    ids = ro.prompt_batch(prompts).input_ids
+    mask = torch.zeros(ids.shape)
+    mask[:, -2:] = 1
+    first = ro.score(1, prompts, ids, mask)
+    ro.commit(1)
+    again = Rollouts(cfg)
+    assert torch.equal(again.score(1, prompts, ids, mask), first)
+    assert not torch.equal(again.score(1, prompts, ids, 1 - mask), first)   # other completions: scored again
+    assert [json.loads(line)["step"] for line in (tmp_path / "recorded_rewards.jsonl").read_text().splitlines()] == [1]
