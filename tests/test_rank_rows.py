@@ -5,19 +5,18 @@ DP all-reduce of masked tokens included); a .bin truncated mid-run stops the run
 naming step, row and document, and spends no spare."""
 import os
 import pickle
+import re
 import shutil
 
 import pytest
-import ray
 import torch
 
+from data import open_data
 from dispatch import MeshDispatch
 from parallel_dims import ParallelDims
 from ppo import step_loss_weights
 from rank_rows import RankRows, global_digest
 from test_data import data_cfg
-
-from data import open_data
 
 
 @pytest.mark.parametrize("eod_mask_loss", [False, True])
@@ -87,5 +86,5 @@ def test_a_bin_truncated_mid_run_stops_the_run_with_one_line_and_no_spare_spent(
         group.shutdown()
     line = str(e.value)
     assert "\n" not in line and trainer.recoveries == [] and spares == 1
-    assert __import__("re").match(r"step [23] row \d+ \(window \d+ of .*corpus\): document \d+ of .*corpus\.bin: "
+    assert re.match(r"step [23] row \d+ \(window \d+ of .*corpus\): document \d+ of .*corpus\.bin: "
                                   r"read [\d,]+ of [\d,]+ bytes", line), line
