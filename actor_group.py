@@ -221,16 +221,24 @@ class ActorGroup:
     REFILL_ATTEMPTS = 3  # starts of a spare on a freed bundle (one that dies, e.g. on a lost node, is retried)
 
     def __init__(self, cfg: Config, placement_timeout_s: float = 60.0, attach: dict | None = None,
-                 first_generation: int = 0):
+                 first_generation: int = 0, data=None):
         """`attach`: the record of a run whose driver died (`driver_failover.find`): its named
         actors and placement group are taken over (none is started or built); the caller then
         forms a generation and restores (`fault_tolerance.reattach`). `self.dead`: the ranks
         of that record whose actor is gone. `first_generation`: generations are numbered from
-        the one after it (`run_lease.first_generation`: a later driver's are above an earlier one's)."""
+        the one after it (`run_lease.first_generation`: a later driver's are above an earlier one's).
+        `data`: with train.objective=ce, the run's opened `data.Data` (None: opened here,
+        `data.open_data`), which every actor, spares included, opens as it builds: ranks read
+        their own rows (`MegatronActor.train_step`); `self.data` (None for other objectives)."""
         import torch.distributed as dist
 
         self.cfg, self.dims = cfg, ParallelDims.from_config(cfg)
         preflight(cfg, ray.cluster_resources())  # before anything is placed or started
+        if cfg.train.objective == "ce" and data is None:
+            from data import open_data
+            data = open_data(cfg)
+        self.data = data if cfg.train.objective == "ce" else None
+        self._data_ref = None if self.data is None else ray.put(self.data)  # sent once, opened by each actor
         c = cfg.cluster
         n = c.num_workers + c.num_spares
         bundle = {"CPU": c.cpus_per_actor}
@@ -282,7 +290,7 @@ class ActorGroup:
         self.agents = {node: NodeAgent.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.placement_group, b)).remote(cfg.fault_tolerance.health_interval_s / 2) for node, b in bundles.items()}
         self.health.start()
-        self.build_s = max(ray.get([s.handle.build.remote() for s in slots]))
+        self.build_s = max(ray.get([s.handle.build.remote(self._data_ref) for s in slots]))
         self.store_host = ray.util.get_node_ip_address()
         # Port 0: the OS picks a free port at bind time (no probe-then-bind race with other
         # programs). One store serves every generation, so no port is ever re-bound.
@@ -488,7 +496,7 @@ class ActorGroup:
         when its bundle is free again (on the same node, or re-placed after a node loss)."""
         for i in bundle_indices:
             handle = self._new_actor(i)
-            self._refills[handle.build.remote()] = (handle, i, attempt)
+            self._refills[handle.build.remote(self._data_ref)] = (handle, i, attempt)
 
     def poll_refills(self) -> int:
         """Move refilled spares whose model is built into the pool (non-blocking); returns how many."""

@@ -21,7 +21,11 @@ checkpoints. DP replica d of dp trains rows j = d, d + dp, ... (`dispatch.MeshDi
 
 Files are checked when opened (`open_data`): one `ConfigError` line per problem (missing or
 truncated .bin/.idx, a path with its extension, token ids beyond the model's vocabulary, fewer
-windows than one global batch) before any actor starts.
+windows than one global batch) before any actor starts. Tokens are read with checked range
+reads (`os.pread`, not a memory map of the .bin): a row that cannot be read mid-run (a file
+truncated or replaced since) raises `DataError` naming step, row and document instead of
+killing the reader with SIGBUS. A `Data` pickles as the `DataSpec` it was opened from: a rank
+actor that receives one opens the same files without the checks (`rank_rows.RankRows`).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 
 from config import Config, ConfigError, parse_blend
+from failures import DataError
 from training_batch import TrainingBatch
 
 log = logging.getLogger(__name__)
@@ -138,12 +143,15 @@ class Windows:
     `MockGPTLowLevelDataset`): Megatron's `build_sample_idx` over the documents in the order
     `numpy.random.RandomState(seed).shuffle(arange(documents))` (GPTDataset's one-epoch order),
     windows of `seq_len` tokens (seq_len - 1 inputs and labels plus the shared extra token).
-    `len(self)` windows; `window(w)` int64 [seq_len]."""
+    `len(self)` windows; `window(w)` int64 [seq_len]. An `IndexedDataset`'s tokens are read
+    with `os.pread` from its .bin, each read checked (`DataError` when it comes back short)."""
 
     def __init__(self, low, seq_len: int, seed: int):
         from megatron.core.datasets import helpers
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.low, self.seq_len = low, seq_len
+        self._bin = open(low.path_prefix + ".bin", "rb", buffering=0) if isinstance(low, IndexedDataset) else None
         sizes = np.asarray(low.sequence_lengths, dtype=np.int32)
         self.document_index = np.arange(len(sizes), dtype=np.int32)
         np.random.RandomState(seed % 2**32).shuffle(self.document_index)
@@ -153,15 +161,30 @@ class Windows:
     def __len__(self) -> int:
         return len(self.sample_index) - 1
 
+    def _get(self, doc: int, offset: int, length: int | None) -> np.ndarray:
+        """Tokens [offset, offset + length) of document `doc` (to its end when length is None),
+        as `IndexedDataset.get` returns them. Raises DataError when the .bin holds fewer bytes."""
+        if self._bin is None:
+            return self.low.get(doc, offset=offset, length=length)
+        index = self.low.index
+        dtype = np.dtype(index.dtype)
+        count = int(index.sequence_lengths[doc]) - offset if length is None else length
+        at, size = int(index.sequence_pointers[doc]) + offset * dtype.itemsize, count * dtype.itemsize
+        data = os.pread(self._bin.fileno(), size, at)
+        if len(data) != size:
+            raise DataError(f"document {doc} of {self._bin.name}: read {len(data):,} of {size:,} bytes at offset "
+                            f"{at:,} (the file was truncated or replaced after the run's checks)")
+        return np.frombuffer(data, dtype)
+
     def window(self, w: int) -> np.ndarray:
-        """Tokens of window `w` (int64 [seq_len]), read as GPTDataset reads sample text."""
+        """Tokens of window `w` (int64 [seq_len]), read as GPTDataset reads sample text.
+        Raises DataError when the .bin cannot give them."""
         (beg, beg_off), (end, end_off) = self.sample_index[w], self.sample_index[w + 1]
         docs = self.document_index
         if beg == end:
-            parts = [self.low.get(int(docs[beg]), offset=int(beg_off), length=int(end_off - beg_off + 1))]
+            parts = [self._get(int(docs[beg]), int(beg_off), int(end_off - beg_off + 1))]
         else:
-            parts = [self.low.get(int(docs[i]), offset=int(beg_off) if i == beg else 0,
-                                  length=int(end_off + 1) if i == end else None)
+            parts = [self._get(int(docs[i]), int(beg_off) if i == beg else 0, int(end_off + 1) if i == end else None)
                      for i in range(int(beg), int(end) + 1)]
         out = np.concatenate(parts).astype(np.int64)
         if len(out) != self.seq_len:
@@ -210,13 +233,15 @@ class Data:
         eod_id / eod_mask_loss: with eod_mask_loss, no loss on a token that follows eod_id.
         names: the datasets' names, for messages and `describe`.
         tokenizer: the HF tokenizer the data were made with, or None (`data inspect` decodes).
+        spec: the `DataSpec` these were opened from (`DataSpec.open`): a Data pickles as it
+            (the tokenizer is left behind); None: not picklable.
     """
 
     _BLEND_MIN = 1 << 16  # blending indices are built for at least this many samples
 
     def __init__(self, datasets: list[tuple[float, Windows]], seed: int, global_batch_size: int,
                  eod_id: int | None = None, eod_mask_loss: bool = False, names: list[str] | None = None,
-                 tokenizer=None):
+                 tokenizer=None, spec: DataSpec | None = None):
         total = sum(w for w, _ in datasets)
         self.weights = np.array([w / total for w, _ in datasets], dtype=np.float64)
         self.windows = [ds for _, ds in datasets]
@@ -225,6 +250,19 @@ class Data:
         self.eod_id, self.eod_mask_loss, self.tokenizer = eod_id, eod_mask_loss, tokenizer
         self._blend = (np.zeros(0, np.int16), np.zeros(0, np.int64))
         self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self.spec = spec
+
+    def __reduce__(self):
+        if self.spec is None:
+            raise TypeError("a Data not opened from a DataSpec (open_data / DataSpec.open) cannot be sent to a rank")
+        return DataSpec.open, (self.spec,)
+
+    @property
+    def fixed_mask(self) -> bool:
+        """Whether every row's loss mask is the same (no eod_mask_loss, no SFT masks): a
+        mini-batch's masked tokens are then its rows x (seq_len - 1), known without reading the
+        other rows."""
+        return not (self.eod_mask_loss and self.eod_id is not None) and not isinstance(self.windows[0], Conversations)
 
     def _locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dataset k, its sample count c before g) for global samples `g`. Megatron's greedy
@@ -266,8 +304,16 @@ class Data:
         return out
 
     def rows(self, step: int, dp: int = 1, d: int = 0) -> np.ndarray:
-        """Token ids (int64 [GBS / dp, seq_len]) of the rows replica d of dp trains at `step`."""
-        return np.stack([self.windows[k].window(w) for _, k, _, w in self.addresses(step, dp, d)])
+        """Token ids (int64 [GBS / dp, seq_len]) of the rows replica d of dp trains at `step`.
+        Raises DataError naming the step, the row and the document when one cannot be read."""
+        out = []
+        for g, k, _, w in self.addresses(step, dp, d):
+            try:
+                out.append(self.windows[k].window(w))
+            except DataError as e:
+                raise DataError(f"step {step} row {g - (step - 1) * self.gbs} (window {w} of {self.names[k]}): "
+                                f"{e}") from None
+        return np.stack(out)
 
     def batch(self, step: int, dp: int = 1, d: int = 0) -> TrainingBatch:
         """`rows` as a TrainingBatch: attention_mask all ones, loss_mask 1 from column 1 on (no
@@ -308,6 +354,46 @@ def load_tokenizer(path: str):
     return tok
 
 
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """What `open_data` resolved from the config after its checks: enough to open the same
+    `Data` anywhere the files are (a rank actor), without the checks or the tokenizer.
+    sources: ((weight, prefix or "mock"), ...); eod_id: resolved (tokenizer's EOS, data.eod_id,
+    or for mock vocab_size - 1); vocab_size: the mock dataset's; pad_id: sft's padding (the
+    tokenizer's pad id, else the EOD id, else 0)."""
+
+    kind: str
+    sources: tuple[tuple[float, str], ...]
+    seed: int
+    seq_len: int
+    global_batch_size: int
+    eod_id: int | None
+    eod_mask_loss: bool
+    vocab_size: int
+    pad_id: int = 0
+
+    def open(self, tokenizer=None) -> Data:
+        """The `Data` of this spec: its .idx files opened, its windows built (megatron-core's
+        compiled helpers), its .bin files opened for range reads."""
+        if self.kind == "mock":
+            from types import SimpleNamespace
+
+            from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+            lows = [MockGPTLowLevelDataset(SimpleNamespace(vocab_size=self.vocab_size, eod=self.eod_id))]
+        else:
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+            lows = [IndexedDataset(p, mmap=False) for _, p in self.sources]  # no memory map of the .bin
+        if self.kind == "sft":  # one conversation per row, its loss mask beside it
+            windows = [(w, Conversations(low, IndexedDataset(p + LOSS_MASK_SUFFIX, mmap=False), self.seq_len,
+                                         self.pad_id)) for (w, p), low in zip(self.sources, lows)]
+        else:
+            windows = [(w, Windows(low, self.seq_len, self.seed)) for (w, _), low in zip(self.sources, lows)]
+        return Data(windows, self.seed, self.global_batch_size, self.eod_id, self.eod_mask_loss,
+                    [p for _, p in self.sources], tokenizer, self)
+
+
 def open_data(cfg: Config) -> Data:
     """The run's `Data` for data.kind mock, indexed or sft, every file checked first (see
     `index_header`, `check_token_ids`, `check_sft_masks`), the tokenizer (data.tokenizer, else
@@ -331,41 +417,31 @@ def open_data(cfg: Config) -> Data:
                           "model's own tokenizer")
     eod = d.eod_id if d.eod_id is not None else getattr(tok, "eos_token_id", None)
     if d.kind == "mock":
-        from types import SimpleNamespace
-
-        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
-
         eod = m.vocab_size - 1 if eod is None else eod
-        sources = [(1.0, "mock", MockGPTLowLevelDataset(SimpleNamespace(vocab_size=m.vocab_size, eod=eod)))]
+        sources = ((1.0, "mock"),)
     else:
         if d.eod_mask_loss and eod is None:
             raise ConfigError("data.eod_mask_loss: no end-of-document id: set data.tokenizer (its EOS) "
                               "or data.eod_id")
         for _, p, h in headers:
             check_token_ids(p, h, m.vocab_size)
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-        sources = [(w, p, IndexedDataset(p)) for w, p, _ in headers]
+        sources = tuple((w, p) for w, p, _ in headers)
     try:
         importlib.import_module("megatron.core.datasets.helpers_cpp")
     except ImportError:
         raise ConfigError("data.path: megatron-core has no C++ dataset helpers (megatron.core.datasets."
                           "helpers_cpp): it was built without a C++ compiler; reinstall it from a PyPI wheel "
                           "(cp311-cp313 x86_64, cp312 aarch64) or with g++ available") from None
-    if d.kind == "sft":  # padded with the tokenizer's pad id, else the EOD id, else 0
-        pad = next(i for i in (getattr(tok, "pad_token_id", None), eod, 0) if i is not None)
-        windows = [(w, Conversations(low, IndexedDataset(p + LOSS_MASK_SUFFIX), t.seq_len, pad))
-                   for w, p, low in sources]
-    else:
-        windows = [(w, Windows(low, t.seq_len, seed)) for w, _, low in sources]
-    names = [p for _, p, _ in sources]
+    pad = next(i for i in (getattr(tok, "pad_token_id", None), eod, 0) if i is not None)  # sft: padding
+    data = DataSpec(d.kind, sources, seed, t.seq_len, t.global_batch_size, eod, d.eod_mask_loss,
+                    m.vocab_size, pad).open(tok)
     unit = "conversations" if d.kind == "sft" else f"windows of {t.seq_len:,} tokens"
-    for (_, ds), name in zip(windows, names):
+    for ds, name in zip(data.windows, data.names):
         if len(ds) < t.global_batch_size:
             raise ConfigError(f"data.path: {len(ds):,} {unit} in {name}, fewer than "
                               f"one global batch (train.global_batch_size={t.global_batch_size}); add data "
                               "or lower train.seq_len / train.global_batch_size")
-    return Data(windows, seed, t.global_batch_size, eod, d.eod_mask_loss, names, tok)
+    return data
 
 
 def data_fingerprint(cfg: Config) -> str | None:

@@ -111,6 +111,11 @@ class Engine(Protocol):
         dp). Returns python floats `loss`, `mini_losses`, `grad_norm`, `lr`, PPO metrics, and
         on the first step after a `connect` optionally `phases` (seconds by part)."""
 
+    def dp_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum float64 `values` (CPU, [K]) over this rank's DP group (one replica's rank at each
+        (tp, cp, pp)): a collective every DP member calls, e.g. the masked tokens of each
+        mini-batch of rows each replica read itself (`rank_rows.RankRows`). Returns a CPU tensor."""
+
     def generate(self, prompts: TrainingBatch, step: int, rows: list[int], stop_ids: tuple[int, ...],
                  pad_id: int) -> dict:
         """RL rollout: sample completions of this replica's prompt rows (`rows`: their global

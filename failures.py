@@ -41,6 +41,12 @@ class ClusterError(RuntimeError):
     what was asked, what the cluster has and what to change."""
 
 
+class DataError(RuntimeError):
+    """A row of the training data could not be read mid-run (a file truncated or replaced after
+    the run's checks): the data's fault, not the reading rank's, so no spare is spent on it and
+    the run stops; the message names the step, the row and the document."""
+
+
 class RecoveryError(RuntimeError):
     """Recovery is impossible (no spare left, nothing to restore from); the message says why."""
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 import ray
 
 from comms import refuses_connections
-from failures import StaleGenerationError, WorkerFailure
+from failures import DataError, StaleGenerationError, WorkerFailure
 
 if TYPE_CHECKING:
     from actor_slot import ActorSlot
@@ -336,7 +336,8 @@ class HealthMonitor:
 
         A rank whose actor died is a 'crash'; a rank whose heartbeats have been silent for
         `health_timeout_s` is 'unreachable' (checked every `health_interval_s`, whatever the
-        call); a rank whose call raised while no actor died is an 'exception'. The deadline is
+        call); a rank whose call raised while no actor died is an 'exception', except a DataError
+        (a row of the training data could not be read), which is raised as it is: the run stops. The deadline is
         at least `timeout` seconds after the heartbeats last showed a progress counter move
         (slow is not dead; a ping without answer shows nothing). When it passes without
         progress, the hung ranks are named ('hang', `_hang_failure`): those that did not enter
@@ -377,6 +378,9 @@ class HealthMonitor:
                     raise self._failure({rank_of[i]} | lost, "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
                     raised.append((i, e))
+            for i, e in raised:
+                if isinstance(e.cause, DataError):  # the data's fault, not the rank's: no spare can help
+                    raise e.cause from None
             if raised:
                 # Often a peer's death seen first as this rank's connection error: judge every
                 # rank by a ping sent after the errors (one probe per batch), not by one before.

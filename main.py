@@ -16,7 +16,7 @@ data  : `data prepare` (jsonl / parquet -> Megatron .bin/.idx), `data inspect --
         step trains on; no Ray), `data stdlib` (offline demo corpus); data_prepare.py.
 
 Both write to `run_dir`: recoveries.jsonl, loss.png, recoveries.png, train.json or demo.json.
-Exit status: 0 ok, 1 demo losses differ, 2 config or cluster error (one line on stderr).
+Exit status: 0 ok, 1 demo losses differ, 2 config, cluster or data error (one line on stderr).
 """
 from __future__ import annotations
 
@@ -279,7 +279,7 @@ def plan_train_start(cfg: Config, fresh: bool):
 def cmd_train(cfg: Config, args, start=None, data=None) -> int:
     """`train`: a run from step 0, or `start.run` resumed from its checkpoints (`start`: the
     `run_identity.StartPlan`, by default `plan_train_start` without --fresh); `data`: the
-    opened `data.Data` (None: opened by the Trainer when data.kind needs it); writes
+    opened `data.Data` (None: opened by the ActorGroup when train.objective=ce needs it); writes
     run_dir/train.json (run id, step resumed from, losses, data digests)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -309,18 +309,18 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
         record = driver_failover.find(cfg, start.run, start.resume_step is not None)  # ConfigError: another run's actors
         failover = driver_failover.DriverFailover(cfg, epoch)
     try:
-        group = ActorGroup(cfg, attach=record, first_generation=first_generation(epoch))
+        group = ActorGroup(cfg, attach=record, first_generation=first_generation(epoch), data=data)
     except driver_failover.CannotReattach as e:
         log.warning("driver failover: cannot reattach (%s): removing what is left, starting as a new driver", e)
         driver_failover.remove(list(record["actors"]), ns, keep_lease=True)
-        record, group = None, ActorGroup(cfg, first_generation=first_generation(epoch))
+        record, group = None, ActorGroup(cfg, first_generation=first_generation(epoch), data=data)
     ended = superseded = False
     try:
         log_placement(group)
         with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
                   disable=args.quiet or not sys.stderr.isatty()) as bar, logging_redirect_tqdm():
             trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar),
-                              run=start.run, data=data)
+                              run=start.run)
             if trainer.data is not None:
                 log.info(trainer.data.describe(cfg.train.steps))
             if record is not None:
@@ -520,7 +520,7 @@ def main(argv=None) -> int:
                 # A local Ray's size is known before it starts: refuse a layout that cannot fit now.
                 preflight(cfg, {"CPU": local_ray_cpus(cfg), "GPU": gpus_visible()})
                 local_ray.reap(cfg.run_dir)  # what a killed driver of this run left running
-            if cfg.data.kind in ("mock", "indexed"):  # every data file checked before Ray starts (prompts: check_task)
+            if cfg.data.kind in ("mock", "indexed", "sft"):  # every data file checked before Ray starts (prompts: check_task)
                 from data import open_data
                 data = open_data(cfg)
             if args.mode == "train":
@@ -532,7 +532,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         print_dry_run(cfg)
         return 0
-    from failures import ClusterError, RecoveryError
+    from failures import ClusterError, DataError, RecoveryError
 
     start_ray(cfg, log_to_driver=args.verbose)
     if args.mode == "stop":
@@ -549,6 +549,8 @@ def main(argv=None) -> int:
     except RecoveryError as e:  # the run cannot go on: one line, no traceback
         print(f"recovery error: {e}", file=sys.stderr)
         return 1
+    except DataError as e:  # a row unreadable mid-run: the data's fault, no spare spent on it
+        print(f"data error: {e}", file=sys.stderr)
     return 2
 
 

@@ -63,6 +63,7 @@ class MegatronActor:
         self._sender = SnapshotSender()
         self._shards = ShardSender()      # sends this rank's optimizer shard to its keeper (keeper.py)
         self._keeper = None               # the holder keeping it (None: not kept)
+        self.rows = None                  # rank_rows.RankRows: this rank reads its own rows (ce)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         use_node_interface(ray.util.get_node_ip_address())  # before any process group is made
         self._last_ping, self._pinged = time.monotonic(), False
@@ -159,9 +160,15 @@ class MegatronActor:
         return time.perf_counter() - t0
 
     # -- compute -----------------------------------------------------------------------------
-    def build(self) -> float:
-        """Pre-warm: imports, device context, model and optimizer built. Returns seconds."""
+    def build(self, data=None) -> float:
+        """Pre-warm: imports, device context, model and optimizer built. `data`: the run's
+        `data.Data` when ranks read their own rows (`train.objective=ce`), opened here (its
+        files mapped and opened, its windows built) as Ray hands it over, spares included, so
+        a replacement's first step does not pay for it. Returns seconds."""
         t0 = time.perf_counter()
+        if data is not None:
+            from rank_rows import RankRows
+            self.rows = RankRows(data)
         if self.cfg.model.engine == "megatron":
             from megatron_engine import MegatronEngine as Engine
         else:
@@ -290,8 +297,10 @@ class MegatronActor:
             raise StaleGenerationError(
                 f"rank {self.rank}: call for generation {generation}, actor is in {self.generation}")
 
-    def train_step(self, generation: int, step: int, batch) -> dict:
-        """Run train step `step` on this rank's part of the batch (see the engine). Snapshots
+    def train_step(self, generation: int, step: int, batch=None) -> dict:
+        """Run train step `step` on this rank's part of the batch (see the engine); `batch`
+        None: this rank reads its DP replica's rows itself (`RankRows.train_batch`; a row that
+        cannot be read raises DataError) and the result carries their `row_digests`. Snapshots
         the committed state (step - 1) to host memory first, for peer restore. Every
         `memory_snapshot_interval` steps, starts the in-memory snapshot of step `step`: the
         engine's host copy overlaps the next step, the send to the holder runs in the
@@ -303,7 +312,12 @@ class MegatronActor:
         self._check(generation)
         self.engine.snapshot()
         self.fault_point("step_start")
+        own = batch is None
+        if own:
+            batch = self.own_batch(step)
         result = self.engine.train_step(batch, step)
+        if own:
+            result["row_digests"] = batch.row_digests()
         interval = self.cfg.fault_tolerance.memory_snapshot_interval
         if self._holder is not None and interval and step % interval == 0:
             copy = None if self._sender.busy() else self.engine.start_host_copy()
@@ -318,6 +332,11 @@ class MegatronActor:
             result["kept_shards"] = self._shards.after_step(self.engine, self._keeper,
                                                             shard_key(str(self.dims), self.rank), step)
         return result
+
+    def own_batch(self, step: int):
+        """This rank's rows of `step` with their loss weights (`RankRows.train_batch`: the rows
+        of its DP replica in the current layout, read here). Raises DataError."""
+        return self.rows.train_batch(step, self.dims, self.rank, self.cfg.train, self.engine.dp_sum)
 
     def restore_snapshot(self, generation: int, step: int, holders: list, shard: bool = False) -> bool:
         """Load this rank's in-memory snapshot of committed step `step` from the first of

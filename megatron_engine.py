@@ -865,6 +865,15 @@ class MegatronEngine:
             return True
         return False
 
+    def dp_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum `values` over Megatron's DP group (see `Engine.dp_sum`); counts progress."""
+        from megatron.core import parallel_state as ps
+
+        out = values.to(self.device)
+        self.progress += 1
+        dist.all_reduce(out, group=ps.get_data_parallel_group())
+        return out.cpu()
+
     def broadcast_from(self, src_rank: int, ranks: list[int] | None = None) -> None:
         """Make this rank's training state equal to `src_rank`'s (same DP group, i.e. same
         (tp, cp, pp) shard): every tensor is broadcast in place over the DP group (CPU scalars

@@ -268,7 +268,8 @@ def aggregate(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", weights:
     return _aggregate(loss_mat, mask, mode, weights)
 
 
-def global_loss_weights(loss_mask: Tensor, mode: str, mini_batch_size: int, scale: float = 1.0) -> Tensor:
+def global_loss_weights(loss_mask: Tensor, mode: str, mini_batch_size: int, scale: float = 1.0,
+                        totals: Tensor | None = None) -> Tensor:
     """Per-token weights that make `loss_agg_mode` exact over each mini-batch of the global
     batch, however its rows are split over DP replicas and micro-batches.
 
@@ -280,18 +281,31 @@ def global_loss_weights(loss_mask: Tensor, mode: str, mini_batch_size: int, scal
     split of the mini-batch's rows adds up to the mode's reduction over the whole mini-batch.
     `scale` multiplies every weight: an engine that averages over its micro-batches and DDP
     over its dp replicas needs scale = dp * micro-batches per replica to restore the sum.
+    `totals` (token-mean only): float64 [K], each mini-batch's masked tokens over all its rows,
+    when `loss_mask` holds a part of each (one DP replica's rows; mini_batch_size is then the
+    part's rows per mini-batch): the weights are those rows of the whole batch's, bitwise.
     Returns float32 [B, S]. Raises ValueError for an unknown mode or B % mini_batch_size != 0."""
     _check_agg_mode(mode)
     if loss_mask.shape[0] % mini_batch_size:
         raise ValueError(f"a batch of {loss_mask.shape[0]} rows has no whole mini-batches of {mini_batch_size}")
     minis = loss_mask.view(-1, mini_batch_size, loss_mask.shape[1])     # [K, m, S]
-    if mode == "token-mean":
-        norm = minis.sum(dim=(1, 2), keepdim=True)                       # [K, 1, 1]
+    if mode == "token-mean":  # counted exactly (float64), as `totals` are
+        norm = (minis.sum(dim=(1, 2), dtype=torch.float64) if totals is None else totals).float().view(-1, 1, 1)
     elif mode == "seq-mean-token-sum":
         norm = torch.full((minis.shape[0], 1, 1), float(mini_batch_size))
     else:
         norm = minis.sum(dim=2, keepdim=True) * mini_batch_size          # [K, m, 1]
     return (minis * scale / norm.clamp(min=1)).view_as(loss_mask)
+
+
+def step_loss_weights(loss_mask: Tensor, train_cfg, mode: str, dp: int, totals: Tensor | None = None) -> Tensor:
+    """`global_loss_weights` for a step trained at DP size dp (`train_cfg`: mini- and
+    micro-batch sizes): the scale undoes the engines' mean over a replica's micro-batches and
+    DDP's mean over dp. `loss_mask`: the global batch's (totals None), or one replica's rows
+    with `totals` (token-mean: each mini-batch's masked tokens over every replica)."""
+    scale = dp * (train_cfg.mini_batch_size // dp // train_cfg.micro_batch_size)
+    rows = train_cfg.mini_batch_size if totals is None else train_cfg.mini_batch_size // dp
+    return global_loss_weights(loss_mask, mode, rows, scale, totals)
 
 
 def ce_objective(log_probs: Tensor, mb) -> tuple[Tensor, dict[str, float]]:

@@ -280,6 +280,14 @@ class TorchEngine:
         finally:
             self.in_collective = False
 
+    def dp_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum `values` over the DP group (see `Engine.dp_sum`); counts progress."""
+        out = values.clone()
+        self.progress += 1
+        with self._collective():
+            self._wait(dist.all_reduce(out, group=self.dp_group, async_op=True))
+        return out
+
     def _wait(self, work) -> None:
         """Wait for the collective `work` (async_op=True), and re-raise its error; raises
         `Interrupted` within 10 ms of `interrupt` instead. Why: the abort's socket shutdown

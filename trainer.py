@@ -23,11 +23,12 @@ from pathlib import Path
 from actor_group import ActorGroup
 from checkpoint import CheckpointError, CheckpointManager, check_compatible, model_signature
 from config import Config, ConfigError
-from data import data_fingerprint, open_data
+from data import data_fingerprint
 from failures import RecoveryTimeline, WorkerFailure, slowest
 from fault_tolerance import grow_back, grow_back_size, recover, restore_checkpoint_through_outage
 from metrics import RunMetrics
-from ppo import global_loss_weights
+from ppo import step_loss_weights
+from rank_rows import global_digest
 from run_identity import RunIdentity
 from training_batch import synthetic_batch
 
@@ -45,7 +46,7 @@ class Trainer:
     `replayed` (step -> loss of each re-run of a step that had been committed before),
     `data_digests` (step -> SHA-256 of its global batch's tokens and loss mask, as first
     committed; a replay that reads other data logs `event=data_mismatch`), `data` (the
-    `data.Data` of data.kind mock / indexed, else None),
+    `data.Data` the ranks read, train.objective=ce: `ActorGroup.data`; else None),
     `recoveries` (list of RecoveryTimeline), `grows` (RecoveryTimeline of kind 'grow' of each
     return to the configured DP size after a shrink), `committed_step`, `checkpoints` (committed steps),
     `run` (the RunIdentity its checkpoints record; a new run unless given), `resumed_from`
@@ -57,9 +58,7 @@ class Trainer:
     def __init__(self, cfg: Config, group: ActorGroup, metrics: RunMetrics | None = None,
                  run: RunIdentity | None = None, data=None):
         self.cfg, self.group = cfg, group
-        if data is None and cfg.data.kind in ("mock", "indexed"):
-            data = open_data(cfg)
-        self.data = data  # data.Data, or None for synthetic batches
+        self.data = data if data is not None else group.data  # data.Data, or None for synthetic batches
         self.data_fingerprint = data_fingerprint(cfg)  # recorded by every checkpoint (None: synthetic)
         self.run = run or RunIdentity.new(cfg)
         self.resumed_from: int | None = None
@@ -94,13 +93,10 @@ class Trainer:
         self.fence = lambda: None
 
     def batch(self, step: int):
-        """The global batch of `step`: the data's rows (`data.Data.batch`) or, for
-        data.kind=synthetic, `synthetic_batch`; validated against the vocabulary."""
+        """The global batch of `step` for PPO on synthetic data (`synthetic_batch`), validated
+        against the vocabulary. (With train.objective=ce the ranks read their own rows.)"""
         t, m = self.cfg.train, self.cfg.model
-        if self.data is not None:
-            batch = self.data.batch(step)
-        else:
-            batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
+        batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
         batch.validate(m.vocab_size)  # a malformed batch fails here, before any rank sees it
         return batch
 
@@ -109,10 +105,7 @@ class Trainer:
         loss of each mini-batch is its `ppo.loss_agg_mode` over the whole global mini-batch, so
         the update does not depend on dp or the micro-batch split (a shrink, a reshard). The
         scale undoes the engines' mean over a replica's micro-batches and DDP's mean over dp."""
-        t, dp = self.cfg.train, self.group.dims.dp
-        scale = dp * (t.mini_batch_size // dp // t.micro_batch_size)
-        mode = "token-mean" if t.objective == "ce" else self.cfg.ppo.loss_agg_mode
-        weights = global_loss_weights(batch.loss_mask, mode, t.mini_batch_size, scale)
+        weights = step_loss_weights(batch.loss_mask, self.cfg.train, self.cfg.ppo.loss_agg_mode, self.group.dims.dp)
         return dataclasses.replace(batch, loss_weights=weights)
 
     def step_deadline(self) -> float:
@@ -157,10 +150,13 @@ class Trainer:
     def _step(self, step: int) -> float:
         self._arm_chaos(step)
         t0 = time.perf_counter()
-        batch = self.with_loss_weights(self.batch(step) if self.rollouts is None else self.experience(step))
-        self._digest = batch.digest()
-        results = self.group.call("train_step", step, batch, dispatch="mesh",
-                                  timeout=self.step_deadline())
+        if self.data is not None:  # ce: each rank reads its own rows (`rank_rows`)
+            results = self.group.call("train_step", step, dispatch="mesh", timeout=self.step_deadline())
+            self._digest = global_digest([r.pop("row_digests") for r in results])
+        else:
+            batch = self.with_loss_weights(self.batch(step) if self.rollouts is None else self.experience(step))
+            self._digest = batch.digest()
+            results = self.group.call("train_step", step, batch, dispatch="mesh", timeout=self.step_deadline())
         self.step_times.append(time.perf_counter() - t0)
         if self._resume_t is not None:  # first step after a recovery: where its time went
             parts = [r["phases"] for r in results if "phases" in r]

@@ -63,12 +63,17 @@ class TrainingBatch:
             }
         )
 
+    def row_digests(self) -> list[bytes]:
+        """Per row: SHA-256 (32 bytes) of its input_ids (as int64) then its loss_mask (as float32)."""
+        ids = self.input_ids.to("cpu", torch.int64).contiguous().numpy()
+        mask = self.loss_mask.to("cpu", torch.float32).contiguous().numpy()
+        return [hashlib.sha256(i.tobytes() + m.tobytes()).digest() for i, m in zip(ids, mask)]
+
     def digest(self) -> str:
-        """SHA-256 (hex) of input_ids (as int64) and loss_mask (as float32), row-major: equal
-        digests, equal tokens trained on with equal masks (the step's `data_digest`)."""
-        h = hashlib.sha256(self.input_ids.to("cpu", torch.int64).contiguous().numpy().tobytes())
-        h.update(self.loss_mask.to("cpu", torch.float32).contiguous().numpy().tobytes())
-        return h.hexdigest()
+        """The step's `data_digest`: `batch_digest` of `row_digests`. Equal digests, equal tokens
+        trained on with equal masks; a rank reading its own rows digests them where it reads
+        them, and the driver combines the rows' digests in global order to the same value."""
+        return batch_digest(self.row_digests())
 
     def strided(self, i: int, n: int) -> TrainingBatch:
         """Rows i, i+n, i+2n, ... (part i of n interleaved parts). Raises ValueError unless
@@ -152,6 +157,11 @@ class TrainingBatch:
                 raise ValueError(f"input_ids range [{lo}, {hi}] is outside [0, {vocab_size})")
         if (self.loss_mask[:, 0] != 0).any():
             raise ValueError("loss_mask column 0 must be 0 (no logit predicts the first token)")
+
+
+def batch_digest(row_digests: list[bytes]) -> str:
+    """SHA-256 (hex) of the rows' digests (`TrainingBatch.row_digests`) in global row order."""
+    return hashlib.sha256(b"".join(row_digests)).hexdigest()
 
 
 def _seed_of(seed: int, step: int) -> int:

@@ -39,9 +39,10 @@ step's snapshots (`snapshot_lag_s`: the backlog of background sends) before anyt
 runs. A phase stops early, noted in the JSON, when host memory use passes --max-host-mem (or
 would after one more step growing as much as the last), instead of exhausting the machine.
 
-Data: `Trainer.batch(step)` inside every timed step: synthetic batches, or with
-train.objective=ce and data.kind=indexed the step's rows read from the memory-mapped `.bin`
-(`data.Data.batch`; `main.py data stdlib` makes an offline corpus); PPO with
+Data: read inside every timed step: synthetic batches made by the driver (`Trainer.batch`),
+or with train.objective=ce each rank reads its own rows from the `.bin` (range reads, the next
+step's prefetched while this one trains: `MegatronActor.own_batch`, rank_rows.py; data.kind
+indexed: `main.py data stdlib` makes an offline corpus); PPO with
 global_batch_size == mini_batch_size makes one update per step and no old-log-prob pass.
 
 Model FLOPs per step, F_step, and the parameter counts: flops.py (`model_flops` applies them to
@@ -117,18 +118,18 @@ def model_flops(cfg) -> dict:
 # -- the two ways of running a step -------------------------------------------------------------
 def lean_step(trainer, step: int) -> float:
     """OFF: step `step` by calling `engine.train_step` on every rank directly (same batch split
-    as `MeshDispatch`); no deadline, no progress polling, no snapshots. Returns the mean loss
+    as `MeshDispatch`, or with ce each rank's own rows); no deadline, no progress polling, no snapshots. Returns the mean loss
     over DP replicas. Blocks until every rank is done."""
     import ray
 
     from dispatch import MeshDispatch, dispatch_remote
 
     def engine_step(actor, step, batch):  # runs on the actor's compute thread
-        return actor.engine.train_step(batch, step)
+        return actor.engine.train_step(actor.own_batch(step) if batch is None else batch, step)
 
     group = trainer.group
-    refs = dispatch_remote(group.handles, "__ray_call__", group.dims, MeshDispatch, engine_step,
-                           step, trainer.with_loss_weights(trainer.batch(step)))
+    batch = None if trainer.data is not None else trainer.with_loss_weights(trainer.batch(step))  # ce: ranks read
+    refs = dispatch_remote(group.handles, "__ray_call__", group.dims, MeshDispatch, engine_step, step, batch)
     results = MeshDispatch.collect(group.dims, ray.get(refs))
     return sum(r["loss"] for r in results) / len(results)
 
