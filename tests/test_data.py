@@ -198,18 +198,32 @@ def _damaged(prefix, tmp_path, which: str) -> str:
     ("too_small", ["train.global_batch_size=16384", "train.mini_batch_size=16384", "train.seq_len=64"],
      "fewer than one global batch (train.global_batch_size=16384)"),
 ])
-def test_bad_data_stops_train_with_one_line_before_ray(stdlib_corpus, tmp_path, case, sets, expected):
+def test_bad_data_stops_train_with_one_line_before_ray(stdlib_corpus, tmp_path, capsys, case, sets, expected):
+    """`main.py train` on each bad input: one line, exit 2, no Ray started. One case runs as a
+    subprocess (the CLI's exit status and stderr); the others call `main.main` in this process
+    (the same code path, without a Python start and torch import each)."""
+    import ray
+
+    import main
+
     tok, prefix = stdlib_corpus
     path = prefix + ".bin" if case == "extension" else \
         _damaged(prefix, tmp_path, case) if case in ("missing_bin", "truncated_bin", "truncated_idx", "corrupt_idx") \
         else prefix
-    proc = _cli("train", "--set", "train.objective=ce", "--set", "data.kind=indexed", "--set", f"data.path={path}",
-                "--set", f"data.tokenizer={tok}", "--set", "model.vocab_size=2048", "--set", f"run_dir={tmp_path}/run",
-                "--set", f"checkpoint.uri={tmp_path}/ckpt", *[a for s in sets for a in ("--set", s)])
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and "Ray" not in proc.stderr, proc.stderr[-2000:]
+    args = ["train", "--set", "train.objective=ce", "--set", "data.kind=indexed", "--set", f"data.path={path}",
+            "--set", f"data.tokenizer={tok}", "--set", "model.vocab_size=2048", "--set", f"run_dir={tmp_path}/run",
+            "--set", f"checkpoint.uri={tmp_path}/ckpt", *[a for s in sets for a in ("--set", s)]]
+    if case == "missing_bin":
+        proc = _cli(*args)
+        code, stderr = proc.returncode, proc.stderr
+    else:
+        started = ray.is_initialized()
+        code, stderr = main.main(args), capsys.readouterr().err
+        assert ray.is_initialized() == started, "Ray was started"
+    errors = [line for line in stderr.splitlines() if line.startswith("config error:")]
+    assert code == 2, stderr[-2000:]
+    assert len(errors) == 1 and expected in errors[0], stderr[-2000:]
+    assert "Traceback" not in stderr and "Ray" not in stderr, stderr[-2000:]
 
 
 def test_prepare_names_a_missing_column(stdlib_corpus, tmp_path):

@@ -71,6 +71,7 @@ def test_runs_at_dp_4_2_1_train_the_same(trained, mode):
     assert close(runs[2], runs[4]) and close(runs[1], runs[4]), {n: r[0] for n, r in runs.items()}
 
 
+@pytest.mark.slow  # CI keeps the resume at another dp in test_data.py (ce, the same rows and losses)
 def test_a_checkpoint_saved_at_dp4_resumes_at_dp2_as_the_run_at_dp4(trained, tmp_path):
     full, ckpt = trained(4, "ppo.loss_agg_mode=token-mean")
     resumed = run(make_cfg(tmp_path / "dp2", 2, f"checkpoint.uri={ckpt}"), 4, resume_from=str(ckpt))

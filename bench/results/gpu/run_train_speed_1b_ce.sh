@@ -7,7 +7,7 @@
 #   NAME_ppo  one-update PPO on synthetic batches (no old-log-prob pass: ppo.behaviour_pass_needed).
 # MFU counts no old-log-prob pass in either (flops.py, r = 0), as the reference's.
 # JSON headline: tokens_per_s_vs_compiled, objective, data_kind, mfu, reference_compiled_mfu, device.
-# Keeps NAME_{ce,ppo}.cmd/.log/.json in DEST.
+# Keeps NAME_{ce,ppo}.cmd/.log/.json in DEST. ONLY=ce or ONLY=ppo runs one of the two.
 # Usage (repo root, GPU machine, after `source .gpu/install.sh .gpu`):
 #   bash bench/results/gpu/run_train_speed_1b_ce.sh NAME DEST [more bench args]
 set -o pipefail
@@ -21,8 +21,8 @@ common="python3 -m bench.train_speed --warmup 1 --steps 6 --max-host-mem 0.75 --
  --set cluster.cpus_per_actor=1 --set fault_tolerance.min_step_timeout_s=60
  --set fault_tolerance.health_timeout_s=10 $MODEL_1B
  --set train.global_batch_size=16 --set train.mini_batch_size=16 --set train.micro_batch_size=8"
-keep_run "${name}_ce" "$dest" "${BENCH_TIMEOUT:-540}" 45 "$common --out $dest/${name}_ce.json
+[ "${ONLY:-ce}" = ce ] && keep_run "${name}_ce" "$dest" "${BENCH_TIMEOUT:-540}" 45 "$common --out $dest/${name}_ce.json
  --set train.objective=ce --set data.kind=indexed --set data.path=$corpus/stdlib_text_document
  --set data.tokenizer=$corpus/tokenizer $*"
-keep_run "${name}_ppo" "$dest" "${BENCH_TIMEOUT:-540}" 45 "$common --out $dest/${name}_ppo.json
+[ "${ONLY:-ppo}" = ppo ] && keep_run "${name}_ppo" "$dest" "${BENCH_TIMEOUT:-540}" 45 "$common --out $dest/${name}_ppo.json
  --set train.objective=ppo $*"
