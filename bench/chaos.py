@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench import actor_env
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
@@ -108,7 +110,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     s3 = S3Server().start()
     env = {"AWS_ENDPOINT_URL": s3.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "PYTHONPATH": str(ROOT), "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
+           "RAY_IGNORE_UNHANDLED_ERRORS": "1", **actor_env(ROOT)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
@@ -117,7 +119,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     cluster.wait_for_nodes()
     # Actors inherit the credentials from this process's environment (never via runtime_env:
     # Ray's runtime-env agent logs env_vars).
-    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": actor_env(ROOT)})
     tag = f"chaos-{int(time.time())}"
     try:
         ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, 0, [])

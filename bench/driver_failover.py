@@ -30,6 +30,7 @@ import ray
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import driver_failover  # noqa: E402
+from bench import actor_env  # noqa: E402
 
 STEPS, KILL_AT, INTERVAL = 10, 6, 4
 SETS = ["cluster.num_workers=2", "cluster.num_spares=1", f"train.steps={STEPS}",
@@ -118,9 +119,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "bench/results/driver_failover_cpu.json"))
     args = p.parse_args()
-    os.environ["PYTHONPATH"] = str(ROOT)
+    os.environ.update(actor_env(ROOT))
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             runtime_env={"env_vars": actor_env(ROOT)})
     address = ray.get_runtime_context().gcs_address
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

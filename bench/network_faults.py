@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench import actor_env
+
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ("cut_step", "cut_save", "brownout", "freeze", "kill")
 STEPS = 6
@@ -120,7 +122,7 @@ def measure(faults: list[str]) -> list[dict]:
         raise SystemExit(f"network_faults: {reason}")
     os.environ.update(RAY_ENV)  # before Ray is imported: it reads the auth mode then
     import ray
-    env = {"PYTHONPATH": str(ROOT)}
+    env = actor_env(ROOT)
     reference, rows = None, []
     for fault in faults:
         with TestBed(3, prefix="ftnet") as bed, tempfile.TemporaryDirectory(prefix="ftnet-") as tmp:
