@@ -227,6 +227,7 @@ def test_storage_outage_skips_save_and_training_goes_on(reference, tmp_path, s3_
     assert trainer.losses == reference[0]
 
 
+@pytest.mark.slow  # CI keeps the synchronous save through an outage (test_storage_outage_skips_save...)
 def test_an_async_save_writes_beside_training_through_a_storage_outage(reference, tmp_path, s3_server, caplog):
     """Storage is down when step 2's async save starts and comes back after 4 s: the write
     retries in the background while step 3 trains (the driver does not wait for it after
