@@ -149,3 +149,37 @@ def test_megatron_peer_restore_on_gpus(dp, tp, lost):
     if NGPU < dp * tp:
         pytest.skip(f"needs {dp * tp} CUDA GPUs")
     _check(spawn_ranks(_peer_restore_rank, dp * tp, dp, tp, lost, [], timeout_s=600), exact=False)
+
+
+def _dp_sum_rank(proc: int, world: int, store, dp: int, tp: int) -> dict:
+    """Rank `proc` of a tp x dp Megatron engine on gloo: `dp_sum` of [proc + 1, 10 * (proc + 1)]."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_engine import MegatronEngine
+
+    torch.set_num_threads(1)
+    cfg = _cfg(dp, tp)
+    dims = ParallelDims.from_config(cfg)
+    e = MegatronEngine(cfg)
+    e.connect(dist.PrefixStore("gen1", store), dims, proc)
+    progress = e.progress
+    total = e.dp_sum(torch.tensor([proc + 1.0, 10.0 * (proc + 1)], dtype=torch.float64))
+    out = {"sum": total.tolist(), "dtype": str(total.dtype), "device": str(total.device),
+           "progress": e.progress - progress}
+    dist.destroy_process_group()
+    return out
+
+
+def test_megatron_dp_sum_adds_over_the_dp_group_only():
+    """`MegatronEngine.dp_sum` (the masked-token counts of rows each replica read itself, with SFT
+    masks or eod_mask_loss): at tp=2 dp=2 each rank gets the sum over its own DP group (the ranks
+    of its TP position, `ParallelDims.group_ranks('dp')`), as float64 on the CPU, and counts one
+    unit of progress."""
+    dp, tp = 2, 2
+    results = spawn_ranks(_dp_sum_rank, dp * tp, dp, tp, timeout_s=300)
+    dims = ParallelDims.from_world(dp * tp, tp=tp)
+    for group in dims.group_ranks("dp"):
+        want = [float(sum(r + 1 for r in group)), float(sum(10 * (r + 1) for r in group))]
+        for r in group:
+            assert results[r] == {"sum": want, "dtype": "torch.float64", "device": "cpu", "progress": 1}, (r, results)
