@@ -96,7 +96,7 @@ class ShardSender:
             self._attached, self.couriers = {}, self.couriers + 1
         return self.courier
 
-    def _arena(self, engine, index: int):
+    def arena(self, engine, index: int):
         """Arena `index` (a `SharedArena` of at least the shard's bytes), or None while it is
         being allocated (pinned in the background on GPU; at once on CPU, where nothing is
         pinned). Call only when no send reads it."""
@@ -115,7 +115,7 @@ class ShardSender:
         """Allocate both arenas for the engine's current shard now and wait for them (raises
         what the allocation raised)."""
         for i in range(self.BUFFERS):
-            self._arena(engine, i)
+            self.arena(engine, i)
             self._arenas[i].result()
 
     def after_step(self, engine, holder, key: tuple, step: int, generation: int = 0) -> dict:
@@ -129,7 +129,7 @@ class ShardSender:
                 self._sends[index].result()
                 self.waits, self.wait_s = self.waits + 1, self.wait_s + time.perf_counter() - t0
             self._sends[index] = None
-        arena = self._arena(engine, index)
+        arena = self.arena(engine, index)
         if arena is None:
             self.skipped += 1
             log.warning("optimizer shard of step %d skipped: its host buffers are still being allocated "
@@ -166,16 +166,13 @@ class ShardSender:
             log.warning("optimizer shard of step %d not sent: %r", step, exc)
 
     def wait(self) -> None:
-        """Block until every send started has ended (sent or failed)."""
-        for f in self._sends:
-            if f is not None:
-                f.result()
+        """Block until every send started, and the connection (`connect`), have ended."""
+        self._thread.submit(lambda: None).result()  # the send thread runs them in order
 
     def close(self) -> None:
         """Wait for the sends, end the courier and free the arenas (a rank that keeps no more
         shards). The sender can be used again (a new courier and arenas)."""
         self.wait()
-        self._thread.submit(lambda: None).result()  # after a `connect` still running
         if self.courier is not None:
             ray.kill(self.courier)
         self.courier, self._attached = None, {}
