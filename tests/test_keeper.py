@@ -159,10 +159,12 @@ def test_the_keeper_bench_runs_on_cpu(tmp_path):
     import json
 
     out = tmp_path / "keeper.json"
-    run_bench("keeper", "--steps", "2", "--warmup", "1", "--out", str(out))
+    run_bench("keeper", "--blocks", "2", "--block-steps", "2", "--warmup", "1", "--breakdown", "--out", str(out))
     r = json.loads(out.read_text())
     assert r["shard_fraction"] == 0.125 and r["kept_every_step"] is True and r["redundancy_overhead_ratio"] > 0
-    assert r["cases"]["1.0"]["kept"] == {"sent": 3, "skipped": 0, "failed": 0} and "cpu" in r["device"]
+    kept = r["cases"]["1.0"]["kept"]
+    assert kept["kept"] == {"sent": 6, "skipped": 0, "failed": 0} and kept["couriers"] == 1 and "cpu" in r["device"]
+    assert len(kept["steps_s"]) == 4 and set(r["cases"]["0.125"]) >= {"off", "kept", "rollback", "copy"}
 
 
 
