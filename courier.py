@@ -65,6 +65,8 @@ class ShardCourier:
     the rank's node (`keeper.ShardSender` starts it). Calls run one at a time, in the order the
     rank made them."""
 
+    IN_FLIGHT = 2  # parts put and not yet copied by the holder
+
     def __init__(self):
         self._arenas: dict[int, torch.Tensor] = {}
 
@@ -81,8 +83,15 @@ class ShardCourier:
              part_bytes: int = PART_BYTES) -> None:
         """Put the state at `layout` (`regions`) of arena `index`, complete when called, to
         `holder` (a `SnapshotHolder`) under (`key`, `step`) as a rank of membership `generation`,
-        one part of about `part_bytes` at a time (`SnapshotHolder.put_part`). Raises what a
+        in parts of about `part_bytes` (`SnapshotHolder.put_part`), at most `IN_FLIGHT` of them
+        at once: this process serialises the next part while the holder copies the previous one
+        out of the object store, which bounds the store's share to that many parts. Raises what a
         holder call raises (the holder gone: the snapshot is then incomplete there, not shown)."""
         meta, parts = wire_parts(from_regions(layout, self._arenas[index]), part_bytes)
+        pending = []
         for i, part in enumerate(parts):
-            ray.get(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part, generation))
+            pending.append(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part,
+                                                  generation))
+            if len(pending) == self.IN_FLIGHT:
+                ray.get(pending.pop(0))
+        ray.get(pending)
