@@ -34,7 +34,8 @@ none skipped or failed, at the first fraction), "device", "engine", "params", "c
 {fraction: {"off", "kept" (, "rollback", "copy"): {"step_s", "p10_s", "p25_s", "p75_s", "p90_s",
 "steps_s", "block_s", "ratio", "ratio_p5", "ratio_p95", "block_ratio" {median, min, max}};
 "kept" also "kept" {sent, skipped, failed}, "send_waits", "send_wait_s", "couriers"; "shard_gb",
-"rollback_gb", "kept_every_step"} or {"skipped": why}}, "config"}.
+"rollback_gb", "kept_every_step", "rounds"} or {"skipped": why}}, "complete" (false: a run cut
+short, the rounds so far; the file is rewritten after each round), "config"}.
 """
 from __future__ import annotations
 
@@ -175,8 +176,9 @@ def ratio_interval(off: list[float], on: list[float], reps: int = 2000, seed: in
     return r[int(0.05 * reps)], r[int(0.95 * reps) - 1]
 
 
-def run_blocks(cases: list[Case], cfg, args, step: int) -> int:
-    """The interleaved blocks (module doc); returns the next step number."""
+def run_blocks(cases: list[Case], cfg, args, step: int, after_round=lambda: None) -> int:
+    """The interleaved blocks (module doc), `after_round()` after each round; returns the next
+    step number."""
     for block in range(args.blocks):
         for case in (cases if block % 2 == 0 else cases[::-1]):
             case.begin()
@@ -192,6 +194,7 @@ def run_blocks(cases: list[Case], cfg, args, step: int) -> int:
             case.end()
             case.steps_s += times
             case.block_s.append(statistics.median(times))
+        after_round()
     return step
 
 
@@ -237,6 +240,18 @@ def main(argv=None) -> dict:
     engine.connect(dist.PrefixStore("gen1", store), ParallelDims.from_config(cfg), 0)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # its own Ray
     device = torch.cuda.get_device_name(0) if cfg.model.engine == "megatron" else f"cpu ({os.cpu_count()} cores)"
+    params = sum(p.numel() for p in engine.model.parameters())
+
+    def write(results: dict, complete: bool) -> dict:
+        first = results.get(str(fractions[0]), {})
+        result = {"redundancy_overhead_ratio": first["kept"]["ratio"] if "kept" in first else None,
+                  "shard_fraction": fractions[0], "kept_every_step": first.get("kept_every_step", False),
+                  "device": device, "engine": cfg.model.engine, "params": params, "complete": complete,
+                  "cases": results, "config": args.sets}
+        write_json(args.out or f"bench/results/keeper_{'gpu' if cfg.model.engine == 'megatron' else 'cpu'}.json",
+                   result)
+        return result
+
     warm = Case("off", engine, None)
     for step in range(1, args.warmup + 1):
         warm.step(cfg, step)
@@ -255,13 +270,24 @@ def main(argv=None) -> dict:
         holder = SnapshotHolder.remote()
         names = ["off", "kept"] + (["rollback", "copy"] if args.breakdown and fraction == fractions[0] else [])
         cases = [Case(name, engine, holder) for name in names]
-        step = run_blocks(cases, cfg, args, step)
         kept = cases[1].sender
-        result = summary(cases)
-        result["kept"].update(kept=kept.counts(), send_waits=kept.waits, send_wait_s=kept.wait_s,
-                              couriers=kept.couriers)
-        result.update(shard_gb=shard_b / 1e9, rollback_gb=rollback_b / 1e9, kept_every_step=kept.counts() == {
-            "sent": cases[1].sent, "skipped": 0, "failed": 0})
+
+        def fraction_result():
+            result = summary(cases)
+            result["kept"].update(kept=kept.counts(), send_waits=kept.waits, send_wait_s=kept.wait_s,
+                                  couriers=kept.couriers)
+            result.update(shard_gb=shard_b / 1e9, rollback_gb=rollback_b / 1e9, rounds=len(cases[0].block_s),
+                          kept_every_step=kept.counts() == {"sent": cases[1].sent, "skipped": 0, "failed": 0})
+            return result
+
+        def after_round():  # what a run cut short by its time limit leaves
+            results[str(fraction)] = fraction_result()
+            write(results, complete=False)
+            print(f"  round {len(cases[0].block_s)}: " + ", ".join(
+                f"{c.name} {statistics.median(c.block_s[-1:]):.4f} s" for c in cases), flush=True)
+
+        step = run_blocks(cases, cfg, args, step, after_round)
+        result = fraction_result()
         for case in cases:
             if case.sender is not None:
                 case.sender.sender.close() if isinstance(case.sender, CopyOnly) else case.sender.close()
@@ -277,12 +303,7 @@ def main(argv=None) -> dict:
                   f"{r['ratio_p5']:8.3f}-{r['ratio_p95']:.3f}{b['median']:8.3f} ({b['min']:.3f}-{b['max']:.3f})")
         print(f"  kept {kept.counts()}, {kept.waits} send waits ({kept.wait_s:.3f} s), {kept.couriers} courier(s)",
               flush=True)
-    first = results[str(fractions[0])]
-    result = {"redundancy_overhead_ratio": first["kept"]["ratio"] if "kept" in first else None,
-              "shard_fraction": fractions[0], "kept_every_step": first.get("kept_every_step", False),
-              "device": device, "engine": cfg.model.engine,
-              "params": sum(p.numel() for p in engine.model.parameters()), "cases": results, "config": args.sets}
-    write_json(args.out or f"bench/results/keeper_{'gpu' if cfg.model.engine == 'megatron' else 'cpu'}.json", result)
+    result = write(results, complete=True)
     print(f"redundancy_overhead_ratio {result['redundancy_overhead_ratio']} at shard fraction {fractions[0]}, "
           f"kept_every_step {result['kept_every_step']}, {device}")
     ray.shutdown()

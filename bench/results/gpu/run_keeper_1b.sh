@@ -4,9 +4,10 @@
 # distributed optimizer), 16 sequences x 2048 tokens per step (one GPU's share of that script's
 # global batch 32 at dp=2; one optimizer step, micro-batches of 2). The shard keeper at the shard
 # size of dp=8 (1/8 of the optimizer state, sent every step by the courier process) against no
-# keeper, interleaved in one process: 3 warm-up steps, then 10 rounds of one block per case
-# (1 untimed + 7 timed steps each): 70 timed steps per case, about 170 steps in all (~4 min with
-# the start). Prints the table; keeps NAME.cmd/.log/.json in DEST. More bench args (e.g.
+# keeper, interleaved in one process: 3 warm-up steps, then 8 rounds of one block per case
+# (1 untimed + 6 timed steps each): 48 timed steps per case, about 115 steps in all (~3-4 min with
+# the start). Prints the table; keeps NAME.cmd/.log/.json in DEST (the JSON rewritten after each
+# round: a run cut short by BENCH_TIMEOUT leaves "complete": false). More bench args (e.g.
 # --breakdown, --fractions 0.125,1) are passed on; BENCH_TIMEOUT (s) bounds the run.
 # Usage (repo root, GPU machine, after `source .gpu/install.sh .gpu`):
 #   bash bench/results/gpu/run_keeper_1b.sh NAME DEST [more bench args]
@@ -15,5 +16,5 @@ source "$(dirname "$0")/bench_lib.sh"
 name=$1 dest=$2
 shift 2
 keep_run "$name" "$dest" "${BENCH_TIMEOUT:-345}" 30 "python3 -m bench.keeper --fractions 0.125 --warmup 3
- --blocks 10 --block-steps 7 --settle 1 --out $dest/$name.json $MODEL_1B
+ --blocks 8 --block-steps 6 --settle 1 --out $dest/$name.json $MODEL_1B
  --set train.global_batch_size=16 --set train.mini_batch_size=16 --set train.micro_batch_size=2 $*"
