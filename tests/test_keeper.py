@@ -5,6 +5,7 @@ keeper (shard): 0 committed steps lost, no checkpoint read, the final state bitw
 run without failure. The shard leaves the rank through shared memory and a courier process
 (courier.py): a courier killed is replaced, and no arena outlives the run or a SIGKILLed rank.
 Real Ray actors, gloo groups and holders."""
+import contextlib
 import os
 import signal
 import time
@@ -31,9 +32,10 @@ def make_cfg(tmp_path, *overrides, workers: int = 2, spares: int = 1):
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", ZERO, *overrides]), num_gpus=0)
 
 
-def run(cfg, kill_ranks=(), steps: int = 4):
-    """Train 2 steps (a checkpoint of step 1 committed), kill `kill_ranks` once step 2's shards
-    are kept, train to `steps`. Returns (trainer, final digests)."""
+@contextlib.contextmanager
+def two_steps(cfg):
+    """An ActorGroup and Trainer that trained 2 steps (a checkpoint of step 1 committed) and,
+    with the keeper, whose keepers hold step 2's shards; the group is shut down on exit."""
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
@@ -42,12 +44,18 @@ def run(cfg, kill_ranks=(), steps: int = 4):
         trainer.train(2)
         if cfg.fault_tolerance.shard_keeper:
             wait_for_shards(group, 2)
+        yield group, trainer
+    finally:
+        group.shutdown()
+
+
+def run(cfg, kill_ranks=(), steps: int = 4):
+    """`two_steps`, kill `kill_ranks`, train to `steps`. Returns (trainer, final digests)."""
+    with two_steps(cfg) as (group, trainer):
         for r in kill_ranks:
             ray.kill(group.workers[r].handle, no_restart=True)
         trainer.train(steps)
         return trainer, group.state_digests()
-    finally:
-        group.shutdown()
 
 
 # -- pure decisions ------------------------------------------------------------------------------
@@ -113,6 +121,17 @@ def arena_mappers(pid: int) -> list[int]:
     return out
 
 
+def unmapped(pids: list[int], timeout_s: float = 60.0) -> bool:
+    """Whether, within `timeout_s` (a liveness bound: a process ends a moment after Ray says
+    so), no process maps an arena of the ranks with pids `pids`."""
+    deadline = time.monotonic() + timeout_s
+    while any(arena_mappers(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 # -- real runs -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference(ray_session, tmp_path_factory):
@@ -174,14 +193,7 @@ def test_a_killed_courier_is_replaced_and_a_sigkilled_rank_leaves_no_arena(refer
     + keeper with 0 steps lost, losses and final states bitwise as the run without failure.
     Its arenas go with it (its courier ends with its owner; no process maps them), and after
     the run no rank's arenas are mapped anywhere."""
-    cfg = make_cfg(tmp_path)
-    group = ActorGroup(cfg)
-    try:
-        trainer = Trainer(cfg, group)
-        trainer.train(1)
-        trainer.save(1)
-        trainer.train(2)
-        wait_for_shards(group, 2)
+    with two_steps(make_cfg(tmp_path)) as (group, trainer):
         rank1 = group.workers[1].handle
         courier = ray.get(rank1.__ray_call__.remote(lambda a: a._shards.courier))
         ray.kill(courier, no_restart=True)
@@ -201,11 +213,6 @@ def test_a_killed_courier_is_replaced_and_a_sigkilled_rank_leaves_no_arena(refer
         assert group.state_digests() == reference[1]
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(new_courier.node_id.remote(), timeout=60)  # ended with the rank that owned it
-        assert arena_mappers(pids[1]) == []
+        assert unmapped([pids[1]])
         pids += ray.get([w.handle.__ray_call__.remote(lambda a: os.getpid()) for w in group.workers])
-    finally:
-        group.shutdown()
-    deadline = time.monotonic() + 60  # liveness bound: processes exit after shutdown returns
-    while any(arena_mappers(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(arena_mappers(p) for p in pids)
+    assert unmapped(pids)
