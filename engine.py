@@ -146,11 +146,16 @@ class Engine(Protocol):
     def load_state(self, state: dict) -> None:
         """Make `state` (a `start_host_copy` state of the same rank position) the live state."""
 
-    def start_shard_copy(self) -> HostCopy | None:
+    def shard_nbytes(self) -> int:
+        """Bytes of host memory `start_shard_copy` needs for this rank's optimizer shard now."""
+
+    def start_shard_copy(self, arena: torch.Tensor) -> HostCopy | None:
         """As `start_host_copy`, of this rank's optimizer shard only (with a sharded optimizer,
         `model.distributed_optimizer`: the part of the state no DP peer holds) and the step, for
-        its keeper (keeper.py). None without a sharded optimizer or while its buffers are not
-        ready."""
+        its keeper (keeper.py), into buffers carved from `arena` (uint8 host memory of at least
+        `shard_nbytes()` bytes, e.g. a `host_memory.SharedArena`'s; the caller is done with the
+        copy it held before). None without a sharded optimizer. Raises ValueError when `arena`
+        is too small."""
 
     def load_shard(self, state: dict) -> None:
         """Make `state` (a `start_shard_copy` state of the same rank position) the live optimizer

@@ -143,3 +143,44 @@ def pin_in_background(nbytes: int) -> concurrent.futures.Future:
     """`pinned_empty(nbytes)` in the allocator thread, registered by this thread's device."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     return _ALLOCATOR.submit(pinned_empty, nbytes, device)
+
+
+class SharedArena:
+    """uint8 [nbytes] host memory (`tensor`) that another process of this node can map
+    (`attach_shared`): an anonymous memory file (memfd, named `name` in /proc/PID/maps, no path
+    under /dev/shm), page-locked with cudaHostRegister where CUDA exists, so device-to-host
+    copies into it are asynchronous. Nothing to clean up after any exit: the kernel frees the
+    memory when the last descriptor and mapping of it are gone (a SIGKILLed owner included).
+    The descriptor stays open while this object lives, so a process that maps it later (a new
+    courier) can still do so through `path`."""
+
+    def __init__(self, nbytes: int, name: str = "shard-keeper", device: int | None = None):
+        self.nbytes, self.fd = nbytes, os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, max(nbytes, 1))
+        owner = _PinnedMap(self.fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+        self.tensor = torch.frombuffer(owner, dtype=torch.uint8)[:nbytes].zero_()
+        if torch.cuda.is_available() and nbytes:
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                owner.register(self.tensor.data_ptr())
+
+    @property
+    def path(self) -> str:
+        """Where another process of this node opens the memory (while this object lives)."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def __del__(self):
+        os.close(self.fd)  # the mapping (kept alive by `tensor`'s views) stays valid
+
+
+def attach_shared(path: str, nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] view of another process's `SharedArena` at `path` (`SharedArena.path`),
+    mapped shared: the owner's writes are seen here. Raises OSError when the owner is gone."""
+    with open(path, "r+b") as f:
+        memory = mmap.mmap(f.fileno(), max(nbytes, 1), flags=mmap.MAP_SHARED)
+    return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes]
+
+
+def share_in_background(nbytes: int, name: str) -> concurrent.futures.Future:
+    """`SharedArena(nbytes, name)` in the allocator thread, registered by this thread's device."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return _ALLOCATOR.submit(SharedArena, nbytes, name, device)

@@ -6,16 +6,29 @@ sends it in the background to its keeper: the `snapshots.SnapshotHolder` of anot
 replaced rank the parameters from a DP peer (a broadcast) and its shard from its keeper
 (`fault_tolerance.plan_restore`, source `peer+keeper`): no committed step lost, no checkpoint read.
 
-Every step's shard is kept: the send of step k overlaps step k+1, and a rank waits for it before
-it copies step k+1's shard (a wait only when a send is slower than a step). The keeper has step
-k's shard about one send time after step k ends; a rank lost inside that window is restored from
-the newest checkpoint instead (the shard of another step would not match the peer's parameters).
+Every step's shard is kept: the rank copies it into one of two shared host arenas and a courier
+process on its node (courier.py) sends it while the next steps run; a rank waits only when its
+arena's previous send (that of step k-2) has not ended, i.e. when sends are slower than steps.
+The keeper has step k's shard about one send time after step k ends; a rank lost inside that
+window is restored from the newest checkpoint instead (the shard of another step would not match
+the peer's parameters).
 """
 from __future__ import annotations
 
-from typing import Callable
+import concurrent.futures
+import logging
+import os
+import time
 
-from snapshots import SnapshotSender
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from courier import ShardCourier, regions
+from host_memory import SharedArena, share_in_background
+from snapshots import PART_BYTES
+
+log = logging.getLogger(__name__)
 
 SHARD = "shard"  # first element of a kept shard's holder key (full snapshots have none)
 
@@ -44,26 +57,127 @@ def keeper_node(node: str, nodes: list[str]) -> str:
 
 
 class ShardSender:
-    """A rank's side of the keeper: after each step, copy the optimizer shard (`Engine.
-    start_shard_copy`) and send it to the keeper in the background (`SnapshotSender`), having
-    first waited for the previous step's send, so no step's shard is skipped. A copy whose host
-    buffers are not ready yet (still being pinned after a join) is skipped and counted."""
+    """A rank's side of the keeper: after each step, copy the optimizer shard into one of two
+    shared host arenas (`Engine.start_shard_copy`, asynchronous on GPU) and return; a thread of
+    the rank waits for the copy and hands the send to the rank's `courier.ShardCourier` (a
+    process of its own on this node), so the training thread neither serialises nor sends.
+    Double-buffered: step k+1 copies into the other arena while step k's is being sent; a rank
+    waits (counted in `waits`, `wait_s`) only when a send is slower than a step, so no step's
+    shard is skipped. A copy whose arena is still being allocated (pinned after a join) is
+    skipped and counted. A courier that dies is replaced and the send retried once from the same
+    arena (`couriers` counts the couriers started); a send that fails anyway (its keeper gone)
+    is counted in `failed` and logged."""
 
-    def __init__(self):
-        self.sender = SnapshotSender(what="optimizer shard")
+    BUFFERS = 2
+
+    def __init__(self, part_bytes: int = PART_BYTES):
+        self.part_bytes = part_bytes
+        self.sent = self.skipped = self.failed = self.waits = self.couriers = 0
+        self.wait_s = 0.0
+        self.courier = None
+        self._attached: dict[int, object] = {}  # arena index -> the SharedArena the courier maps there
+        self._arenas: list[concurrent.futures.Future | None] = [None] * self.BUFFERS
+        self._sends: list[concurrent.futures.Future | None] = [None] * self.BUFFERS
+        self._next = 0
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-send")
 
     def connect(self, holder) -> None:
-        """First call to the keeper, in the background (see `SnapshotSender.connect`)."""
-        self.sender.connect(holder)
+        """Start the courier and make the first calls to it and to `holder` in the background:
+        an actor's start and a first call take seconds on a busy machine, which the first
+        steps' sends would otherwise wait for."""
+        self._thread.submit(lambda: ray.get([self._courier().node_id.remote(), holder.node_id.remote()]))
 
-    def after_step(self, engine, holder, key: tuple, step: int,
-                   before_last_part: Callable[[], None] = lambda: None) -> dict:
-        """Send the shard of committed step `step` to `holder` under `key`; returns the counts
-        so far ({"sent", "skipped", "failed"})."""
-        self.sender.wait()
-        copy = engine.start_shard_copy()
-        if copy is None:
-            self.sender.skip(step, "its host buffers are still being allocated")
-        else:
-            self.sender.send(holder, key, step, copy, before_last_part)
-        return self.sender.counts()
+    def _courier(self):
+        """This rank's courier, started on this node when there is none (send thread only)."""
+        if self.courier is None:
+            node = ray.get_runtime_context().get_node_id()
+            self.courier = ShardCourier.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node, soft=False)).remote()
+            self._attached, self.couriers = {}, self.couriers + 1
+        return self.courier
+
+    def arena(self, engine, index: int):
+        """Arena `index` (a `SharedArena` of at least the shard's bytes), or None while it is
+        being allocated (pinned in the background on GPU; at once on CPU, where nothing is
+        pinned). Call only when no send reads it."""
+        need, future = engine.shard_nbytes(), self._arenas[index]
+        if future is None or future.done() and (future.exception() or future.result().nbytes < need):
+            name = f"shard-keeper-{os.getpid()}-{index}"
+            if torch.cuda.is_available():
+                future = share_in_background(need, name)
+            else:
+                future = concurrent.futures.Future()
+                future.set_result(SharedArena(need, name))
+            self._arenas[index] = future
+        return future.result() if future.done() else None
+
+    def prepare(self, engine) -> None:
+        """Allocate both arenas for the engine's current shard now and wait for them (raises
+        what the allocation raised)."""
+        for i in range(self.BUFFERS):
+            self.arena(engine, i)
+            self._arenas[i].result()
+
+    def after_step(self, engine, holder, key: tuple, step: int, generation: int = 0) -> dict:
+        """Send the shard of committed step `step` to `holder` (a `SnapshotHolder`) under `key`,
+        as a rank of membership `generation` (`SnapshotHolder.drop_after`); returns the counts
+        so far (`counts`)."""
+        index = self._next
+        if self._sends[index] is not None:
+            if not self._sends[index].done():
+                t0 = time.perf_counter()
+                self._sends[index].result()
+                self.waits, self.wait_s = self.waits + 1, self.wait_s + time.perf_counter() - t0
+            self._sends[index] = None
+        arena = self.arena(engine, index)
+        if arena is None:
+            self.skipped += 1
+            log.warning("optimizer shard of step %d skipped: its host buffers are still being allocated "
+                        "(%d skipped, %d sent so far)", step, self.skipped, self.sent)
+            return self.counts()
+        copy = engine.start_shard_copy(arena.tensor)
+        layout = regions(copy.state, arena.tensor)
+        self._sends[index] = self._thread.submit(self._send, holder, key, step, index, arena, copy, layout,
+                                                 generation)
+        self._next = (index + 1) % self.BUFFERS
+        return self.counts()
+
+    def _send(self, holder, key, step, index, arena, copy, layout, generation) -> None:
+        """Send thread: wait for the copy, then have the courier send it (a new courier, once,
+        if it died); counts the outcome."""
+        try:
+            copy.wait()
+            for attempt in range(2):
+                courier = self._courier()
+                try:
+                    if self._attached.get(index) is not arena:
+                        ray.get(courier.attach.remote(index, arena.path, arena.nbytes))
+                        self._attached[index] = arena
+                    ray.get(courier.send.remote(holder, key, step, index, layout, generation, self.part_bytes))
+                    self.sent += 1
+                    return
+                except ray.exceptions.RayActorError as exc:
+                    if isinstance(exc, ray.exceptions.RayTaskError) or attempt:
+                        raise  # raised in the courier (its holder call), or a second courier lost
+                    log.warning("the shard courier died (%r): starting another, sending step %d again", exc, step)
+                    self.courier = None
+        except Exception as exc:  # noqa: BLE001 (a lost shard is not a failure of the rank)
+            self.failed += 1
+            log.warning("optimizer shard of step %d not sent: %r", step, exc)
+
+    def wait(self) -> None:
+        """Block until every send started, and the connection (`connect`), have ended."""
+        self._thread.submit(lambda: None).result()  # the send thread runs them in order
+
+    def close(self) -> None:
+        """Wait for the sends, end the courier and free the arenas (a rank that keeps no more
+        shards). The sender can be used again (a new courier and arenas)."""
+        self.wait()
+        if self.courier is not None:
+            ray.kill(self.courier)
+        self.courier, self._attached = None, {}
+        self._arenas, self._sends = [None] * self.BUFFERS, [None] * self.BUFFERS
+
+    def counts(self) -> dict:
+        """{"sent", "skipped", "failed"} so far."""
+        return {"sent": self.sent, "skipped": self.skipped, "failed": self.failed}

@@ -263,6 +263,8 @@ class MegatronActor:
                                               self.cfg.fault_tolerance.shard_keeper, dims.dp) else None
         if self._keeper is not None:
             self._shards.connect(holder)
+        else:
+            self._shards.close()  # no shard kept in this layout: its courier and arenas go
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
         return {"rendezvous_s": t1 - t0, **phases}
 
@@ -330,7 +332,8 @@ class MegatronActor:
             result["memory_snapshots"] = self._sender.counts()
         if self._keeper is not None:
             result["kept_shards"] = self._shards.after_step(self.engine, self._keeper,
-                                                            shard_key(str(self.dims), self.rank), step)
+                                                            shard_key(str(self.dims), self.rank), step,
+                                                            self.generation)
         return result
 
     def own_batch(self, step: int):

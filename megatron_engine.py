@@ -154,8 +154,7 @@ class MegatronEngine:
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
         self._send_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_host_copy`
         self._send_buffers: dict | None = None  # its buffers (views of the arena) for this layout
-        self._shard_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_shard_copy`
-        self._shard_buffers: dict | None = None  # its buffers for this layout
+        self._shard_buffers: dict[int, dict] = {}  # `start_shard_copy`'s buffers, by arena address
         self._save_plans: SavePlanCache | None = None  # of this optimizer's layout, see `save_checkpoint`
         self._connected = False
         self._interrupt = StepInterrupt()  # hooks on each model `_build` makes
@@ -757,22 +756,28 @@ class MegatronEngine:
         state = self._train_state()
         return {"optimizer": state["optimizer"], "sched_steps": state["sched_steps"], "step": state["step"]}
 
-    def start_shard_copy(self) -> HostCopy | None:
-        """As `start_host_copy`, of `_shard_state` only, into pinned buffers of its own (pinned
-        in the background at the first call: None until they are). None without the distributed
-        optimizer (every DP peer holds the whole optimizer state)."""
+    def shard_nbytes(self) -> int:
+        """Bytes of an arena that `start_shard_copy` copies the shard into (`carve`'s size)."""
+        return state_nbytes(self._shard_state())
+
+    def start_shard_copy(self, arena: torch.Tensor) -> HostCopy | None:
+        """As `start_host_copy`, of `_shard_state` only, into buffers carved from `arena` (uint8
+        host memory of at least `shard_nbytes()` bytes, pinned for an asynchronous copy; the
+        caller is done with its previous copy). None without the distributed optimizer (every DP
+        peer holds the whole optimizer state). Raises ValueError when `arena` is too small."""
         if not self.cfg.model.distributed_optimizer:
             return None
         state = self._shard_state()
-        if self._shard_buffers is None or not same_layout(self._shard_buffers, state):
-            self._shard_buffers = None
-            arena, need = self._shard_arena, state_nbytes(state)
-            if arena is None or arena.done() and (arena.exception() or arena.result().numel() < need):
-                self._shard_arena = pin_in_background(need)
-            if not self._shard_arena.done():
-                return None
-            self._shard_buffers = carve(state, self._shard_arena.result())  # raises if pinning failed
-        into = self._host_copy_async(state, self._shard_buffers)
+        into = self._shard_buffers.get(arena.data_ptr())
+        if into is None or not same_layout(into, state):
+            into = carve(state, arena)
+            if into is None:
+                raise ValueError(f"start_shard_copy: arena of {arena.numel()} bytes, the shard needs "
+                                 f"{state_nbytes(state)} (shard_nbytes)")
+            while len(self._shard_buffers) >= 2:  # the sender's two arenas; older ones are freed
+                self._shard_buffers.pop(next(iter(self._shard_buffers)))
+            self._shard_buffers[arena.data_ptr()] = into
+        into = self._host_copy_async(state, into)
         return HostCopy(into, self._copy_done.synchronize if self._copy_done is not None else lambda: None)
 
     def load_shard(self, state: dict) -> None:

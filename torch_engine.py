@@ -35,7 +35,7 @@ from checkpoint import check_compatible
 from config import Config
 from comms import abort_process_groups, left_collective, recording_new_sockets, shutdown_sockets
 from engine import StepInterrupt, state_digest
-from host_memory import HostCopy
+from host_memory import HostCopy, carve, state_nbytes, state_tensors
 from parallel_dims import ParallelDims
 from ppo import behaviour_pass_needed, ce_objective, ppo_objective, token_entropy, token_log_probs
 from training_batch import TrainingBatch
@@ -550,10 +550,23 @@ class TorchEngine:
         copy's buffers (SnapshotSender sends one at a time)."""
         return self._start_copy("all", self._train_state())
 
-    def start_shard_copy(self) -> HostCopy | None:
+    def shard_nbytes(self) -> int:
+        """Bytes of an arena that `start_shard_copy` copies the shard into (`carve`'s size)."""
+        return state_nbytes(self._shard_state())
+
+    def start_shard_copy(self, arena: torch.Tensor) -> HostCopy | None:
         """As `start_host_copy`, of this rank's optimizer shard only (`_shard_state`: what no DP
-        peer holds), into buffers of its own; None without ZeRO (no shard)."""
-        return self._start_copy("shard", self._shard_state()) if self.zero else None
+        peer holds), into buffers carved from `arena` (uint8 host memory of at least
+        `shard_nbytes()` bytes); None without ZeRO (no shard). Raises ValueError when `arena`
+        is too small."""
+        if not self.zero:
+            return None
+        state = self._shard_state()
+        into = carve(state, arena)
+        if into is None:
+            raise ValueError(f"start_shard_copy: arena of {arena.numel()} bytes, the shard needs "
+                             f"{state_nbytes(state)} (shard_nbytes)")
+        return self._start_copy("shard", state, state_tensors(into))
 
     def _shard_state(self) -> dict:
         """This rank's ZeRO optimizer shard (its local AdamW's state, references) and the step."""
@@ -567,15 +580,18 @@ class TorchEngine:
         self._wait_host_copy()
         self._local_optimizer().load_state_dict(copy.deepcopy(state["optimizer"]))
 
-    def _start_copy(self, part: str, live: dict) -> HostCopy:
-        """`start_host_copy` of the state `live` into the buffers kept for `part`."""
+    def _start_copy(self, part: str, live: dict, buffers: list[torch.Tensor] | None = None) -> HostCopy:
+        """`start_host_copy` of the state `live` into `buffers` (one per tensor of `live`, in
+        order) or, with None, the buffers kept for `part`."""
         self._wait_host_copy()
         leaves, spec = torch.utils._pytree.tree_flatten(live)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        self._allocate_host_buffers(tensors, part)
-        buffers = iter(self._host_buffers[part])
+        if buffers is None:
+            self._allocate_host_buffers(tensors, part)
+            buffers = self._host_buffers[part]
+        it = iter(buffers)
         state = torch.utils._pytree.tree_unflatten(
-            [next(buffers) if isinstance(x, torch.Tensor) else copy.deepcopy(x) for x in leaves], spec)
+            [next(it) if isinstance(x, torch.Tensor) else copy.deepcopy(x) for x in leaves], spec)
         done, errors = threading.Event(), []
 
         def run(pairs):
@@ -595,7 +611,7 @@ class TorchEngine:
                 raise RuntimeError(f"host copy of step {state['step']} failed: {errors[0]!r}") from errors[0]
 
         self._host_copies = [e for e in self._host_copies if not e.is_set()] + [done]
-        threading.Thread(target=run, args=(list(zip(self._host_buffers[part], tensors)),), daemon=True,
+        threading.Thread(target=run, args=(list(zip(buffers, tensors, strict=True)),), daemon=True,
                          name="snapshot-copy").start()
         return HostCopy(state, wait)
 

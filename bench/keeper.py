@@ -4,35 +4,45 @@ training without it.
 With a sharded optimizer at dp ranks, a rank keeps, per step: a rollback snapshot of its params
 and optimizer shard (Megatron, `engine.snapshot()`; the torch engine takes one anyway), and a
 copy of its shard sent to its keeper (`keeper.ShardSender.after_step`: a side-stream copy into
-pinned buffers overlapped with the next step, a background send to a `SnapshotHolder` actor,
-and a wait for the previous send before the next copy, so no step's shard is skipped). One
-device has no dp=8: the shard size is emulated by `--fractions` (each optimizer tensor cut to
-its first fraction of elements, so the copies and the send move a dp=1/fraction rank's bytes;
-the params are copied whole, as a real rank's are).
+one of two shared pinned arenas, sent by a courier process of this node to a `SnapshotHolder`
+actor while the next steps run, courier.py). One device has no dp=8: the shard size is emulated
+by `--fractions` (each optimizer tensor cut to its first fraction of elements, so the copies and
+the send move a dp=1/fraction rank's bytes; the params are copied whole, as a real rank's are).
 
-Phases, one engine (world of one rank, its own process group), consecutive steps: `off` (the
-default training without keeper: `engine.snapshot()` + `train_step`), then for each fraction
-`kept` (the rollback snapshot + `train_step` + the shard sent to a real `SnapshotHolder` actor
-in a local Ray). `--warmup` steps of each phase untimed; step_s = median of `--steps` timed
-steps, each from the snapshot to the send's start (what the actor's `train_step` does).
-The holder runs on this host (a real keeper is on another node: the send crosses the network).
-A fraction whose host memory (rollback + send buffers + 3 copies at the holder) would pass
-half of the available memory is skipped and noted.
+Cases, one engine (world of one rank, its own process group): `off` (training without keeper:
+no rollback snapshot, nothing kept), `kept` (the rollback snapshot + the shard kept every step);
+with `--breakdown` also `rollback` (the rollback snapshot only) and `copy` (rollback + the
+shard's copy into the arenas, nothing sent). Why interleaved: step times drift by 10-30% over a
+run (clocks, the host), more than the 3% to resolve, so the cases run in `--blocks` blocks of
+`--settle` untimed + `--block-steps` timed steps each, in the order A B ... then ... B A (each
+block reversed), all in one process, after `--warmup` untimed steps. A step's time is the wall
+time from the end of the previous step to the end of this one (no device sync in a block: what
+a training loop sees, the copies' spill-over into the next step included). The keeper's sends
+are drained (untimed) at the end of each `kept` block, so none overlaps another case's steps.
+Per case: the median and the 10/25/75/90th percentiles of its timed steps and each block's
+median; ratio = median / off's median, with a 90% bootstrap interval (steps resampled within
+each case) and the median, min and max of the per-block ratios (each block against the off
+block of the same round). The holder runs on this host (a real keeper is on another node: the
+send crosses the network). A fraction whose host memory (rollback + 2 arenas + 3 copies at
+the holder + 1 in flight) would pass half of the available memory is skipped and noted.
 
-Usage (repository root): python -m bench.keeper [--fractions 0.125,1] [--steps 8] [--warmup 2]
-                                                [--breakdown] [--set a.b=v ...] [--out PATH]
-JSON: {"redundancy_overhead_ratio" (kept.step_s / off.step_s at the first fraction),
-"shard_fraction", "kept_every_step" (every timed and warm-up step's shard sent, none skipped or
-failed, at the first fraction), "device", "engine", "params", "off": {"step_s", "steps_s"},
-"cases": {fraction: {"step_s", "steps_s", "ratio", "shard_gb", "rollback_gb", "kept":
-{sent, skipped, failed}, "kept_every_step", "send_wait_s"} or {"skipped": why}; with --breakdown
-also "FRACTION:rollback", ":copy", ":send_only" (see `kept_case`)}, "config"}.
+Usage (repository root): python -m bench.keeper [--fractions 0.125,1] [--blocks 8] [--block-steps 6]
+    [--settle 1] [--warmup 3] [--breakdown] [--set a.b=v ...] [--out PATH]
+JSON: {"redundancy_overhead_ratio" (kept / off median step time at the first fraction),
+"shard_fraction", "kept_every_step" (every step of every kept block, settle steps included, sent,
+none skipped or failed, at the first fraction), "device", "engine", "params", "cases":
+{fraction: {"off", "kept" (, "rollback", "copy"): {"step_s", "p10_s", "p25_s", "p75_s", "p90_s",
+"steps_s", "block_s", "ratio", "ratio_p5", "ratio_p95", "block_ratio" {median, min, max}};
+"kept" also "kept" {sent, skipped, failed}, "send_waits", "send_wait_s", "couriers"; "shard_gb",
+"rollback_gb", "kept_every_step", "rounds"} or {"skipped": why}}, "complete" (false: a run cut
+short, the rounds so far; the file is rewritten after each round), "config"}.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
+import random
 import socket
 import statistics
 import sys
@@ -68,13 +78,21 @@ def emulate_shard(engine, fraction: float) -> None:
     """Make `engine` keep and send a 1/fraction-rank's share of its optimizer state: Megatron's
     `_train_state` (its rollback snapshot and `_shard_state` read it) with the optimizer cut,
     and the rollback snapshot kept (a real rank keeps it at dp >= 2); the torch engine's
-    `_shard_state` cut (its rollback copy is whole in every phase)."""
+    `_shard_state` cut (its rollback copy is whole in every phase). Megatron's cut views are
+    cached (cutting ~1000 tensors per call would add tens of ms per step to the kept cases:
+    the bench's cost, not the keeper's)."""
     if hasattr(engine, "_keeps_rollback"):
         whole = type(engine)._train_state.__get__(engine)
 
+        views = {}  # the cut views, made again only when the optimizer's tensors are others
+
         def train_state():
             state = whole()
-            return {**state, "optimizer": cut(state["optimizer"], fraction)}
+            ids = tuple(map(id, torch.utils._pytree.tree_leaves(state["optimizer"])))
+            if ids not in views:
+                views.clear()
+                views[ids] = cut(state["optimizer"], fraction)
+            return {**state, "optimizer": views[ids]}
         engine._train_state = train_state
         engine._keeps_rollback = lambda: True
         engine._snapshot = None  # laid out for the previous fraction
@@ -89,92 +107,127 @@ def sync(engine) -> None:
 
 
 class CopyOnly:
-    """The `ShardSender.after_step` of case `copy`: the shard's host copy without the send (the
-    previous copy waited for first, as the sender waits for its send)."""
+    """The `ShardSender` of case `copy`: the shard copied into its arenas each step, not sent
+    (each arena's previous copy waited for first)."""
 
     def __init__(self):
-        self.copy = None
-        self.sender = ShardSender().sender  # counts only: nothing is sent
+        self.sender = ShardSender()
+        self.copies = [None] * ShardSender.BUFFERS
 
     def after_step(self, engine, holder, key, step):
-        if self.copy is not None:
-            self.copy.wait()
-        self.copy = engine.start_shard_copy()
+        i = step % len(self.copies)
+        if self.copies[i] is not None:
+            self.copies[i].wait()
+        self.copies[i] = engine.start_shard_copy(self.sender.arena(engine, i).tensor)
         self.sender.sent += 1
 
+    def wait(self):
+        for c in filter(None, self.copies):
+            c.wait()
 
-def phase(engine, cfg, first: int, warmup: int, steps: int, keep=None) -> tuple[list[float], int, float]:
-    """Run steps first.. first+warmup+steps-1; returns (timed step seconds, next step, seconds
-    of the timed steps spent waiting for the previous step's send). `keep`: (ShardSender or
-    `CopyOnly`, holder) sending each step's shard."""
-    t, m = cfg.train, cfg.model
-    times, waited = [], 0.0
-    for step in range(first, first + warmup + steps):
+
+class Case:
+    """One case's per-step work around `train_step` (see the module doc) and its timings."""
+
+    def __init__(self, name: str, engine, holder):
+        self.name, self.engine, self.holder = name, engine, holder
+        self.steps_s, self.block_s, self.sender = [], [], None
+        if name == "kept":
+            self.sender = ShardSender()
+            self.sender.connect(holder)
+        elif name == "copy":
+            self.sender = CopyOnly()
+        if self.sender is not None:  # arenas pinned, courier started before timing (done at join in a run)
+            (self.sender if name == "kept" else self.sender.sender).prepare(engine)
+            self.sender.wait()
+        self.sent = 0  # steps whose shard this case started to keep
+
+    def begin(self) -> None:
+        if hasattr(self.engine, "_keeps_rollback"):
+            rollback = self.name != "off"
+            self.engine._keeps_rollback = lambda: rollback
+
+    def step(self, cfg, step: int) -> None:
+        t, m = cfg.train, cfg.model
         batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
-        sync(engine)
-        t0 = time.perf_counter()
-        engine.snapshot()
-        engine.train_step(batch, step)
-        if keep is not None:
-            tw = time.perf_counter()
-            keep[0].sender.wait()
-            if step >= first + warmup:
-                waited += time.perf_counter() - tw
-            keep[0].after_step(engine, keep[1], shard_key("bench", 0), step)
-        t1 = time.perf_counter()
-        if step >= first + warmup:
-            times.append(t1 - t0)
-    return times, first + warmup + steps, waited
+        self.engine.snapshot()
+        self.engine.train_step(batch, step)
+        if self.sender is not None:
+            self.sender.after_step(self.engine, self.holder, shard_key("bench", 0), step)
+            self.sent += 1
+
+    def end(self) -> None:
+        """Drain the sends and copies in flight (untimed) and wait for the device."""
+        if self.sender is not None:
+            self.sender.wait()
+        sync(self.engine)
 
 
-def kept_case(engine, cfg, args, step: int, mode: str) -> tuple[dict, int]:
-    """One timed phase from `step` in `mode`: 'kept' (rollback snapshot + shard copy + send),
-    'rollback' (the rollback snapshot only), 'copy' (rollback + shard copy, nothing sent),
-    'send_only' (shard copy + send, no rollback snapshot). Returns ({"step_s", "steps_s",
-    "kept", "send_wait_s"}, next step)."""
-    megatron = hasattr(engine, "_keeps_rollback")
-    if megatron:
-        engine._keeps_rollback = (lambda: False) if mode == "send_only" else (lambda: True)
-    holder = sender = None
-    if mode in ("kept", "send_only"):
-        holder, sender = SnapshotHolder.remote(), ShardSender()
-        sender.connect(holder)
-        sender.sender.wait()
-    elif mode == "copy":
-        sender = CopyOnly()
-    if megatron and sender is not None:  # pin the send buffers before timing (done at join in a run)
-        engine.start_shard_copy()
-        engine._shard_arena.result()
-    times, step, waited = phase(engine, cfg, step, args.warmup, args.steps,
-                                (sender, holder) if sender is not None else None)
-    counts = {}
-    if sender is not None:
-        sender.sender.wait()
-        counts = sender.sender.counts()
-    if holder is not None:
-        ray.kill(holder)
-    if megatron:
-        engine._keeps_rollback = lambda: True
-    return {"step_s": statistics.median(times), "steps_s": times, "kept": counts, "send_wait_s": waited}, step
+def stats(times: list[float]) -> dict:
+    q = statistics.quantiles(times, n=20, method="inclusive")  # q[k-1]: the 5k-th percentile
+    return {"step_s": statistics.median(times), "p10_s": q[1], "p25_s": q[4], "p75_s": q[14], "p90_s": q[17]}
+
+
+def ratio_interval(off: list[float], on: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """5th and 95th percentiles of median(on) / median(off) over bootstrap resamples of each."""
+    rng = random.Random(seed)
+    r = sorted(statistics.median(rng.choices(on, k=len(on))) / statistics.median(rng.choices(off, k=len(off)))
+               for _ in range(reps))
+    return r[int(0.05 * reps)], r[int(0.95 * reps) - 1]
+
+
+def run_blocks(cases: list[Case], cfg, args, step: int, after_round=lambda: None) -> int:
+    """The interleaved blocks (module doc), `after_round()` after each round; returns the next
+    step number."""
+    for block in range(args.blocks):
+        for case in (cases if block % 2 == 0 else cases[::-1]):
+            case.begin()
+            sync(case.engine)
+            times, last = [], time.perf_counter()
+            for i in range(args.settle + args.block_steps):
+                case.step(cfg, step)
+                step += 1
+                now = time.perf_counter()
+                if i >= args.settle:
+                    times.append(now - last)
+                last = now
+            case.end()
+            case.steps_s += times
+            case.block_s.append(statistics.median(times))
+        after_round()
+    return step
+
+
+def summary(cases: list[Case]) -> dict:
+    off = cases[0]
+    out = {}
+    for case in cases:
+        lo, hi = ratio_interval(off.steps_s, case.steps_s)
+        blocks = [b / o for b, o in zip(case.block_s, off.block_s)]
+        out[case.name] = {**stats(case.steps_s), "ratio": statistics.median(case.steps_s) / statistics.median(off.steps_s),
+                          "ratio_p5": lo, "ratio_p95": hi, "steps_s": case.steps_s, "block_s": case.block_s,
+                          "block_ratio": {"median": statistics.median(blocks), "min": min(blocks), "max": max(blocks)}}
+    return out
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fractions", default="0.125,1", help="shard sizes, as fractions of the optimizer state")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=8, help="rounds of one block per case")
+    ap.add_argument("--block-steps", type=int, default=6, help="timed steps per block")
+    ap.add_argument("--settle", type=int, default=1, help="untimed steps at the start of each block")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before the first block")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also time, at the first fraction: the rollback snapshot alone, plus the shard copy, "
-                         "and the copy + send without the rollback snapshot")
-    ap.add_argument("--warmup", type=int, default=2)
+                    help="also time, at the first fraction: the rollback snapshot alone, and with the shard copy")
     ap.add_argument("--config", default="config.yaml")
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
-    phases = 1 + len(fractions) + (3 if args.breakdown else 0)
+    n_cases = 2 * len(fractions) + (2 if args.breakdown else 0)
+    steps = args.warmup + n_cases * args.blocks * (args.settle + args.block_steps)
     cfg = resolve(load_config(args.config, ["cluster.num_workers=1", "cluster.num_spares=0",
-                                            "model.distributed_optimizer=true",
-                                            f"train.steps={phases * (args.warmup + args.steps)}", *args.sets]))
+                                            "model.distributed_optimizer=true", f"train.steps={steps}", *args.sets]))
     if cfg.model.engine == "megatron":
         from megatron_engine import MegatronEngine as Engine
     else:
@@ -187,38 +240,70 @@ def main(argv=None) -> dict:
     engine.connect(dist.PrefixStore("gen1", store), ParallelDims.from_config(cfg), 0)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # its own Ray
     device = torch.cuda.get_device_name(0) if cfg.model.engine == "megatron" else f"cpu ({os.cpu_count()} cores)"
-    off, step, _ = phase(engine, cfg, 1, args.warmup, args.steps)
-    off_s = statistics.median(off)
-    cases = {}
+    params = sum(p.numel() for p in engine.model.parameters())
+
+    def write(results: dict, complete: bool) -> dict:
+        first = results.get(str(fractions[0]), {})
+        result = {"redundancy_overhead_ratio": first["kept"]["ratio"] if "kept" in first else None,
+                  "shard_fraction": fractions[0], "kept_every_step": first.get("kept_every_step", False),
+                  "device": device, "engine": cfg.model.engine, "params": params, "complete": complete,
+                  "cases": results, "config": args.sets}
+        write_json(args.out or f"bench/results/keeper_{'gpu' if cfg.model.engine == 'megatron' else 'cpu'}.json",
+                   result)
+        return result
+
+    warm = Case("off", engine, None)
+    for step in range(1, args.warmup + 1):
+        warm.step(cfg, step)
+    step = args.warmup + 1
+    results = {}
     for fraction in fractions:
         emulate_shard(engine, fraction)
         shard_b = state_nbytes(engine._shard_state())
         rollback_b = state_nbytes(engine._train_state()) if hasattr(engine, "_keeps_rollback") else 0
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if rollback_b + 4 * shard_b > avail / 2:
-            cases[str(fraction)] = {"skipped": f"needs {(rollback_b + 4 * shard_b) / 1e9:.1f} GB of host memory, "
-                                               f"{avail / 1e9:.1f} GB available"}
+        if rollback_b + 6 * shard_b > avail / 2:
+            results[str(fraction)] = {"skipped": f"needs {(rollback_b + 6 * shard_b) / 1e9:.1f} GB of host memory, "
+                                                 f"{avail / 1e9:.1f} GB available"}
+            print(f"fraction {fraction}: {results[str(fraction)]['skipped']}", flush=True)
             continue
-        if args.breakdown and fraction == fractions[0]:
-            for mode in ("rollback", "copy", "send_only"):
-                part, step = kept_case(engine, cfg, args, step, mode)
-                cases[f"{fraction}:{mode}"] = {**part, "ratio": part["step_s"] / off_s}
-                print(f"fraction {fraction} {mode}: step {part['step_s']:.4f} s (x{part['step_s'] / off_s:.3f}), "
-                      f"send wait {part['send_wait_s']:.3f} s", flush=True)
-        case, step = kept_case(engine, cfg, args, step, "kept")
-        counts = case["kept"]
-        cases[str(fraction)] = {
-            **case, "ratio": case["step_s"] / off_s, "shard_gb": shard_b / 1e9, "rollback_gb": rollback_b / 1e9,
-            "kept_every_step": counts == {"sent": args.warmup + args.steps, "skipped": 0, "failed": 0}}
-        print(f"fraction {fraction}: step {case['step_s']:.4f} s vs {off_s:.4f} s off "
-              f"(x{cases[str(fraction)]['ratio']:.3f}), shard {shard_b / 1e9:.2f} GB, kept {counts}, "
-              f"send wait {case['send_wait_s']:.3f} s", flush=True)
-    first = cases[str(fractions[0])]
-    result = {"redundancy_overhead_ratio": first.get("ratio"), "shard_fraction": fractions[0],
-              "kept_every_step": first.get("kept_every_step", False), "device": device,
-              "engine": cfg.model.engine, "params": sum(p.numel() for p in engine.model.parameters()),
-              "off": {"step_s": off_s, "steps_s": off}, "cases": cases, "config": args.sets}
-    write_json(args.out or f"bench/results/keeper_{'gpu' if cfg.model.engine == 'megatron' else 'cpu'}.json", result)
+        holder = SnapshotHolder.remote()
+        names = ["off", "kept"] + (["rollback", "copy"] if args.breakdown and fraction == fractions[0] else [])
+        cases = [Case(name, engine, holder) for name in names]
+        kept = cases[1].sender
+
+        def fraction_result():
+            result = summary(cases)
+            result["kept"].update(kept=kept.counts(), send_waits=kept.waits, send_wait_s=kept.wait_s,
+                                  couriers=kept.couriers)
+            result.update(shard_gb=shard_b / 1e9, rollback_gb=rollback_b / 1e9, rounds=len(cases[0].block_s),
+                          kept_every_step=kept.counts() == {"sent": cases[1].sent, "skipped": 0, "failed": 0})
+            return result
+
+        def after_round():  # what a run cut short by its time limit leaves
+            results[str(fraction)] = fraction_result()
+            write(results, complete=False)
+            print(f"  round {len(cases[0].block_s)}: " + ", ".join(
+                f"{c.name} {statistics.median(c.block_s[-1:]):.4f} s" for c in cases), flush=True)
+
+        step = run_blocks(cases, cfg, args, step, after_round)
+        result = fraction_result()
+        for case in cases:
+            if case.sender is not None:
+                case.sender.sender.close() if isinstance(case.sender, CopyOnly) else case.sender.close()
+        ray.kill(holder)
+        results[str(fraction)] = result
+        print(f"fraction {fraction} (shard {shard_b / 1e9:.2f} GB, rollback {rollback_b / 1e9:.2f} GB), "
+              f"{args.blocks} blocks x {args.block_steps} timed steps per case:", flush=True)
+        print(f"  {'case':<9}{'median s':>9}{'p10':>8}{'p90':>8}{'ratio':>8}{'90% interval':>16}{'block ratios':>22}")
+        for name in names:
+            r = result[name]
+            b = r["block_ratio"]
+            print(f"  {name:<9}{r['step_s']:9.4f}{r['p10_s']:8.3f}{r['p90_s']:8.3f}{r['ratio']:8.3f}"
+                  f"{r['ratio_p5']:8.3f}-{r['ratio_p95']:.3f}{b['median']:8.3f} ({b['min']:.3f}-{b['max']:.3f})")
+        print(f"  kept {kept.counts()}, {kept.waits} send waits ({kept.wait_s:.3f} s), {kept.couriers} courier(s)",
+              flush=True)
+    result = write(results, complete=True)
     print(f"redundancy_overhead_ratio {result['redundancy_overhead_ratio']} at shard fraction {fractions[0]}, "
           f"kept_every_step {result['kept_every_step']}, {device}")
     ray.shutdown()

@@ -2,13 +2,23 @@
 every rank's optimizer shard is on no DP peer; its keeper (the holder of another node) gets a
 copy after every step, and a replaced rank is restored from a DP peer (parameters) plus its
 keeper (shard): 0 committed steps lost, no checkpoint read, the final state bitwise equal to the
-run without failure. Real Ray actors, gloo groups and holders."""
+run without failure. The shard leaves the rank through shared memory and a courier process
+(courier.py): a courier killed is replaced, and no arena outlives the run or a SIGKILLed rank.
+Real Ray actors, gloo groups and holders."""
+import contextlib
+import os
+import signal
+import time
+
 import pytest
 import ray
+import torch
 
 from conftest import reference_run, run_bench, wait_for_shards
 from config import load_config, resolve
 from actor_group import ActorGroup
+from courier import from_regions, regions
+from host_memory import SharedArena, attach_shared, carve
 from fault_tolerance import plan_restore
 from keeper import keeper_node, shard_key
 from trainer import Trainer
@@ -22,9 +32,10 @@ def make_cfg(tmp_path, *overrides, workers: int = 2, spares: int = 1):
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", ZERO, *overrides]), num_gpus=0)
 
 
-def run(cfg, kill_ranks=(), steps: int = 4):
-    """Train 2 steps (a checkpoint of step 1 committed), kill `kill_ranks` once step 2's shards
-    are kept, train to `steps`. Returns (trainer, final digests)."""
+@contextlib.contextmanager
+def two_steps(cfg):
+    """An ActorGroup and Trainer that trained 2 steps (a checkpoint of step 1 committed) and,
+    with the keeper, whose keepers hold step 2's shards; the group is shut down on exit."""
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
@@ -33,12 +44,18 @@ def run(cfg, kill_ranks=(), steps: int = 4):
         trainer.train(2)
         if cfg.fault_tolerance.shard_keeper:
             wait_for_shards(group, 2)
+        yield group, trainer
+    finally:
+        group.shutdown()
+
+
+def run(cfg, kill_ranks=(), steps: int = 4):
+    """`two_steps`, kill `kill_ranks`, train to `steps`. Returns (trainer, final digests)."""
+    with two_steps(cfg) as (group, trainer):
         for r in kill_ranks:
             ray.kill(group.workers[r].handle, no_restart=True)
         trainer.train(steps)
         return trainer, group.state_digests()
-    finally:
-        group.shutdown()
 
 
 # -- pure decisions ------------------------------------------------------------------------------
@@ -69,6 +86,50 @@ def test_a_sharded_optimizer_needs_the_keepers_copy_of_the_committed_step():
     p = plan(lambda: [set(), set(), {3, 4}, set()])
     assert p.source == "checkpoint" and "optimizer shard of step 5 of rank(s) [2]" in p.notes[0]
     assert plan(lambda: [set()] * 4, committed=0).source == "peer"  # step 0: every rank resets
+
+
+def test_a_shard_crosses_processes_as_regions_of_a_shared_arena():
+    """The courier's view of a shard: the layout (offsets, shapes, dtypes, python leaves) of a
+    state carved from a shared arena rebuilds, over another mapping of that arena, tensors equal
+    to those written, dtypes included; a tensor outside the arena is refused."""
+    state = {"optimizer": [[torch.randn(3, 5), torch.tensor(7.0), torch.zeros(0)],
+                           [torch.randn(4).to(torch.bfloat16)]], "sched_steps": 3, "step": 9}
+    arena = SharedArena(4096, "test-regions")
+    into = carve(state, arena.tensor)
+    for d, s in zip(torch.utils._pytree.tree_leaves(into), torch.utils._pytree.tree_leaves(state)):
+        if isinstance(s, torch.Tensor):
+            d.copy_(s)
+    other = from_regions(regions(into, arena.tensor), attach_shared(arena.path, arena.nbytes))
+    assert other["step"] == 9 and other["sched_steps"] == 3
+    for a, b in zip(torch.utils._pytree.tree_leaves(other), torch.utils._pytree.tree_leaves(state)):
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    with pytest.raises(ValueError, match="not in the arena"):
+        regions(state, arena.tensor)
+
+
+def arena_mappers(pid: int) -> list[int]:
+    """Pids of the processes that map or hold a shard arena of the rank with pid `pid`."""
+    tag, out = f"memfd:shard-keeper-{pid}-", []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/maps") as f:
+                if tag in f.read():
+                    out.append(int(p))
+        except OSError:  # gone, or another user's
+            pass
+    return out
+
+
+def unmapped(pids: list[int], timeout_s: float = 60.0) -> bool:
+    """Whether, within `timeout_s` (a liveness bound: a process ends a moment after Ray says
+    so), no process maps an arena of the ranks with pids `pids`."""
+    deadline = time.monotonic() + timeout_s
+    while any(arena_mappers(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 # -- real runs -----------------------------------------------------------------------------------
@@ -117,8 +178,41 @@ def test_the_keeper_bench_runs_on_cpu(tmp_path):
     import json
 
     out = tmp_path / "keeper.json"
-    run_bench("keeper", "--steps", "2", "--warmup", "1", "--out", str(out))
+    run_bench("keeper", "--blocks", "2", "--block-steps", "2", "--warmup", "1", "--breakdown", "--out", str(out))
     r = json.loads(out.read_text())
     assert r["shard_fraction"] == 0.125 and r["kept_every_step"] is True and r["redundancy_overhead_ratio"] > 0
-    assert r["cases"]["1.0"]["kept"] == {"sent": 3, "skipped": 0, "failed": 0} and "cpu" in r["device"]
+    kept = r["cases"]["1.0"]["kept"]
+    assert kept["kept"] == {"sent": 6, "skipped": 0, "failed": 0} and kept["couriers"] == 1 and "cpu" in r["device"]
+    assert len(kept["steps_s"]) == 4 and set(r["cases"]["0.125"]) >= {"off", "kept", "rollback", "copy"}
 
+
+
+def test_a_killed_courier_is_replaced_and_a_sigkilled_rank_leaves_no_arena(reference, tmp_path):
+    """dp=2, ZeRO-1: rank 1's courier killed after step 2 (a new one sends step 3, nothing
+    failed or skipped); then rank 1 SIGKILLed once step 3's shards are kept: restored from peer
+    + keeper with 0 steps lost, losses and final states bitwise as the run without failure.
+    Its arenas go with it (its courier ends with its owner; no process maps them), and after
+    the run no rank's arenas are mapped anywhere."""
+    with two_steps(make_cfg(tmp_path)) as (group, trainer):
+        rank1 = group.workers[1].handle
+        courier = ray.get(rank1.__ray_call__.remote(lambda a: a._shards.courier))
+        ray.kill(courier, no_restart=True)
+        trainer.train(3)
+        wait_for_shards(group, 3)
+        pids = ray.get([w.handle.__ray_call__.remote(lambda a: os.getpid()) for w in group.workers])
+        counts = ray.get([w.handle.__ray_call__.remote(lambda a: (a._shards.counts(), a._shards.couriers))
+                          for w in group.workers])
+        assert counts == [({"sent": 3, "skipped": 0, "failed": 0}, 1), ({"sent": 3, "skipped": 0, "failed": 0}, 2)]
+        assert arena_mappers(pids[1])  # the rank and its courier
+        new_courier = ray.get(rank1.__ray_call__.remote(lambda a: a._shards.courier))
+        os.kill(pids[1], signal.SIGKILL)
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("peer+keeper", 0, 3)
+        assert trainer.losses == reference[0]
+        assert group.state_digests() == reference[1]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(new_courier.node_id.remote(), timeout=60)  # ended with the rank that owned it
+        assert unmapped([pids[1]])
+        pids += ray.get([w.handle.__ray_call__.remote(lambda a: os.getpid()) for w in group.workers])
+    assert unmapped(pids)

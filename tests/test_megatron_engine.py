@@ -580,11 +580,12 @@ def test_the_dp_size_does_not_change_the_training():
 
 def _keeper_ranks(rank, world, store) -> dict:
     """The engine's side of the shard keeper (keeper.py) with the distributed optimizer: the
-    `start_shard_copy` of step 1, overlapped with step 2, holds step 1's shard; a rank put back
+    `start_shard_copy` of step 1 into a shared arena (pinned: asynchronous), overlapped with step
+    2, holds step 1's shard; a rank put back
     at step 1 without its shard (world 1: the params from a host copy, the shard zeroed; world
     2: rank 1 reset to step 0 as a fresh spare, the params broadcast from rank 0, which rolled
     back) gets it back with `load_shard`: bitwise step 1's state, and step 2 trains the same."""
-    from host_memory import state_tensors
+    from host_memory import SharedArena, state_tensors
     from megatron_engine import MegatronEngine
 
     cfg = _cfg(world=world)
@@ -594,9 +595,7 @@ def _keeper_ranks(rank, world, store) -> dict:
     e.snapshot()
     e.train_step(_batch(cfg, 1, dims, rank), 1)
     step1, full = _digest(e), e._host_copy(e._train_state(), pin=False)
-    if e.start_shard_copy() is None:  # its buffers are pinned in the background first
-        e._shard_arena.result()
-    copy = e.start_shard_copy()
+    copy = e.start_shard_copy(SharedArena(e.shard_nbytes()).tensor)  # as keeper.ShardSender's, pinned
     e.snapshot()
     second = e.train_step(_batch(cfg, 2, dims, rank), 2)
     copy.wait()
