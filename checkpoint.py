@@ -114,6 +114,15 @@ class Manifest:
         run = self.extra.get("run")
         return run.get("id") if isinstance(run, dict) else None
 
+    def share(self, part: int, parts: int) -> list[FileEntry]:
+        """Part ``part`` of ``parts`` of the files (every ``parts``-th file from ``part``): rank r
+        of n checks and hashes this share of a checkpoint, before the load (sizes, or sha256
+        where the engine does not hash while loading) and beside it. The shares of parts
+        0..parts-1 hold every file exactly once. Raises ValueError unless 0 <= part < parts."""
+        if not 0 <= part < parts:
+            raise ValueError(f"share {part} of {parts}: part must be in [0, {parts})")
+        return self.files[part::parts]
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, committed, read or verified; the message names the URI."""

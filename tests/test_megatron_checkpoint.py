@@ -109,7 +109,7 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
             data[len(data) // 2] ^= 0xFF
             open(path, "wb").write(bytes(data))
         dist.barrier()
-        share = m5.files[rank::WORLD]
+        share = m5.share(rank, WORLD)
         try:
             load_sharded(ckpt, m5, _state(rank, 0, -1.0), hash_share=share)
             out["corrupt_local"] = (victim in share, None)
