@@ -342,3 +342,83 @@ def test_an_abandoned_async_save_ends_before_a_new_save_of_its_step(s3_server, t
             assert "error" not in out, f"{backend} rank {r}:\n{out['error']}"
             torch.testing.assert_close(out["w"], full_weight().chunk(WORLD, 0)[r], rtol=0, atol=0)
             assert out["problems"] == [] and out["arena_back"], (backend, r, out)
+
+
+def _load_hash_rank(proc: int, world: int, store, dp: int, tp: int, root: str) -> dict:
+    """Rank `proc` of a tp x dp `MegatronEngine` on gloo: trains steps 1-2, saves and commits
+    step 2 (rank 0 commits, as the driver does), trains step 3, then loads step 2 with the
+    real hashing spied on (`checkpoint._sha256_local` still runs). Then rank 0 flips a byte of
+    the newest-listed `.distcp` file (a size check passes it) and every rank loads step 2
+    again. Returns the digests saved and loaded, the files this rank
+    hashed during the good load, its share, and the outcome of the corrupt load."""
+    import torch.distributed as dist
+
+    import checkpoint
+    from megatron_engine import MegatronEngine
+    from parallel_dims import ParallelDims
+    from test_megatron_engine import _state_digest
+    from test_megatron_peer_restore import _all, _cfg, _train
+
+    torch.set_num_threads(1)
+    cfg = _cfg(dp, tp)
+    dims = ParallelDims.from_config(cfg)
+    e = MegatronEngine(cfg)
+    e.connect(dist.PrefixStore("gen1", store), dims, proc)
+    ckpt = CheckpointManager(root)
+    _train(e, cfg, dims, proc, (1, 2))
+    out = {"saved": _state_digest(e._train_state(), e.step)}
+    files = _all(e.save_checkpoint(ckpt, 2, dims, proc))
+    if proc == 0:
+        ckpt.commit(2, {"world_size": world, "tp": tp, "pp": 1, "cp": 1, "dp": dp}, [f for fs in files for f in fs])
+    dist.barrier()
+    _train(e, cfg, dims, proc, (3,))  # the state moves on: the load must bring step 2 back
+    manifest = ckpt.read_manifest(2)
+    assert ckpt.verify_files(2, manifest.share(proc, world), hash_files=not e.checks_while_loading) == []
+
+    hashed, sha256 = [], checkpoint._sha256_local
+    checkpoint._sha256_local = lambda path: (hashed.append(os.path.relpath(path, os.path.join(root, "step_00000002"))),
+                                             sha256(path))[1]
+    e.load_checkpoint(ckpt, manifest, proc)
+    checkpoint._sha256_local = sha256
+    out.update(loaded=_state_digest(e._train_state(), e.step), hashed=hashed,
+               share=[f.path for f in manifest.share(proc, world)], files=[f.path for f in manifest.files])
+
+    victim = [f for f in manifest.files if f.path.endswith(".distcp")][-1]
+    if proc == 0:  # a byte changed at the same size: only a hash finds it
+        path = os.path.join(root, "step_00000002", victim.path)
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    dist.barrier()
+    try:
+        e.load_checkpoint(ckpt, manifest, proc)
+        out["corrupt"] = None
+    except CheckpointError as exc:
+        out["corrupt"] = f"{type(exc).__name__}: {exc}"
+    out["victim"] = victim.path
+    dist.destroy_process_group()
+    return out
+
+
+def test_megatron_load_hashes_each_file_once_at_dp3_tp2(tmp_path):
+    """`MegatronEngine.load_checkpoint` at dp=3 tp=2 (six gloo ranks): rank r hashes exactly its
+    share `Manifest.share(r, 6)` beside the load (the share its verify round checked), so every
+    file of the checkpoint is hashed once across the ranks and none twice; the loaded state is
+    the saved one bitwise on every rank. A byte flipped after the save in one file is found by
+    the rank whose share holds it (CheckpointMismatch naming the file), with no hashing pass
+    before the load."""
+    dp, tp = 3, 2
+    world = dp * tp
+    results = spawn_ranks(_load_hash_rank, world, dp, tp, str(tmp_path / "ckpt"), timeout_s=600)
+    files = results[0]["files"]
+    for r, out in enumerate(results):
+        assert out["loaded"] == out["saved"], f"rank {r}: the load is not the saved state"
+        assert sorted(out["hashed"]) == sorted(out["share"]), (r, out["hashed"], out["share"])
+    hashed = [p for out in results for p in out["hashed"]]
+    assert sorted(hashed) == sorted(files) and len(set(hashed)) == len(files), hashed
+    victim = results[0]["victim"]
+    finder = next(r for r, out in enumerate(results) if victim in out["share"])
+    found = results[finder]["corrupt"]
+    assert found is not None and found.startswith("CheckpointMismatch") and f"{victim}: sha256 mismatch" in found, found
+    for r, out in enumerate(results):  # the others loaded (the bytes were tensor data) or failed with it
+        assert out["corrupt"] is None or out["corrupt"].startswith("Checkpoint"), (r, out["corrupt"])
