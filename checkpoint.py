@@ -728,12 +728,8 @@ class CheckpointManager:
         return {name[len(step_path) + 1 :]: int(info["size"]) for name, info in found.items()}
 
     def _sha256(self, path: str) -> str:
-        h = hashlib.sha256()
         with self.fs.open(path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                h.update(chunk)
-                IO.moved(len(chunk))
-        return h.hexdigest()
+            return _sha256_of(f)
 
     def _write_atomic(self, path: str, data: bytes) -> None:
         """Readers see the old content or all of ``data``: rename locally; one PUT remotely."""
@@ -923,13 +919,18 @@ def no_zip_crc32():
                 cfg.compute_crc32 = _crc_saved
 
 
-def _sha256_local(path: str) -> str:
+def _sha256_of(f) -> str:
+    """Hex sha256 of the binary file object `f` read to its end; the bytes count as I/O progress."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-            IO.moved(len(chunk))
+    while chunk := f.read(_HASH_CHUNK):
+        h.update(chunk)
+        IO.moved(len(chunk))
     return h.hexdigest()
+
+
+def _sha256_local(path: str) -> str:
+    with open(path, "rb") as f:
+        return _sha256_of(f)
 
 
 @contextlib.contextmanager

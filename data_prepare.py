@@ -26,7 +26,7 @@ import sysconfig
 from pathlib import Path
 
 from config import ConfigError, load_config, resolve
-from row_files import read_rows
+from row_files import is_chat, read_rows
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -119,9 +119,7 @@ class ChatTemplate:
         template's turn end, e.g. `<|im_end|>`), 0 elsewhere. `where` names the row in errors."""
         import numpy as np
 
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages)):
+        if not is_chat(messages):
             raise ConfigError(f"--messages-key: {where} is not a non-empty list of {{role, content}} messages "
                               "with text contents (the OpenAI / Hugging Face chat format)")
         text = self._render(messages, False, where)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import Config, ConfigError
-from row_files import read_rows
+from row_files import is_chat, read_rows
 
 
 @dataclass
@@ -75,9 +75,7 @@ def _prompt_text(prompt, tok, key: str, where: str) -> tuple[str, bool]:
     template and the generation prompt, or a plain string as it is."""
     if isinstance(prompt, str):
         return prompt, True
-    if not (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt)):
+    if not is_chat(prompt):
         raise ConfigError(f"data.prompt_key: {key!r} of {where} is {type(prompt).__name__} "
                           f"{str(prompt)[:60]!r}, not a chat list [{{role, content}}, ...] or a string")
     if not getattr(tok, "chat_template", None):

@@ -1,6 +1,6 @@
 """Rows of a .jsonl, .jsonl.gz or .parquet file at a local path or any fsspec URL (s3://, gs://,
 file://): the documents `main.py data prepare` tokenizes and the prompts of an RL prompt set
-(`prompt_set`). Object storage is reached with the usual credentials and endpoint of its
+(`prompt_set`), and the chat format of a conversation column (`is_chat`). Object storage is reached with the usual credentials and endpoint of its
 client (AWS_* variables or ~/.aws for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://)."""
 from __future__ import annotations
 
@@ -52,3 +52,10 @@ def _jsonl_rows(f, path: str, field: str):
             if not isinstance(row, dict):
                 raise ConfigError(f"{field}: {path} line {n} is a {type(row).__name__}, not a JSON object")
             yield row
+
+
+def is_chat(value) -> bool:
+    """Whether a row's value is a conversation in the OpenAI / Hugging Face chat format: a
+    non-empty list of {"role": str, "content": str} dicts (other keys allowed)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
