@@ -679,7 +679,9 @@ class MegatronEngine:
     def _prebuild(self) -> None:
         """Spare, tp = pp = cp = 1 (every rank holds the same model shard): build the model
         stage now, in a private NCCL world of one rank, exactly as `connect` would build it;
-        `connect` then only moves it onto the generation's groups. Keeps the RNG states the
+        `connect` then only moves it onto the generation's groups where that is unambiguous: in
+        a world of one rank every role is one group, so at dp >= 2 (TP and DP groups differ)
+        `megatron_groups.rebind` refuses and `connect` builds the model again. Keeps the RNG states the
         build leaves (what a build at join would leave) for `connect`, and restores the
         process's own."""
         from megatron.core import parallel_state as ps
