@@ -3,7 +3,8 @@ step trains on, with no Ray and no GPU.
 
 prepare : jsonl / jsonl.gz / parquet rows (local files or s3:// / gs:// URLs: `row_files`) ->
           `{prefix}_{key}_document.bin/.idx` (the names and format Megatron-LM's
-          tools/preprocess_data.py writes), tokenized with a local Hugging Face tokenizer, one document per row, EOD appended; written with megatron-core's
+          tools/preprocess_data.py writes), tokenized with a local Hugging Face tokenizer, one
+          document per row, EOD appended; written with megatron-core's
           `IndexedDatasetBuilder`, so Megatron-LM reads them too. With `--messages-key`: SFT,
           one conversation per row rendered with the chat template, and its loss mask (1 on
           assistant tokens) in a parallel uint8 dataset `{prefix}_{key}_document_loss_mask`.
@@ -13,9 +14,9 @@ stdlib  : an offline corpus for demos and tests: a byte-level BPE tokenizer trai
           own `pydoc_data/topics.py`, and the standard library's .py files prepared with it.
 arithmetic : a GSM8K-style RL prompt set in veRL's layout (`prompt_set.write_arithmetic_prompts`).
 
-Bad input (a missing column, an unreadable file or unreachable storage, a tokenizer that is not a local directory, a
-chat template that is missing or whose assistant turns cannot be located, a conversation over
---max-len) ends with one line on stderr and exit status 2.
+Bad input (a missing column, an unreadable file or unreachable storage, a tokenizer that is
+not a local directory, a chat template that is missing or whose assistant turns cannot be
+located, a conversation over --max-len) ends with one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
