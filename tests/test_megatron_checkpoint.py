@@ -19,6 +19,7 @@ import torch
 
 from checkpoint import CheckpointError, CheckpointManager
 from ranks import spawn_ranks
+from test_checkpoint import flip_byte
 
 WORLD = 2
 ROWS, COLS = 8, 6
@@ -108,10 +109,7 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
         m5 = ckpt.read_manifest(5)
         victim = next(f for f in m5.files if f.path.startswith("megatron/__1_"))
         if rank == 0:  # a byte changed at the same size: only a hash finds it
-            path = os.path.join(os.path.dirname(ckpt.local_dir(5, "megatron")), victim.path)
-            data = bytearray(open(path, "rb").read())
-            data[len(data) // 2] ^= 0xFF
-            open(path, "wb").write(bytes(data))
+            flip_byte(ckpt, 5, victim.path)
         dist.barrier()
         share = m5.share(rank, WORLD)
         try:
@@ -375,10 +373,7 @@ def _load_hash_rank(proc: int, world: int, store, dp: int, tp: int, root: str) -
 
     victim = [f for f in manifest.files if f.path.endswith(".distcp")][-1]
     if proc == 0:  # a byte changed at the same size: only a hash finds it
-        path = os.path.join(root, "step_00000002", victim.path)
-        data = bytearray(open(path, "rb").read())
-        data[len(data) // 2] ^= 0xFF
-        open(path, "wb").write(bytes(data))
+        flip_byte(ckpt, 2, victim.path)
     dist.barrier()
     try:
         e.load_checkpoint(ckpt, manifest, proc)
@@ -454,10 +449,7 @@ def test_megatron_recovery_falls_back_past_a_checkpoint_whose_bytes_changed(ray_
         trainer.train(2)
         trainer.save(2)
         victim = [f for f in trainer.ckpt.read_manifest(2).files if f.path.endswith(".distcp")][-1]
-        path = tmp_path / "ckpt" / "step_00000002" / victim.path
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
+        flip_byte(trainer.ckpt, 2, victim.path)
         assert trainer.ckpt.verify_files(2, trainer.ckpt.read_manifest(2).files, hash_files=False) == []
         losses = dict(trainer.losses)
         ray.kill(group.workers[0].handle, no_restart=True)
