@@ -114,6 +114,15 @@ class Manifest:
         run = self.extra.get("run")
         return run.get("id") if isinstance(run, dict) else None
 
+    def share(self, part: int, parts: int) -> list[FileEntry]:
+        """Part ``part`` of ``parts`` of the files (every ``parts``-th file from ``part``): rank r
+        of n checks and hashes this share of a checkpoint, before the load (sizes, or sha256
+        where the engine does not hash while loading) and beside it. The shares of parts
+        0..parts-1 hold every file exactly once. Raises ValueError unless 0 <= part < parts."""
+        if not 0 <= part < parts:
+            raise ValueError(f"share {part} of {parts}: part must be in [0, {parts})")
+        return self.files[part::parts]
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, committed, read or verified; the message names the URI."""
@@ -719,12 +728,8 @@ class CheckpointManager:
         return {name[len(step_path) + 1 :]: int(info["size"]) for name, info in found.items()}
 
     def _sha256(self, path: str) -> str:
-        h = hashlib.sha256()
         with self.fs.open(path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                h.update(chunk)
-                IO.moved(len(chunk))
-        return h.hexdigest()
+            return _sha256_of(f)
 
     def _write_atomic(self, path: str, data: bytes) -> None:
         """Readers see the old content or all of ``data``: rename locally; one PUT remotely."""
@@ -914,13 +919,18 @@ def no_zip_crc32():
                 cfg.compute_crc32 = _crc_saved
 
 
-def _sha256_local(path: str) -> str:
+def _sha256_of(f) -> str:
+    """Hex sha256 of the binary file object `f` read to its end; the bytes count as I/O progress."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-            IO.moved(len(chunk))
+    while chunk := f.read(_HASH_CHUNK):
+        h.update(chunk)
+        IO.moved(len(chunk))
     return h.hexdigest()
+
+
+def _sha256_local(path: str) -> str:
+    with open(path, "rb") as f:
+        return _sha256_of(f)
 
 
 @contextlib.contextmanager

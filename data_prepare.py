@@ -1,9 +1,10 @@
 """`main.py data {prepare,inspect,stdlib}`: make Megatron indexed datasets and look at what a
 step trains on, with no Ray and no GPU.
 
-prepare : jsonl / jsonl.gz / parquet rows -> `{prefix}_{key}_document.bin/.idx` (the names and
-          format Megatron-LM's tools/preprocess_data.py writes), tokenized with a local Hugging
-          Face tokenizer, one document per row, EOD appended; written with megatron-core's
+prepare : jsonl / jsonl.gz / parquet rows (local files or s3:// / gs:// URLs: `row_files`) ->
+          `{prefix}_{key}_document.bin/.idx` (the names and format Megatron-LM's
+          tools/preprocess_data.py writes), tokenized with a local Hugging Face tokenizer, one
+          document per row, EOD appended; written with megatron-core's
           `IndexedDatasetBuilder`, so Megatron-LM reads them too. With `--messages-key`: SFT,
           one conversation per row rendered with the chat template, and its loss mask (1 on
           assistant tokens) in a parallel uint8 dataset `{prefix}_{key}_document_loss_mask`.
@@ -13,47 +14,22 @@ stdlib  : an offline corpus for demos and tests: a byte-level BPE tokenizer trai
           own `pydoc_data/topics.py`, and the standard library's .py files prepared with it.
 arithmetic : a GSM8K-style RL prompt set in veRL's layout (`prompt_set.write_arithmetic_prompts`).
 
-Bad input (a missing column, an unreadable file, a tokenizer that is not a local directory, a
-chat template that is missing or whose assistant turns cannot be located, a conversation over
---max-len) ends with one line on stderr and exit status 2.
+Bad input (a missing column, an unreadable file or unreachable storage, a tokenizer that is
+not a local directory, a chat template that is missing or whose assistant turns cannot be
+located, a conversation over --max-len) ends with one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import sysconfig
 from pathlib import Path
 
 from config import ConfigError, load_config, resolve
+from row_files import is_chat, read_rows
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def read_rows(path: str):
-    """Yield the rows (dicts) of a .jsonl, .jsonl.gz or .parquet file. Raises ConfigError for
-    another suffix, a line that is not JSON, or parquet without pyarrow."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--input: {path}: no such file")
-    if p.name.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ConfigError(f"--input: {path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        yield from pq.read_table(p).to_pylist()
-        return
-    if not p.name.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
-        raise ConfigError(f"--input: {path}: expected .jsonl, .jsonl.gz or .parquet")
-    opener = gzip.open if p.name.endswith(".gz") else open
-    with opener(p, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except ValueError as e:
-                    raise ConfigError(f"--input: {path} line {n} is not JSON: {e}") from None
 
 
 def _column(row: dict, key: str, path: str, n: int, flag: str) -> None:
@@ -94,7 +70,7 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, key: str = "t
 
     for path in inputs:
         texts = []
-        for n, row in enumerate(read_rows(path), 1):
+        for n, row in enumerate(read_rows(path, "--input"), 1):
             _column(row, key, path, n, "--json-keys")
             if not isinstance(row[key], str):
                 raise ConfigError(f"--json-keys: {key!r} of row {n} of {path} is {type(row[key]).__name__}, not text")
@@ -144,9 +120,7 @@ class ChatTemplate:
         template's turn end, e.g. `<|im_end|>`), 0 elsewhere. `where` names the row in errors."""
         import numpy as np
 
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages)):
+        if not is_chat(messages):
             raise ConfigError(f"--messages-key: {where} is not a non-empty list of {{role, content}} messages "
                               "with text contents (the OpenAI / Hugging Face chat format)")
         text = self._render(messages, False, where)
@@ -200,7 +174,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output_prefix: str, key: str 
     masks = IndexedDatasetBuilder(prefix + LOSS_MASK_SUFFIX + ".bin", dtype=np.uint8)
     docs = 0
     for path in inputs:
-        for n, row in enumerate(read_rows(path), 1):
+        for n, row in enumerate(read_rows(path, "--input"), 1):
             _column(row, key, path, n, "--messages-key")
             ids, mask = chat.encode(row[key], f"conversation {n:,} of {path}")
             if max_len is not None and len(ids) > max_len:
@@ -286,7 +260,8 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = p.add_subparsers(dest="mode", required=True, metavar="MODE")
     prep = modes.add_parser("prepare", help="jsonl / jsonl.gz / parquet -> Megatron .bin/.idx")
-    prep.add_argument("--input", nargs="+", required=True, metavar="FILE", help="input files, read in order")
+    prep.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                      help="input files or s3:// / gs:// URLs, read in order")
     prep.add_argument("--tokenizer", required=True, metavar="DIR", help="local Hugging Face tokenizer directory")
     prep.add_argument("--output-prefix", required=True, metavar="PREFIX",
                       help="writes PREFIX_KEY_document.bin/.idx (Megatron-LM's naming)")

@@ -415,13 +415,12 @@ class MegatronActor:
         return files
 
     def verify_checkpoint(self, generation: int, manifest: Manifest) -> list[str] | str:
-        """Check this rank's share of the manifest's files (every world-size-th file from its
-        rank: sizes, and sha256 where the engine does not hash while loading; the ranks share
+        """Check this rank's share of the manifest's files (`Manifest.share`: sizes, and sha256 where the engine does not hash while loading; the ranks share
         the reading). Returns the problems found, or the message of a storage error (storage
         down past the retry budget: not a bad checkpoint)."""
         self._check(generation)
         try:
-            return self.ckpt.verify_files(manifest.step, manifest.files[self.rank::self.dims.world_size],
+            return self.ckpt.verify_files(manifest.step, manifest.share(self.rank, self.dims.world_size),
                                           hash_files=not self.engine.checks_while_loading)
         except CheckpointError as e:
             return str(e)

@@ -678,7 +678,9 @@ class MegatronEngine:
     def _prebuild(self) -> None:
         """Spare, tp = pp = cp = 1 (every rank holds the same model shard): build the model
         stage now, in a private NCCL world of one rank, exactly as `connect` would build it;
-        `connect` then only moves it onto the generation's groups. Keeps the RNG states the
+        `connect` then only moves it onto the generation's groups where that is unambiguous: in
+        a world of one rank every role is one group, so at dp >= 2 (TP and DP groups differ)
+        `megatron_groups.rebind` refuses and `connect` builds the model again. Keeps the RNG states the
         build leaves (what a build at join would leave) for `connect`, and restores the
         process's own."""
         from megatron.core import parallel_state as ps
@@ -984,8 +986,8 @@ class MegatronEngine:
     def load_checkpoint(self, ckpt, manifest, rank: int) -> None:
         """Collective over all ranks: load the committed checkpoint `manifest` (sizes already
         checked by the ranks, `MegatronActor.verify_checkpoint`) into this rank's shards; the saved layout may differ
-        in DP and TP size (dist_checkpointing reshards). Local files: rank r hashes every
-        world-size-th file from r beside the load (the verify round's share) and raises
+        in DP and TP size (dist_checkpointing reshards). Local files: rank r hashes its share
+        `manifest.share(r, world_size)` beside the load (the verify round's share) and raises
         CheckpointMismatch on a mismatch (`load_sharded`). RNG states are restored only when the
         layout is the same (rank r gets rank r's); otherwise each rank keeps its own."""
         d = self.dims
@@ -994,7 +996,7 @@ class MegatronEngine:
         self._wait_snapshot_copy()  # the load overwrites what it may still be reading
         self._save_plans = None  # a recovery: plan the next save afresh
         loaded = load_sharded(ckpt, manifest, self._sharded_state(True, same),
-                              hash_share=manifest.files[rank::d.world_size])
+                              hash_share=manifest.share(rank, d.world_size))
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         if self.ref_model is not None:

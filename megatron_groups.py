@@ -59,12 +59,19 @@ def rebind(roots: list, old: dict[str, dist.ProcessGroup], new: dict[str, dist.P
     group of the same role in `new`. Returns the number of references swapped. Raises
     ValueError when the two generations have different roles (another layout), StaleGroups when
     a process group that is in neither generation is still referenced, or one sits where it
-    cannot be swapped (a `functools.partial`)."""
+    cannot be swapped (a `functools.partial`), or a referenced old group stands for several
+    roles whose new groups differ (one communicator per member list: in a world of one rank,
+    as a spare's prebuilt model has, every role is the same group, so a reference does not say
+    whether it is the TP or the DP group of the new generation)."""
     if old.keys() != new.keys():
         raise ValueError(f"the generations' groups differ in roles: {sorted(old.keys() ^ new.keys())}")
-    swap = {id(g): new[k] for k, g in old.items()}
+    swap: dict[int, dist.ProcessGroup | None] = {}
+    roles: dict[int, list[str]] = {}
+    for k, g in old.items():
+        roles.setdefault(id(g), []).append(k)
+        swap[id(g)] = new[k] if swap.get(id(g), new[k]) is new[k] else None  # None: ambiguous
     live = {id(g) for g in new.values()}
-    walk = _Walk(swap, live)
+    walk = _Walk(swap, live, roles)
     for root in roots:
         walk.fix(root, "root")
     if walk.stale:
@@ -77,8 +84,8 @@ class _Walk:
     """One pass over an object graph: containers and the attributes of Megatron objects and
     torch modules (not tensors, not plain torch internals)."""
 
-    def __init__(self, swap: dict[int, dist.ProcessGroup], live: set[int]):
-        self.swap, self.live = swap, live
+    def __init__(self, swap: dict[int, dist.ProcessGroup | None], live: set[int], roles: dict[int, list[str]]):
+        self.swap, self.live, self.roles = swap, live, roles
         self.seen: set[int] = set()
         self.swapped = 0
         self.stale: list[str] = []
@@ -87,9 +94,14 @@ class _Walk:
         """`obj` with its groups swapped: the same object (changed in place) except for tuples
         and groups themselves, which are returned new."""
         if isinstance(obj, dist.ProcessGroup):
-            if id(obj) in self.swap:
+            if self.swap.get(id(obj)) is not None:
                 self.swapped += 1
                 return self.swap[id(obj)]
+            if id(obj) in self.swap:
+                roles = self.roles[id(obj)]
+                self.stale.append(f"{path} (one group for roles {', '.join(roles[:4])}{', ...' if len(roles) > 4 else ''}, "
+                                  "different groups now)")
+                return obj
             if id(obj) not in self.live:
                 self.stale.append(path)
             return obj

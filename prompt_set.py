@@ -1,5 +1,5 @@
 """RL prompt sets in veRL's layout: a parquet or jsonl file (local, or any fsspec URL: s3://,
-gs://, file://), one prompt per row, read whole and tokenized once when the run opens it.
+gs://, file://; read by `row_files`), one prompt per row, tokenized once when the run opens it.
 
 Row layout (veRL's `RLHFDataset`, the files its `examples/data_preprocess/gsm8k.py` writes):
 
@@ -26,13 +26,12 @@ template, a prompt too long for train.seq_len - rl.max_new_tokens.
 """
 from __future__ import annotations
 
-import gzip
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import Config, ConfigError
+from row_files import is_chat, read_rows
 
 
 @dataclass
@@ -61,43 +60,6 @@ class PromptSet:
         return max(map(len, self.tokens))
 
 
-def read_rows(path: str) -> tuple[list[dict], list[str]]:
-    """(rows as dicts, column names) of a .parquet, .jsonl or .jsonl.gz file at a local path or
-    fsspec URL. Raises ConfigError naming data.path: another suffix, a file that cannot be
-    read, a line that is not a JSON object."""
-    import fsspec
-
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    if not name.endswith((".parquet", ".jsonl", ".jsonl.gz", ".json", ".json.gz")):
-        raise ConfigError(f"data.path: {path}: a prompt set is a .parquet, .jsonl or .jsonl.gz file")
-    try:
-        with fsspec.open(str(Path(path).expanduser()) if "://" not in path else path, "rb") as f:
-            raw = f.read()
-    except (OSError, ValueError, ImportError) as e:
-        raise ConfigError(f"data.path: cannot read {path}: {type(e).__name__}: {e}") from None
-    if name.endswith(".parquet"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(io.BytesIO(raw))
-        except pa.ArrowException as e:
-            raise ConfigError(f"data.path: {path} is not a parquet file: {e}") from None
-        return table.to_pylist(), table.column_names
-    text = gzip.decompress(raw).decode("utf-8") if name.endswith(".gz") else raw.decode("utf-8")
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ConfigError(f"data.path: {path} line {n} is not JSON: {e}") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"data.path: {path} line {n} is a {type(row).__name__}, not a JSON object")
-            rows.append(row)
-    return rows, sorted({k for r in rows for k in r})
-
-
 def _lookup(row: dict, dotted: str):
     """row[a][b]... for dotted path "a.b...", or KeyError."""
     value = row
@@ -113,9 +75,7 @@ def _prompt_text(prompt, tok, key: str, where: str) -> tuple[str, bool]:
     template and the generation prompt, or a plain string as it is."""
     if isinstance(prompt, str):
         return prompt, True
-    if not (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt)):
+    if not is_chat(prompt):
         raise ConfigError(f"data.prompt_key: {key!r} of {where} is {type(prompt).__name__} "
                           f"{str(prompt)[:60]!r}, not a chat list [{{role, content}}, ...] or a string")
     if not getattr(tok, "chat_template", None):
@@ -153,7 +113,7 @@ def open_prompt_set(cfg: Config) -> PromptSet:
     if tok_path is None:
         raise ConfigError("data.tokenizer: a prompt set needs the model's tokenizer: set data.tokenizer "
                           "(a local Hugging Face tokenizer directory) or model.hf_path")
-    rows, columns = read_rows(d.path)
+    rows = list(read_rows(d.path, "data.path"))
     if not rows:
         raise ConfigError(f"data.path: {d.path} has no rows")
     tok = load_tokenizer(tok_path)
@@ -163,7 +123,7 @@ def open_prompt_set(cfg: Config) -> PromptSet:
                           "tokenizer")
     pad, stops = special_ids(tok, m.hf_path)
     limit = t.seq_len - cfg.rl.max_new_tokens
-    out = PromptSet(d.path, [], [], [], [], tok, pad, stops, columns)
+    out = PromptSet(d.path, [], [], [], [], tok, pad, stops, sorted({k for r in rows for k in r}))
     for n, row in enumerate(rows):
         where = f"row {n} of {d.path}"
         for key, name in ((d.prompt_key, "data.prompt_key"), (d.answer_key, "data.answer_key")):

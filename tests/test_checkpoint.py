@@ -485,3 +485,15 @@ def test_a_local_load_hashes_beside_the_load_and_a_mismatch_found_at_its_end_is_
     assert m.verify_files(1, manifest.files, hash_files=False) == []
     with pytest.raises(CheckpointMismatch, match=f"{victim}: sha256 mismatch.*discarded"):
         m.load_shard(1, "model_tp0", full_state(999), manifest)
+
+
+@pytest.mark.parametrize("files, parts", [(7, 3), (2, 5), (6, 6), (0, 2)])
+def test_the_shares_of_a_manifest_hold_each_file_once(files, parts):
+    """`Manifest.share(r, n)`, what rank r of n checks before a load and hashes beside it: the n
+    shares together hold every file exactly once (a share may be empty); a part outside
+    [0, n) is refused."""
+    m = Manifest(1, {}, [FileEntry(f"f{i}", i, "0" * 64) for i in range(files)], {}, 0.0)
+    shares = [m.share(r, parts) for r in range(parts)]
+    assert sorted((f.path for s in shares for f in s), key=lambda p: int(p[1:])) == [f.path for f in m.files]
+    with pytest.raises(ValueError, match=f"share {parts} of {parts}"):
+        m.share(parts, parts)

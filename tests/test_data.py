@@ -237,6 +237,55 @@ def test_prepare_names_a_missing_column(stdlib_corpus, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_prepare_reads_s3_urls_and_names_an_input_it_cannot_read(stdlib_corpus, s3_server, tmp_path, monkeypatch,
+                                                                 capsys):
+    """`main.py data prepare --input s3://...` through the loopback S3 server (credentials and
+    endpoint from the AWS_* environment, as a user's): the .bin/.idx bytes equal those prepared
+    from the same local .jsonl.gz. A missing object and an unreachable endpoint: exit 2 with
+    one line naming --input, the URL and the cause (AWS_MAX_ATTEMPTS=1: botocore's retries of
+    a refused connection take ~15 s otherwise)."""
+    import gzip
+    import uuid
+
+    import fsspec
+    import s3fs
+
+    import data_prepare
+    from local_storage import free_port
+
+    tok, _ = stdlib_corpus
+    local = tmp_path / "rows.jsonl.gz"
+    local.write_bytes(gzip.compress("".join(f'{{"text": "row {i}: a document read from object storage."}}\n'
+                                            for i in range(50)).encode()))
+    url = s3_server.uri(f"prepare-{uuid.uuid4().hex[:8]}/rows.jsonl.gz")
+    fsspec.filesystem("s3", **s3_server.storage_options).put_file(str(local), url)
+    env = {"AWS_ENDPOINT_URL": s3_server.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached client keeps the endpoint it was made with
+
+    def prepare(source: str, out: str) -> tuple[int, str]:
+        code = data_prepare.main(["prepare", "--input", source, "--tokenizer", tok, "--output-prefix", str(tmp_path / out)])
+        return code, capsys.readouterr().err
+
+    assert prepare(url, "s3") == (0, "")
+    assert prepare(str(local), "local") == (0, "")
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"s3_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"local_text_document{suffix}").read_bytes()
+    missing = url.replace("rows.jsonl.gz", "absent.jsonl.gz")
+    code, err = prepare(missing, "missing")
+    assert code == 2 and err.startswith(f"error: --input: cannot read {missing}: FileNotFoundError") and \
+        err.count("\n") == 1, err
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    s3fs.S3FileSystem.clear_instance_cache()
+    code, err = prepare(url, "unreachable")
+    assert code == 2 and err.startswith(f"error: --input: cannot read {url}: EndpointConnectionError") and \
+        err.count("\n") == 1, err
+    s3fs.S3FileSystem.clear_instance_cache()  # monkeypatch restores the environment, not the cache
+
+
 def test_prepare_then_inspect_prints_the_digest_train_logs(stdlib_corpus, tmp_path, data):
     tok, _ = stdlib_corpus
     rows = tmp_path / "rows.jsonl"

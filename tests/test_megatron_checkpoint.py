@@ -7,7 +7,9 @@ The engine's model needs CUDA, so the ranks save plain Megatron ShardedTensors /
 (the same objects a GPTModel's `sharded_state_dict` is made of). Megatron's torch_dist writer
 calls `torch.cuda.synchronize()` and puts a flag on `torch.cuda.current_device()`; those two
 are the only things replaced (no CUDA here). The engine itself is covered on GPU
-(tests/test_megatron_engine.py)."""
+(tests/test_megatron_engine.py), and its checkpoint load on CPU at dp=3 tp=2 (the engine's
+own CPU stand-ins, `megatron_compat.cpu_stand_ins`): every file hashed once across the ranks
+beside the load, a flipped byte found."""
 import os
 import traceback
 import uuid
@@ -17,6 +19,7 @@ import torch
 
 from checkpoint import CheckpointError, CheckpointManager
 from ranks import spawn_ranks
+from test_checkpoint import flip_byte
 
 WORLD = 2
 ROWS, COLS = 8, 6
@@ -42,6 +45,19 @@ def _state(rank: int, split_dim: int, fill: float | None) -> dict:
             "step": 7}
 
 
+def _commit(ckpt, step: int, files: list, layout: dict):
+    """Collective: every rank's `files` of `step` gathered and committed by rank 0 (as the
+    driver does) with `layout`; returns the manifest, once every rank can read it."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, files)
+    if dist.get_rank() == 0:
+        ckpt.commit(step, layout, [f for fs in gathered for f in fs])
+    dist.barrier()
+    return ckpt.read_manifest(step)
+
+
 def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
     import torch.distributed as dist
 
@@ -54,12 +70,7 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
         len(ckpt.fs.glob(f"{ckpt.root}/step_00000003/megatron/__{rank}_*"))))
     out["files"] = sorted(f.path for f in files)
     out["mid_save"] = mid_save
-    gathered = [None] * WORLD
-    dist.all_gather_object(gathered, files)
-    if rank == 0:
-        ckpt.commit(3, {"dp": WORLD}, [f for fs in gathered for f in fs])
-    dist.barrier()
-    manifest = ckpt.read_manifest(3)
+    manifest = _commit(ckpt, 3, files, {"dp": WORLD})
 
     fetched: list[str] = []
     get_files = ckpt.get_files
@@ -78,11 +89,8 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
     state = _state(rank, 0, None)
     (pending,) = save_sharded(ckpt, 5, rank, state, async_save=True)
     state["w"].data.add_(1000.0)
-    dist.all_gather_object(gathered, pending.result())
+    _commit(ckpt, 5, pending.result(), {"dp": WORLD})
     out["async_forks"] = len(forks)
-    if rank == 0:
-        ckpt.commit(5, {"dp": WORLD}, [f for fs in gathered for f in fs])
-    dist.barrier()
     out["async"] = load_sharded(ckpt, ckpt.read_manifest(5), _state(rank, 0, -1.0))["w"]
 
     if not corrupt:  # local disk: saves that reuse one SavePlanCache (the 3rd skips planning)
@@ -93,23 +101,17 @@ def _round_trip(rank: int, uri: str, opts: dict | None, corrupt: bool) -> dict:
         for step in (6, 7, 8):
             state["w"].data.add_(1.0)
             (pending,) = save_sharded(cached, step, rank, state, async_save=True, plans=plans)
-            dist.all_gather_object(gathered, pending.result())
-            if rank == 0:
-                cached.commit(step, {"dp": WORLD}, [f for fs in gathered for f in fs])
-            dist.barrier()
-            out["cached"].append(load_sharded(cached, cached.read_manifest(step), _state(rank, 0, -1.0))["w"])
+            out["cached"].append(load_sharded(cached, _commit(cached, step, pending.result(), {"dp": WORLD}),
+                                              _state(rank, 0, -1.0))["w"])
         out["cache_reused"] = plans.strategy.validated_cache_reuse
 
     if not corrupt:  # local disk: each rank hashes its share beside the load (MegatronEngine.load_checkpoint)
         m5 = ckpt.read_manifest(5)
         victim = next(f for f in m5.files if f.path.startswith("megatron/__1_"))
         if rank == 0:  # a byte changed at the same size: only a hash finds it
-            path = os.path.join(os.path.dirname(ckpt.local_dir(5, "megatron")), victim.path)
-            data = bytearray(open(path, "rb").read())
-            data[len(data) // 2] ^= 0xFF
-            open(path, "wb").write(bytes(data))
+            flip_byte(ckpt, 5, victim.path)
         dist.barrier()
-        share = m5.files[rank::WORLD]
+        share = m5.share(rank, WORLD)
         try:
             load_sharded(ckpt, m5, _state(rank, 0, -1.0), hash_share=share)
             out["corrupt_local"] = (victim in share, None)
@@ -316,13 +318,8 @@ def _abandon_then_save(rank: int, world: int, name: str, uri: str, opts: dict | 
     (pending,) = save_sharded(abandoned_ckpt, 5, rank, old, async_save=True)
     threading.Timer(0.2, gate.set).start()  # the old upload ends while the next save waits
     pending.abandon()
-    files = save_sharded(ckpt, 5, rank, _state(rank, 0, None))
-    gathered = [None] * world
-    dist.all_gather_object(gathered, files)
-    if rank == 0:
-        ckpt.commit(5, {"dp": world}, [f for fs in gathered for f in fs])
-    dist.barrier()
-    return {"w": load_sharded(ckpt, ckpt.read_manifest(5), _state(rank, 0, -1.0))["w"],
+    manifest = _commit(ckpt, 5, save_sharded(ckpt, 5, rank, _state(rank, 0, None)), {"dp": world})
+    return {"w": load_sharded(ckpt, manifest, _state(rank, 0, -1.0))["w"],
             "problems": ckpt.verify(5), "arena_back": megatron_checkpoint._SAVE_ARENA == [pending._arena]}
 
 
@@ -342,3 +339,128 @@ def test_an_abandoned_async_save_ends_before_a_new_save_of_its_step(s3_server, t
             assert "error" not in out, f"{backend} rank {r}:\n{out['error']}"
             torch.testing.assert_close(out["w"], full_weight().chunk(WORLD, 0)[r], rtol=0, atol=0)
             assert out["problems"] == [] and out["arena_back"], (backend, r, out)
+
+
+def _load_hash_rank(proc: int, world: int, store, dp: int, tp: int, root: str) -> dict:
+    """Rank `proc` of a tp x dp `MegatronEngine` on gloo: trains steps 1-2, saves and commits
+    step 2 (rank 0 commits, as the driver does), trains step 3, then loads step 2 with the
+    real hashing spied on (`checkpoint._sha256_local` still runs). Then rank 0 flips a byte of
+    the newest-listed `.distcp` file (a size check passes it) and every rank loads step 2
+    again. Returns the digests saved and loaded, the files this rank hashed during the good
+    load, its share, and the outcome of the corrupt load."""
+    import torch.distributed as dist
+
+    import checkpoint
+    from test_megatron_engine import _state_digest
+    from test_megatron_peer_restore import _train, engine_on_gloo
+
+    e, cfg, dims = engine_on_gloo(proc, store, dp, tp)
+    ckpt = CheckpointManager(root)
+    _train(e, cfg, dims, proc, (1, 2))
+    out = {"saved": _state_digest(e._train_state(), e.step)}
+    manifest = _commit(ckpt, 2, e.save_checkpoint(ckpt, 2, dims, proc),
+                       {"world_size": world, "tp": tp, "pp": 1, "cp": 1, "dp": dp})
+    _train(e, cfg, dims, proc, (3,))  # the state moves on: the load must bring step 2 back
+    assert ckpt.verify_files(2, manifest.share(proc, world), hash_files=not e.checks_while_loading) == []
+
+    hashed, sha256 = [], checkpoint._sha256_local
+    checkpoint._sha256_local = lambda path: (hashed.append(os.path.relpath(path, os.path.join(root, "step_00000002"))),
+                                             sha256(path))[1]
+    e.load_checkpoint(ckpt, manifest, proc)
+    checkpoint._sha256_local = sha256
+    out.update(loaded=_state_digest(e._train_state(), e.step), hashed=hashed,
+               share=[f.path for f in manifest.share(proc, world)], files=[f.path for f in manifest.files])
+
+    victim = [f for f in manifest.files if f.path.endswith(".distcp")][-1]
+    if proc == 0:  # a byte changed at the same size: only a hash finds it
+        flip_byte(ckpt, 2, victim.path)
+    dist.barrier()
+    try:
+        e.load_checkpoint(ckpt, manifest, proc)
+        out["corrupt"] = None
+    except CheckpointError as exc:
+        out["corrupt"] = f"{type(exc).__name__}: {exc}"
+    out["victim"] = victim.path
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow  # six Megatron processes: ~1 min on 2 cores, more under load
+def test_megatron_load_hashes_each_file_once_at_dp3_tp2(tmp_path):
+    """`MegatronEngine.load_checkpoint` at dp=3 tp=2 (six gloo ranks): rank r hashes exactly its
+    share `Manifest.share(r, 6)` beside the load (the share its verify round checked), so every
+    file of the checkpoint is hashed once across the ranks and none twice; the loaded state is
+    the saved one bitwise on every rank. A byte flipped after the save in one file is found by
+    the rank whose share holds it (CheckpointMismatch naming the file), with no hashing pass
+    before the load."""
+    dp, tp = 3, 2
+    world = dp * tp
+    results = spawn_ranks(_load_hash_rank, world, dp, tp, str(tmp_path / "ckpt"), timeout_s=600)
+    files = results[0]["files"]
+    for r, out in enumerate(results):
+        assert out["loaded"] == out["saved"], f"rank {r}: the load is not the saved state"
+        assert sorted(out["hashed"]) == sorted(out["share"]), (r, out["hashed"], out["share"])
+    hashed = [p for out in results for p in out["hashed"]]
+    assert sorted(hashed) == sorted(files) and len(set(hashed)) == len(files), hashed
+    victim = results[0]["victim"]
+    finder = next(r for r, out in enumerate(results) if victim in out["share"])
+    found = results[finder]["corrupt"]
+    assert found is not None and found.startswith("CheckpointMismatch") and f"{victim}: sha256 mismatch" in found, found
+    for r, out in enumerate(results):  # the others loaded (the bytes were tensor data) or failed with it
+        assert out["corrupt"] is None or out["corrupt"].startswith("Checkpoint"), (r, out["corrupt"])
+
+
+@pytest.mark.slow  # three Megatron actors (two ranks and a spare) on CPU: about a minute or more
+def test_megatron_recovery_falls_back_past_a_checkpoint_whose_bytes_changed(ray_session, tmp_path):
+    """The recovery protocol with `MegatronActor`s running `MegatronEngine` on CPU (gloo; the
+    driver's config check refuses Megatron on CPU to users, so the config is resolved as for a
+    GPU and set to the CPU after), dp=2, `fault_tolerance.restore=checkpoint`: checkpoints at
+    steps 1 and 2, then one byte of a `.distcp` file of step 2 flipped at the same size, and
+    rank 0 killed during step 3. The ranks' check before the load (sizes: the engine hashes
+    while loading) passes step 2, the hash beside the load finds it; recovery discards that
+    state, loads step 1 with no spare spent on the bad checkpoint, and replays step 2 with its
+    first loss bitwise. The same fallback load again (`fault_tolerance.restore_checkpoint`)
+    leaves every rank with the state it had after step 1, bitwise."""
+    import dataclasses
+
+    import ray
+
+    from actor_group import ActorGroup
+    from checkpoint import check_compatible
+    from config import load_config, resolve
+    from fault_tolerance import restore_checkpoint
+    from trainer import Trainer
+
+    sets = ["cluster.num_workers=2", "cluster.num_spares=1", "model.distributed_optimizer=false",
+            "model.dtype=float32", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+            "model.ffn_hidden_size=128", "model.vocab_size=128", "model.max_seq_len=16", "train.seq_len=16",
+            "train.global_batch_size=4", "train.mini_batch_size=4", "train.micro_batch_size=1", "train.steps=3",
+            "checkpoint.interval=0", "checkpoint.async_save=false", "fault_tolerance.restore=checkpoint",
+            f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt"]
+    cfg = resolve(load_config("config.yaml", sets), num_gpus=1)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0))
+    assert cfg.model.engine == "megatron"
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(1)
+        trainer.save(1)
+        after_1 = group.state_digests()
+        trainer.train(2)
+        trainer.save(2)
+        victim = [f for f in trainer.ckpt.read_manifest(2).files if f.path.endswith(".distcp")][-1]
+        flip_byte(trainer.ckpt, 2, victim.path)
+        assert trainer.ckpt.verify_files(2, trainer.ckpt.read_manifest(2).files, hash_files=False) == []
+        losses = dict(trainer.losses)
+        ray.kill(group.workers[0].handle, no_restart=True)
+        trainer.train(3)
+        (tl,) = trainer.recoveries
+        assert (tl.failed_ranks, tl.restore_source, tl.attempts, len(group.pool)) == ([0], "checkpoint step 1", 1, 0)
+        assert "checkpoint step 2 does not load" in tl.notes, tl.notes
+        assert trainer.replayed == {2: [losses[2]]}
+        notes = []
+        assert restore_checkpoint(group, trainer.ckpt, trainer.ckpt.committed_manifests(), cfg.fault_tolerance.step_timeout_s,
+                                  lambda m: check_compatible(cfg, m), notes) == 1
+        assert notes == ["checkpoint step 2 does not load"] and group.state_digests() == after_1
+    finally:
+        group.shutdown()

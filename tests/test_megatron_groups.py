@@ -90,3 +90,39 @@ def test_a_model_moves_to_the_next_generation_groups():
 def test_a_group_made_outside_parallel_state_is_reported():
     for r in spawn_ranks(_rank, 2, True, timeout_s=300):
         assert "side_group" in r.get("stale", ""), r
+
+
+def _one_group_for_two_roles(rank: int, world: int, store) -> dict:
+    """A module holding the one group that stands for roles 'tp' and 'dp' in a world of one rank
+    (a spare's prebuilt model), moved to a generation where the two roles are different groups,
+    then to one where they are the same group."""
+    import torch.distributed as dist
+
+    from megatron_groups import StaleGroups, rebind
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    one, tp, dp = (dist.new_group([0]) for _ in range(3))
+    module = torch.nn.Linear(1, 1)
+    module.tp_group = one
+    out = {}
+    try:
+        rebind([module], {"tp": one, "dp": one}, {"tp": tp, "dp": dp})
+    except StaleGroups as e:
+        out["ambiguous"] = str(e)
+    out["kept"] = module.tp_group is one
+    out["swapped"] = rebind([module], {"tp": one, "dp": one}, {"tp": tp, "dp": tp})
+    out["moved"] = module.tp_group is tp
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_group_of_several_roles_is_not_guessed_when_their_new_groups_differ():
+    """A spare's model prebuilt in a world of one rank holds one group for every role; joining
+    at dp >= 2 the TP and DP groups differ, and a reference does not say which it is: `rebind`
+    raises StaleGroups naming the roles (the engine then builds the model again) instead of
+    swapping in whichever role came last (the DP group as the TP group: wrong shapes in the
+    checkpoint's sharded state dict, collectives over the wrong ranks). Where the roles' new
+    groups are one group, the reference moves."""
+    (r,) = spawn_ranks(_one_group_for_two_roles, 1, timeout_s=120)
+    assert "tp, dp" in r.get("ambiguous", "") and r["kept"], r
+    assert r["swapped"] == 1 and r["moved"], r

@@ -151,9 +151,9 @@ def test_megatron_peer_restore_on_gpus(dp, tp, lost):
     _check(spawn_ranks(_peer_restore_rank, dp * tp, dp, tp, lost, [], timeout_s=600), exact=False)
 
 
-def _dp_sum_rank(proc: int, world: int, store, dp: int, tp: int) -> dict:
-    """Rank `proc` of a tp x dp Megatron engine on gloo: `dp_sum` of [proc + 1, 10 * (proc + 1)]."""
-    import torch
+def engine_on_gloo(proc: int, store, dp: int, tp: int):
+    """(engine, cfg, dims): a `MegatronEngine` of `_cfg(dp, tp)` connected as rank `proc` of
+    generation 1 over gloo through `store` (one CPU thread: the ranks share the cores)."""
     import torch.distributed as dist
 
     from megatron_engine import MegatronEngine
@@ -163,6 +163,15 @@ def _dp_sum_rank(proc: int, world: int, store, dp: int, tp: int) -> dict:
     dims = ParallelDims.from_config(cfg)
     e = MegatronEngine(cfg)
     e.connect(dist.PrefixStore("gen1", store), dims, proc)
+    return e, cfg, dims
+
+
+def _dp_sum_rank(proc: int, world: int, store, dp: int, tp: int) -> dict:
+    """Rank `proc` of a tp x dp Megatron engine on gloo: `dp_sum` of [proc + 1, 10 * (proc + 1)]."""
+    import torch
+    import torch.distributed as dist
+
+    e, _, _ = engine_on_gloo(proc, store, dp, tp)
     progress = e.progress
     total = e.dp_sum(torch.tensor([proc + 1.0, 10.0 * (proc + 1)], dtype=torch.float64))
     out = {"sum": total.tolist(), "dtype": str(total.dtype), "device": str(total.device),
