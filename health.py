@@ -360,10 +360,6 @@ class HealthMonitor:
                         actor_key(agent)[:12], str(error)[:200])
             self.beats.agent_died(agent)
 
-    def agent_for(self, slot: ActorSlot):
-        """The live node agent that carries `slot`'s heartbeats and calls, or None."""
-        return self.beats.live_agent(self.beats.node_of(slot))
-
     def stop(self) -> None:
         self.beats.stop()
 

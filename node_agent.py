@@ -163,10 +163,11 @@ class NodeCalls:
     """The driver's side of `NodeAgent.call`: sends a call on many ranks as one call per node
     agent, each agent's roster (the handles it reaches) sent only when it changed."""
 
-    def __init__(self, agent_for: Callable, on_agent_error: Callable):
-        """`agent_for(slot)`: the live agent of a slot's node, or None (then the rank is called
-        from here); `on_agent_error(agent, error)`: told when an agent's call failed."""
-        self._agent_for, self._on_agent_error = agent_for, on_agent_error
+    def __init__(self, node_of: Callable, live_agent: Callable, on_agent_error: Callable):
+        """`node_of(slot)`: a slot's node; `live_agent(node)`: that node's live agent, or None
+        (then its ranks are called from here: `Heartbeats.live_agent`); `on_agent_error(agent,
+        error)`: told when an agent's call failed."""
+        self._node_of, self._live_agent, self._on_agent_error = node_of, live_agent, on_agent_error
         self._rosters: dict[str, frozenset] = {}   # agent key -> the actor keys it was last sent
         self._next = 0
 
@@ -174,18 +175,18 @@ class NodeCalls:
         """Start `method(*args, **kwargs)` of `per_rank[i]` on `slots[i]`; returns the calls in
         flight, for `HealthMonitor.wait` (results by index i)."""
         self._next += 1
-        direct, by_agent = {}, {}
+        direct, by_node = {}, {}
         for i, (slot, (args, kwargs)) in enumerate(zip(slots, per_rank)):
-            agent = self._agent_for(slot)
-            if agent is None:
-                direct[getattr(slot.handle, method).remote(*args, **kwargs)] = i
-                continue
-            _, calls, handles = by_agent.setdefault(actor_key(agent), (agent, [], {}))
-            key = actor_key(slot.handle)
-            calls.append((i, key, args, kwargs))
-            handles[key] = slot.handle
+            by_node.setdefault(self._node_of(slot), []).append((i, slot.handle, args, kwargs))
         refs = {}
-        for akey, (agent, calls, handles) in by_agent.items():
+        for node, ranks in by_node.items():
+            agent = self._live_agent(node)
+            if agent is None:
+                direct.update({getattr(h, method).remote(*args, **kwargs): i for i, h, args, kwargs in ranks})
+                continue
+            keys = [actor_key(h) for _, h, _, _ in ranks]
+            calls = [(i, key, args, kwargs) for key, (i, _, args, kwargs) in zip(keys, ranks)]
+            akey, handles = actor_key(agent), dict(zip(keys, (h for _, h, _, _ in ranks)))
             roster = frozenset(handles)
             send = None if self._rosters.get(akey) == roster else list(handles.values())
             self._rosters[akey] = roster
