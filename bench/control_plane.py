@@ -26,7 +26,10 @@ Memory: per N, the proportional set size (PSS: shared pages split between the pr
 map them) of the rank actors (a sample), an agent and the driver. An actor that joins through
 the store imports torch for its TCPStore client; `--no-store` skips the barrier (no torch in
 the actors). A size whose projected rank PSS (the previous size's per-actor PSS times N)
-exceeds 90% of MemAvailable is skipped and recorded.
+exceeds 90% of MemAvailable is skipped and recorded, and so is one whose projected threads
+(the previous size's threads per actor times the actors, each thread taking a pid) would take
+the threads on the host past 90% of the smallest of kernel.pid_max, kernel.threads-max and the
+cgroup's pids.max.
 
 Robust to a cut run: one progress line per phase per size (flushed), the JSON rewritten after
 every size, and every phase run under `--phase-timeout-s`: a phase past it is recorded as that
@@ -78,7 +81,7 @@ HOLD_S = 120.0  # a held step (a rank in a collective) lasts until an abort free
 PSS_SAMPLE = 32  # rank actors whose PSS is read per size
 KEYS = ("driver_cpu_per_step_s", "step_wall_s", "driver_cpu_per_step_direct_s", "step_wall_direct_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
         "rebuild_s", "restore_plan_s", "recovery_control_s", "start_s", "rank_pss_mb", "agent_pss_mb",
-        "driver_pss_mb")
+        "driver_pss_mb", "rank_threads")
 
 
 class PhaseTimeout(Exception):
@@ -200,12 +203,14 @@ class Run:
         return (time.process_time() - c0) / ((time.monotonic() - w0) / self.ft.health_interval_s)
 
     def memory(self) -> dict[str, float]:
-        """PSS (MB): mean of a sample of rank actors, of the agents, and the driver's."""
+        """PSS (MB): mean of a sample of rank actors, of the agents, and the driver's; threads
+        per rank actor (mean of the sample)."""
         pids = self.pids[::max(1, len(self.pids) // PSS_SAMPLE)]
         agent_pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in list(self.agents.values())[:4]])
         return {"rank_pss_mb": sum(map(pss_mb, pids)) / len(pids),
                 "agent_pss_mb": sum(map(pss_mb, agent_pids)) / len(agent_pids),
-                "driver_pss_mb": pss_mb(os.getpid())}
+                "driver_pss_mb": pss_mb(os.getpid()),
+                "rank_threads": sum(len(os.listdir(f"/proc/{p}/task")) for p in pids) / len(pids)}
 
     def fail(self, rank: int, how: str) -> tuple[float, WorkerFailure]:
         """Hold every rank in a step, then kill (or SIGSTOP) `rank`; seconds until detected."""
@@ -259,6 +264,42 @@ class Run:
         deadline = time.monotonic() + 60
         while any(Path(f"/proc/{pid}").exists() for pid in self.pids) and time.monotonic() < deadline:
             time.sleep(0.5)
+
+
+def thread_limit() -> int:
+    """The most threads (pids) this host allows: the smallest of kernel.pid_max,
+    kernel.threads-max and the cgroup's pids.max (v2 or v1) where readable."""
+    limits = []
+    for f in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max", "/sys/fs/cgroup/pids.max",
+              "/sys/fs/cgroup/pids/pids.max"):
+        try:
+            limits.append(int(Path(f).read_text().strip()))
+        except (OSError, ValueError):  # absent, or "max"
+            pass
+    return min(limits)
+
+
+def threads_now() -> int:
+    """Threads of every process on the host now."""
+    total = 0
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                total += len(os.listdir(p / "task"))
+            except OSError:
+                pass
+    return total
+
+
+def skip_reason(n: int, rpn: int, per_rank_mb: float, per_actor_threads: float) -> str | None:
+    """Why size `n` would not fit this host, from the largest per-actor PSS (MB) and threads
+    measured so far (0: not measured yet), or None."""
+    if per_rank_mb and (need := (n + SPARES) * per_rank_mb / 1024) > 0.9 * (have := mem_available_gb()):
+        return f"skipped: {need:.1f} GB of rank PSS projected, {have:.1f} GB available"
+    actors = n + SPARES + -(-(n + SPARES) // rpn)
+    if per_actor_threads and (need := threads_now() + actors * per_actor_threads) > 0.9 * (limit := thread_limit()):
+        return f"skipped: {need:.0f} threads projected ({actors} actors x {per_actor_threads:.0f}), host limit {limit}"
+    return None
 
 
 def measure(n: int, args, ft) -> dict:
@@ -352,16 +393,18 @@ def main(argv=None) -> dict:
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": actor_env(ROOT, RAY_IGNORE_UNHANDLED_ERRORS="1")})
-    rows, per_rank_mb = [], 0.0
+    print(f"host: {os.cpu_count()} cores, {mem_available_gb():.1f} GB available, {threads_now()} threads "
+          f"running, thread limit {thread_limit()}", flush=True)
+    rows, per_rank_mb, per_actor_threads = [], 0.0, 0.0
     for n in args.sizes:
-        if per_rank_mb and (need := (n + SPARES) * per_rank_mb / 1024) > 0.9 * (have := mem_available_gb()):
-            rows.append({"n": n, "failed": f"skipped: {need:.1f} GB of rank PSS projected, "
-                                           f"{have:.1f} GB available"})
-            print(f"N={n}: {rows[-1]['failed']}", flush=True)
+        if (why := skip_reason(n, args.ranks_per_node, per_rank_mb, per_actor_threads)) is not None:
+            rows.append({"n": n, "failed": why})
+            print(f"N={n}: {why}", flush=True)
         else:
             rows.append(measure(n, args, ft))
             per_rank_mb = max(per_rank_mb, rows[-1].get("rank_pss_mb", 0.0) + rows[-1].get("agent_pss_mb", 0.0)
                               / args.ranks_per_node)
+            per_actor_threads = max(per_actor_threads, rows[-1].get("rank_threads", 0.0))
         result = summary(rows, args)
         write_json(args.out, result)  # a cut run keeps the sizes it measured
     print(f"{'N':>6} " + " ".join(f"{k[:16]:>16}" for k in KEYS))
