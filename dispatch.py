@@ -132,6 +132,7 @@ def dispatch_args(dims: ParallelDims, dispatch: str | type[Dispatch], *args, put
     if put is None:
         return per_rank
     stored: dict[int, object] = {}  # id(value) -> put(value); the values live in per_rank
+    converted: dict[int, tuple] = {}  # id((args, kwargs)) -> its put form: ranks that share one share it
 
     def once(v):
         if v is None or isinstance(v, (int, float, bool, str)):
@@ -140,7 +141,13 @@ def dispatch_args(dims: ParallelDims, dispatch: str | type[Dispatch], *args, put
             stored[id(v)] = put(v)
         return stored[id(v)]
 
-    return [(tuple(once(v) for v in a), {k: once(v) for k, v in kw.items()}) for a, kw in per_rank]
+    def put_form(pair: tuple) -> tuple:
+        if id(pair) not in converted:
+            a, kw = pair
+            converted[id(pair)] = (tuple(once(v) for v in a), {k: once(v) for k, v in kw.items()})
+        return converted[id(pair)]
+
+    return [put_form(pair) for pair in per_rank]
 
 
 def dispatch_remote(

@@ -161,7 +161,9 @@ def _raiser(error: BaseException) -> Callable:
 
 class NodeCalls:
     """The driver's side of `NodeAgent.call`: sends a call on many ranks as one call per node
-    agent, each agent's roster (the handles it reaches) sent only when it changed."""
+    agent, each agent's roster (the handles it reaches) sent only when it changed. The ranks'
+    grouping by node is kept while the slots are the same objects (held here, so that no new
+    slot can take a held one's id)."""
 
     def __init__(self, node_of: Callable, live_agent: Callable, on_agent_error: Callable):
         """`node_of(slot)`: a slot's node; `live_agent(node)`: that node's live agent, or None
@@ -169,28 +171,36 @@ class NodeCalls:
         error)`: told when an agent's call failed."""
         self._node_of, self._live_agent, self._on_agent_error = node_of, live_agent, on_agent_error
         self._rosters: dict[str, frozenset] = {}   # agent key -> the actor keys it was last sent
+        self._layout: tuple = ([], (), {})         # (the slots, their ids, node -> its ranks: `_by_node`)
         self._next = 0
+
+    def _by_node(self, slots: list) -> dict[str, tuple[list, frozenset, frozenset]]:
+        """node -> ([(index, actor key, handle)] of its slots, their actor keys, their indices)."""
+        ids = tuple(map(id, slots))
+        if ids != self._layout[1]:
+            ranks: dict[str, list] = {}
+            for i, slot in enumerate(slots):
+                ranks.setdefault(self._node_of(slot), []).append((i, actor_key(slot.handle), slot.handle))
+            by_node = {node: (r, frozenset(k for _, k, _ in r), frozenset(i for i, _, _ in r))
+                       for node, r in ranks.items()}
+            self._layout = (list(slots), ids, by_node)
+        return self._layout[2]
 
     def start(self, slots: list, method: str, per_rank: list[tuple[tuple, dict]]) -> AgentCalls:
         """Start `method(*args, **kwargs)` of `per_rank[i]` on `slots[i]`; returns the calls in
         flight, for `HealthMonitor.wait` (results by index i)."""
         self._next += 1
-        direct, by_node = {}, {}
-        for i, (slot, (args, kwargs)) in enumerate(zip(slots, per_rank)):
-            by_node.setdefault(self._node_of(slot), []).append((i, slot.handle, args, kwargs))
-        refs = {}
-        for node, ranks in by_node.items():
+        direct, refs = {}, {}
+        for node, (ranks, roster, indices) in self._by_node(slots).items():
             agent = self._live_agent(node)
             if agent is None:
-                direct.update({getattr(h, method).remote(*args, **kwargs): i for i, h, args, kwargs in ranks})
+                direct.update({getattr(h, method).remote(*per_rank[i][0], **per_rank[i][1]): i for i, _, h in ranks})
                 continue
-            keys = [actor_key(h) for _, h, _, _ in ranks]
-            calls = [(i, key, args, kwargs) for key, (i, _, args, kwargs) in zip(keys, ranks)]
-            akey, handles = actor_key(agent), dict(zip(keys, (h for _, h, _, _ in ranks)))
-            roster = frozenset(handles)
-            send = None if self._rosters.get(akey) == roster else list(handles.values())
+            akey = actor_key(agent)
+            send = None if self._rosters.get(akey) == roster else [h for _, _, h in ranks]
             self._rosters[akey] = roster
-            refs[agent.call.remote(self._next, method, calls, send)] = (agent, {c[0] for c in calls})
+            calls = [(i, key, *per_rank[i]) for i, key, _ in ranks]
+            refs[agent.call.remote(self._next, method, calls, send)] = (agent, indices)
         return AgentCalls(len(slots), direct, refs, self._next, self._agent_error)
 
     def _agent_error(self, agent, error: BaseException) -> None:

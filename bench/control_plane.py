@@ -14,11 +14,14 @@ agent, as on a cluster of 8-GPU nodes.
 Per N: driver CPU seconds (`time.process_time`: every thread of the driver process, the
 heartbeat thread and Ray's included) per step, through the node agents and, on the same
 actors, with one call per rank from the driver (`*_direct_s`: the driver before the agents
-carried steps), and per heartbeat round (an idle window divided
-by the rounds in it); detect for a killed rank (`ray.kill` while every rank is in a held step,
-until `WorkerFailure`) and for a silent one (SIGSTOP); abort; rebuild (the barrier of a new
-generation with a spare in the killed rank's place); the restore plan; recovery control =
-detect (killed) + abort + rebuild + plan. Growth exponent: the log-log slope of driver CPU per
+carried steps), and per heartbeat round (an idle window divided by the rounds in it); per step
+also the calling thread's CPU alone (`driver_thread_cpu_*`: the driver's own work: split,
+send, wait, judge) and the process's less its idle rate over the step's wall time
+(`driver_cpu_per_step_net*`: without the heartbeats that run meanwhile, which grow with the
+step's wall time on an oversubscribed host); detect for a killed rank (`ray.kill` while every
+rank is in a held step, until `WorkerFailure`) and for a silent one (SIGSTOP); abort; rebuild
+(the barrier of a new generation with a spare in the killed rank's place); the restore plan;
+recovery control = detect (killed) + abort + rebuild + plan. Growth exponent: the log-log slope of driver CPU per
 step against N. `--profile` prints the top functions (cProfile, the calling thread) of each
 steps phase.
 
@@ -79,7 +82,9 @@ NOTE = "control plane only: the rank actors' engine does no math"
 SPARES = 2
 HOLD_S = 120.0  # a held step (a rank in a collective) lasts until an abort frees it
 PSS_SAMPLE = 32  # rank actors whose PSS is read per size
-KEYS = ("driver_cpu_per_step_s", "step_wall_s", "driver_cpu_per_step_direct_s", "step_wall_direct_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
+KEYS = ("driver_cpu_per_step_s", "step_wall_s", "driver_cpu_per_step_direct_s", "step_wall_direct_s",
+        "driver_thread_cpu_per_step_s", "driver_thread_cpu_per_step_direct_s", "driver_cpu_per_step_net_s",
+        "driver_cpu_per_step_net_direct_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
         "rebuild_s", "restore_plan_s", "recovery_control_s", "start_s", "rank_pss_mb", "agent_pss_mb",
         "driver_pss_mb", "rank_threads")
 
@@ -180,11 +185,12 @@ class Run:
     def steps(self, first: int, count: int, direct: bool = False) -> dict[str, float]:
         """`count` steps waited on by the health monitor (`direct`: see `step`): driver CPU
         seconds (every thread of the driver process: the heartbeats' too, so this grows with the
-        step's wall time) and wall seconds per step. With `--profile`, prints the calling
+        step's wall time), the calling thread's alone (the driver's own work of a step: split,
+        send, wait, judge; not Ray's threads), and wall seconds per step. With `--profile`, prints the calling
         thread's top functions."""
         batch = list(range(64))
         profile = cProfile.Profile() if self.args.profile else None
-        c0, w0 = time.process_time(), time.monotonic()
+        c0, t0, w0 = time.process_time(), time.thread_time(), time.monotonic()
         if profile is not None:
             profile.enable()
         for s in range(first, first + count):
@@ -194,6 +200,7 @@ class Run:
             pstats.Stats(profile).sort_stats("tottime").print_stats(12)
         suffix = "_direct" if direct else ""
         return {f"driver_cpu_per_step{suffix}_s": (time.process_time() - c0) / count,
+                f"driver_thread_cpu_per_step{suffix}_s": (time.thread_time() - t0) / count,
                 f"step_wall{suffix}_s": (time.monotonic() - w0) / count}
 
     def idle(self, seconds: float) -> float:
@@ -332,6 +339,9 @@ def measure(n: int, args, ft) -> dict:
         name = "restore plan"
         row["restore_plan_s"] = phase(n, name, limit, run.restore_plan, failed)
         row["recovery_control_s"] = row["detect_kill_s"] + row["abort_s"] + row["rebuild_s"] + row["restore_plan_s"]
+        for suffix in ("", "_direct"):  # less what the driver spends while idle over the step's wall time
+            row[f"driver_cpu_per_step_net{suffix}_s"] = row[f"driver_cpu_per_step{suffix}_s"] - row[
+                "driver_cpu_per_round_s"] / ft.health_interval_s * row[f"step_wall{suffix}_s"]
         name = "detect silent"
         row["detect_silent_s"], failure = phase(n, name, limit, run.fail, 2, "stop")
         name = "abort after silent"
@@ -360,6 +370,10 @@ def summary(rows: list[dict], args) -> dict:
             "growth_exponent_driver_cpu": slope("driver_cpu_per_step_s"),
             "growth_exponent_driver_cpu_per_round": slope("driver_cpu_per_round_s"),
             "growth_exponent_driver_cpu_direct": slope("driver_cpu_per_step_direct_s"),
+            "growth_exponent_driver_cpu_net": slope("driver_cpu_per_step_net_s"),
+            "growth_exponent_driver_cpu_net_direct": slope("driver_cpu_per_step_net_direct_s"),
+            "growth_exponent_driver_thread_cpu": slope("driver_thread_cpu_per_step_s"),
+            "growth_exponent_driver_thread_cpu_direct": slope("driver_thread_cpu_per_step_direct_s"),
             "failures": [r for r in rows if "failed" in r],
             "device": f"cpu: {os.cpu_count()} cores ({platform.node()})",
             "settings": {"ranks_per_node": args.ranks_per_node, "steps": args.steps, "idle_s": args.idle_s,
