@@ -148,9 +148,10 @@ class Heartbeats:
     a ping that gets no answer only makes the silence longer. `start` / `stop` the thread.
 
     `actors()`: handles, or slots (`.handle`, `.node_id`). `agents()`: node id -> its
-    `node_agent.NodeAgent`; `node_of(slot)`: the node id of a slot (default its `node_id`). The actors of a node with an agent are pinged by that agent, which
-    answers one call per round with every answer (the driver sends O(nodes) calls per round);
-    the others are pinged from here. A node whose agent died (its node lost), or whose round
+    `node_agent.NodeAgent`; `node_of(slot)`: the node id of a slot (default its `node_id`).
+    The actors of a node with an agent are pinged by that agent, which answers one call per
+    round with every answer (the driver sends O(nodes) calls per round); the others are pinged
+    from here. A node whose agent died (its node lost), or whose round
     call is late by more than `AGENT_LATE_INTERVALS` intervals (its agent not started yet, or
     stalled), has its actors pinged from here until the agent answers again."""
 
