@@ -8,7 +8,7 @@
 #     projected PSS exceeds 90% of MemAvailable).
 # Per size: 10 timed steps with one call per rank (the driver before node agents carried steps)
 # and 10 through the node agents, on the same actors, and a 3 s idle window; a run stays under
-# ~520 s; every phase has a 200 s limit (recorded as the size's failure in the JSON, which is
+# ~520 s; every phase has a 300 s limit (the start of 1,155 actors included) (recorded as the size's failure in the JSON, which is
 # rewritten after every size). A size whose projected PSS or threads do not fit is skipped and
 # recorded (each Ray worker runs ~28 threads, each taking a pid: 1,155 actors need ~32k).
 # Keeps control_plane[_store]_nvidia-h200_DATE.cmd/.log/.json in bench/results/gpu/ and copies
@@ -29,5 +29,5 @@ ulimit -n "$(ulimit -Hn)" 2>/dev/null  # the driver holds a connection to each o
 echo "pid_max $(cat /proc/sys/kernel/pid_max), threads-max $(cat /proc/sys/kernel/threads-max), cgroup pids.max $(cat /sys/fs/cgroup/pids.max 2>/dev/null || echo n/a)"
 echo "$(nproc) cores, $(free -g | awk '/Mem:/ {print $7}') GB available, open files $(ulimit -n) soft / $(ulimit -Hn) hard"
 keep_run "$name" "$dest" "${BENCH_TIMEOUT:-520}" 40 "python3 -m bench.control_plane --sizes $sizes
- --steps 10 --idle-s 3 --phase-timeout-s 200 --out $dest/$name.json $*"
+ --steps 10 --idle-s 3 --phase-timeout-s 300 --out $dest/$name.json $*"
 [ -n "${OUT:-}" ] && cp "$dest/$name"* "$OUT"/
