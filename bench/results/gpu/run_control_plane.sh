@@ -8,8 +8,8 @@
 #     projected PSS exceeds 90% of MemAvailable).
 # Per size: 10 timed steps with one call per rank (the driver before node agents carried steps)
 # and 10 through the node agents, on the same actors, and a 3 s idle window; a run stays under
-# ~520 s; every phase has a 300 s limit (the start of 1,155 actors included) (recorded as the size's failure in the JSON, which is
-# rewritten after every size). A size whose projected PSS or threads do not fit is skipped and
+# ~520 s; every phase (the start of 1,155 actors too) has a 300 s limit, recorded as the size's
+# failure in the JSON, which is rewritten after every size. A size whose projected PSS or threads do not fit is skipped and
 # recorded (each Ray worker runs ~28 threads, each taking a pid: 1,155 actors need ~32k).
 # Keeps control_plane[_store]_nvidia-h200_DATE.cmd/.log/.json in bench/results/gpu/ and copies
 # them to $OUT when it is set (the device tool brings back what is there).
