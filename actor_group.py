@@ -20,12 +20,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actor_slot import ActorSlot
 from config import Config, require
 from driver_failover import PLACEMENT_GROUP, CannotReattach, new_name
-from dispatch import dispatch_remote, get_dispatch_type
+from dispatch import dispatch_args, get_dispatch_type
 from failures import ClusterError, slowest
 from health import HealthMonitor
 from keeper import keeper_node, keeps_shards
 from megatron_actor import MegatronActor
-from node_agent import NodeAgent
+from node_agent import NodeAgent, NodeCalls
 from parallel_dims import ParallelDims, RankCoords
 from snapshots import SnapshotHolder
 
@@ -268,8 +268,7 @@ class ActorGroup:
         self._warming: dict[int, object] = {}  # id(spare slot) -> its prepare_spare ObjectRef
         self.workers: list[ActorSlot] = []
         self.pool = BackupPool([])
-        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
-                                    lambda: self.generation, lambda: self.agents)
+        self._watch()
         self.injected_at: float | None = None  # wall-clock time of the last injected fault (`kill`)
         handles = [self._new_actor(i) for i in range(n)]
         infos = ray.get([h.info.remote() for h in handles])
@@ -314,6 +313,13 @@ class ActorGroup:
         self.form_generation()
         self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers]))
         self._prepare(self.pool.spares)
+
+    def _watch(self) -> None:
+        """The health monitor of the workers and spares, and the step calls through the node
+        agents (`NodeCalls`: one call per node per `call`)."""
+        self.health = HealthMonitor(self.cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
+                                    lambda: self.generation, lambda: self.agents)
+        self.node_calls = NodeCalls(self.health.beats.node_of, self.health.beats.live_agent, self.health.agent_failed)
 
     def _named(self, kind: str, index: int) -> dict:
         """Ray options naming a detached actor of the run (`driver_failover`); {} when off.
@@ -368,8 +374,7 @@ class ActorGroup:
                 self.names[self.holders[node]._actor_id.hex()] = name
             except ValueError:
                 pass
-        self.health = HealthMonitor(cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
-                                    lambda: self.generation, lambda: self.agents)
+        self._watch()
         self.build_s = 0.0  # health starts once no rank is None (fault_tolerance.reattach)
         self.store_host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
@@ -476,11 +481,13 @@ class ActorGroup:
 
     def call(self, method: str, *args, dispatch: str = "pass_through", timeout: float | None = None):
         """Call `method(generation, *args)` on every worker as the named dispatch splits it (each
-        distinct non-scalar argument put into Ray's object store once: `dispatch_remote`), wait
-        with a deadline, and return the dispatch's collected results. Raises WorkerFailure."""
+        distinct non-scalar argument put into Ray's object store once: `dispatch_args`), sent as
+        one call per node agent (`NodeCalls`; directly to a rank whose node has no live agent),
+        wait with a deadline, and return the dispatch's collected results. Raises WorkerFailure."""
         kind = get_dispatch_type(dispatch)
-        refs = dispatch_remote(self.handles, method, self.dims, kind, self.generation, *args, put=ray.put)
-        results = self.wait(refs, timeout or self.cfg.fault_tolerance.step_timeout_s)
+        per_rank = dispatch_args(self.dims, kind, self.generation, *args, put=ray.put)
+        results = self.wait(self.node_calls.start(self.workers, method, per_rank),
+                            timeout or self.cfg.fault_tolerance.step_timeout_s)
         return kind.collect(self.dims, results)
 
     def _new_actor(self, bundle_index: int):

@@ -2,7 +2,8 @@
 
 A `Dispatch` turns the driver's (args, kwargs) into one (args, kwargs) per global rank
 (`split`) and the per-rank results into what the caller sees (`collect`). Ray is not
-imported here: `dispatch_remote` only calls `.remote` on the handles it is given.
+imported here: `dispatch_remote` only calls `.remote` on the handles it is given (`dispatch_args`
+gives the per-rank arguments alone, for calls sent through node agents: `node_agent.NodeCalls`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,40 @@ register_dispatch_type("mesh", MeshDispatch)
 register_dispatch_type("pass_through", PassThroughDispatch)
 
 
+def dispatch_args(dims: ParallelDims, dispatch: str | type[Dispatch], *args, put: Callable | None = None,
+                  **kwargs) -> list[tuple[tuple, dict]]:
+    """(args, kwargs) of each global rank's call (index = rank), as the dispatch splits them.
+
+    Args:
+        dispatch: a registered name or a Dispatch subclass deciding each rank's arguments.
+        put: e.g. `ray.put`: each distinct argument value other than a scalar (int, float,
+            bool, str, None) is passed through it once and its result given to every rank
+            that gets the value, so a replica's batch is serialized once, not once per rank
+            of the replica. None: values are given as they are.
+    """
+    cls = get_dispatch_type(dispatch) if isinstance(dispatch, str) else dispatch
+    per_rank = cls.split(dims, args, kwargs)
+    if put is None:
+        return per_rank
+    stored: dict[int, object] = {}  # id(value) -> put(value); the values live in per_rank
+    converted: dict[int, tuple] = {}  # id((args, kwargs)) -> its put form: ranks that share one share it
+
+    def once(v):
+        if v is None or isinstance(v, (int, float, bool, str)):
+            return v
+        if id(v) not in stored:
+            stored[id(v)] = put(v)
+        return stored[id(v)]
+
+    def put_form(pair: tuple) -> tuple:
+        if id(pair) not in converted:
+            a, kw = pair
+            converted[id(pair)] = (tuple(once(v) for v in a), {k: once(v) for k, v in kw.items()})
+        return converted[id(pair)]
+
+    return [put_form(pair) for pair in per_rank]
+
+
 def dispatch_remote(
     handles: list,
     method: str,
@@ -124,15 +159,8 @@ def dispatch_remote(
     put: Callable | None = None,
     **kwargs,
 ) -> list:
-    """Call `handles[r].<method>.remote(*args_r, **kwargs_r)` on every rank r.
-
-    Args:
-        handles: Ray actor handles, index = global rank; len(handles) == dims.world_size.
-        dispatch: a registered name or a Dispatch subclass deciding each rank's arguments.
-        put: e.g. `ray.put`: each distinct argument value other than a scalar (int, float,
-            bool, str, None) is passed through it once and its result sent to every rank
-            that gets the value, so a replica's batch is serialized once, not once per rank
-            of the replica. None: values are sent as they are.
+    """Call `handles[r].<method>.remote(*args_r, **kwargs_r)` on every rank r, with the
+    arguments of `dispatch_args` (`put`: see there).
 
     Returns:
         The ObjectRefs, one per rank (pass them to `dispatch.collect` after `ray.get`).
@@ -142,17 +170,5 @@ def dispatch_remote(
     """
     if len(handles) != dims.world_size:
         raise ValueError(f"got {len(handles)} actor handles for a group of {dims.world_size} ranks")
-    cls = get_dispatch_type(dispatch) if isinstance(dispatch, str) else dispatch
-    per_rank = cls.split(dims, args, kwargs)
-    if put is not None:
-        stored: dict[int, object] = {}  # id(value) -> put(value); the values live in per_rank
-
-        def once(v):
-            if v is None or isinstance(v, (int, float, bool, str)):
-                return v
-            if id(v) not in stored:
-                stored[id(v)] = put(v)
-            return stored[id(v)]
-
-        per_rank = [(tuple(once(v) for v in a), {k: once(v) for k, v in kw.items()}) for a, kw in per_rank]
+    per_rank = dispatch_args(dims, dispatch, *args, put=put, **kwargs)
     return [getattr(handle, method).remote(*a, **kw) for handle, (a, kw) in zip(handles, per_rank)]

@@ -59,6 +59,34 @@ def ping_result(ref, key: str) -> tuple[dict | None, str]:
         return None, ""
 
 
+class CallLost(Exception):
+    """A rank's call whose answer is lost with the node agent that carried it (the agent died
+    or its call failed): the rank itself is judged by its heartbeats and its node's raylet."""
+
+
+class Calls:
+    """Calls in flight, one per rank (index i: the i-th rank of the wait), as
+    `HealthMonitor.wait` gathers them; here one ObjectRef per call, made by the caller.
+    `node_agent.AgentCalls` sends them as one call per node agent instead."""
+
+    def __init__(self, refs: list):
+        self.size = len(refs)
+        self._index = {ref: i for i, ref in enumerate(refs)}
+
+    def waitables(self) -> list:
+        """The ObjectRefs to wait on first."""
+        return list(self._index)
+
+    def ended(self, ref) -> tuple[list[tuple[int, Callable]], list]:
+        """For the ended waitable `ref`: ([(call index, a function returning its result or
+        raising its error)], the waitables to wait on next in its place)."""
+        return [(self._index[ref], lambda: ray.get(ref))], []
+
+    def indices(self, waiting: list) -> set[int]:
+        """The call indices whose results the waitables `waiting` would bring."""
+        return {self._index[ref] for ref in waiting}
+
+
 @dataclass
 class Beat:
     """What the heartbeats know of one actor. Times: `time.monotonic()`, `seen_wall` wall clock."""
@@ -120,18 +148,19 @@ class Heartbeats:
     a ping that gets no answer only makes the silence longer. `start` / `stop` the thread.
 
     `actors()`: handles, or slots (`.handle`, `.node_id`). `agents()`: node id -> its
-    `node_agent.NodeAgent`. The actors of a node with an agent are pinged by that agent, which
-    answers one call per round with every answer (the driver sends O(nodes) calls per round);
-    the others are pinged from here. A node whose agent died (its node lost), or whose round
+    `node_agent.NodeAgent`; `node_of(slot)`: the node id of a slot (default its `node_id`).
+    The actors of a node with an agent are pinged by that agent, which answers one call per
+    round with every answer (the driver sends O(nodes) calls per round); the others are pinged
+    from here. A node whose agent died (its node lost), or whose round
     call is late by more than `AGENT_LATE_INTERVALS` intervals (its agent not started yet, or
     stalled), has its actors pinged from here until the agent answers again."""
 
     AGENT_LATE_INTERVALS = 2
 
     def __init__(self, actors: Callable[[], list], interval_s: float, timeout_s: float,
-                 agents: Callable[[], dict] = dict):
+                 agents: Callable[[], dict] = dict, node_of: Callable | None = None):
         self._actors, self.interval_s, self.timeout_s = actors, interval_s, timeout_s
-        self._agents = agents
+        self._agents, self.node_of = agents, node_of or (lambda slot: slot.node_id)
         self._beats: dict[str, Beat] = {}
         self._rounds: dict[str, tuple] = {}   # node id -> (agent key, ref in flight or None, sent, roster)
         self._dead_agents: set[str] = set()   # agent keys whose actor died
@@ -148,6 +177,16 @@ class Heartbeats:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval_s + 1)
+
+    def live_agent(self, node: str):
+        """The agent of `node`, or None when it has none or its agent died."""
+        agent = self._agents().get(node)
+        return None if agent is None or actor_key(agent) in self._dead_agents else agent
+
+    def agent_died(self, agent) -> None:
+        """Ask `agent` nothing more: its node's actors are pinged (and called) from here."""
+        with self._lock:
+            self._dead_agents.add(actor_key(agent))
 
     def _run(self) -> None:
         while not self._stop.is_set() and ray.is_initialized():
@@ -171,7 +210,7 @@ class Heartbeats:
         key (a ping) or ("agent", node id) (a round)."""
         handles, by_node = {}, {}
         for a in self._actors():
-            h, node = (a.handle, a.node_id) if hasattr(a, "handle") else (a, None)
+            h, node = (a.handle, self.node_of(a)) if hasattr(a, "handle") else (a, None)
             handles[actor_key(h)] = h
             by_node.setdefault(node, []).append(actor_key(h))
         agents = self._agents()
@@ -298,18 +337,29 @@ class HealthMonitor:
     """Detection over the workers `workers()` returns (index = rank; the actor group owns the
     list and may change it between calls), with the timeouts of `ft`. Its heartbeats
     (`Heartbeats`) track the workers and the spares `spares()` returns; `start` / `stop` them.
-    `generation()`: the group's current generation, sent with each abort (`MegatronActor.abort`)."""
+    `generation()`: the group's current generation, sent with each abort (`MegatronActor.abort`).
+    `agents()`, `node_of`: the node agents and the node of a slot (`Heartbeats`)."""
 
     def __init__(self, ft: FaultToleranceConfig, workers: Callable[[], list[ActorSlot]],
                  spares: Callable[[], list[ActorSlot]] = list, generation: Callable[[], int] = lambda: 0,
-                 agents: Callable[[], dict] = dict):
+                 agents: Callable[[], dict] = dict, node_of: Callable | None = None):
         self.ft, self._workers, self._generation = ft, workers, generation
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (host, port)
         self._blameless: list[dict[str, int]] = []      # hangs that named no rank (`suspected_node`)
-        self.beats = Heartbeats(lambda: [*workers(), *spares()], ft.health_interval_s, ft.health_timeout_s, agents)
+        self.beats = Heartbeats(lambda: [*workers(), *spares()], ft.health_interval_s, ft.health_timeout_s, agents,
+                                node_of)
 
     def start(self) -> None:
         self.beats.start()
+
+    def agent_failed(self, agent, error: BaseException) -> None:
+        """A call through `agent` failed with `error`: once Ray says the agent died, its node's
+        ranks are pinged and called from here (`Heartbeats.agent_died`)."""
+        if isinstance(error, ray.exceptions.RayActorError) and not isinstance(
+                error, ray.exceptions.ActorUnavailableError):
+            log.warning("node agent %s died; its node's ranks are called from the driver: %s",
+                        actor_key(agent)[:12], str(error)[:200])
+            self.beats.agent_died(agent)
 
     def stop(self) -> None:
         self.beats.stop()
@@ -330,9 +380,9 @@ class HealthMonitor:
         workers = self._workers()
         return {r for r in ranks if self.beats.silence_s(workers[r].handle) >= self.ft.health_timeout_s}
 
-    def wait(self, refs: list, timeout: float, ranks: list[int] | None = None) -> list:
-        """Results of `refs` (one per rank, or one per rank of `ranks`), or WorkerFailure naming
-        the failed ranks.
+    def wait(self, refs: list | Calls, timeout: float, ranks: list[int] | None = None) -> list:
+        """Results of `refs` (ObjectRefs or `Calls`: one call per rank, or one per rank of
+        `ranks`), or WorkerFailure naming the failed ranks.
 
         A rank whose actor died is a 'crash'; a rank whose heartbeats have been silent for
         `health_timeout_s` is 'unreachable' (checked every `health_interval_s`, whatever the
@@ -344,13 +394,14 @@ class HealthMonitor:
         a collective their group's other members wait in, else those whose compute thread
         still does not answer once every rank's communicators are aborted (an empty set: the
         collective itself stalled and every rank was freed). A call whose answer is lost to
-        `ActorUnavailableError` re-forms without blame. Results are gathered in batches
-        (`BATCH_S`)."""
+        `ActorUnavailableError` re-forms without blame, as does one lost with its node agent
+        (`CallLost`) on a node whose raylet still answers (one that refuses: a crash of the
+        node's ranks). Results are gathered in batches (`BATCH_S`)."""
         ft, workers = self.ft, self._workers()
-        rank_of = list(ranks) if ranks is not None else list(range(len(refs)))
-        index = {r.hex(): i for i, r in enumerate(refs)}
-        results: list = [None] * len(refs)
-        pending, deadline = list(refs), time.monotonic() + timeout
+        calls = refs if isinstance(refs, Calls) else Calls(refs)
+        rank_of = list(ranks) if ranks is not None else list(range(calls.size))
+        results: list = [None] * calls.size
+        pending, deadline = calls.waitables(), time.monotonic() + timeout
         progress, moved_at = self.work_done(), time.time()
         next_look = time.monotonic() + ft.health_interval_s
         while pending:
@@ -359,11 +410,20 @@ class HealthMonitor:
             done, pending = ray.wait(pending, num_returns=len(pending),
                                      timeout=max(0.0, min(BATCH_S, next_look - time.monotonic(),
                                                           deadline - time.monotonic())))
-            raised = []
+            raised, ended = [], []
             for ref in done:
-                i = index[ref.hex()]
+                outcomes, more = calls.ended(ref)
+                ended += outcomes
+                pending += more
+            for i, get in ended:
                 try:
-                    results[i] = ray.get(ref)
+                    results[i] = get()
+                except CallLost as e:
+                    lost = self.lost_ranks({workers[rank_of[i]].node_id})
+                    if lost:
+                        raise self._failure(lost, "crash", f"node(s) lost: raylet refuses connections; {e}") from None
+                    results[i] = e
+                    deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
                 except ray.exceptions.ActorUnavailableError as e:
                     # Silent, not dead (e.g. its node's agent restarting): the call's answer is
                     # lost, the rank is judged by its heartbeats; a transient re-forms without blame.
@@ -411,8 +471,9 @@ class HealthMonitor:
             progress.update(now)
             if time.monotonic() < deadline:
                 continue
-            raise self._hang_failure({rank_of[index[r.hex()]] for r in pending}, timeout, moved_at)
-        lost = [rank_of[i] for i, r in enumerate(results) if isinstance(r, ray.exceptions.ActorUnavailableError)]
+            raise self._hang_failure({rank_of[i] for i in calls.indices(pending)}, timeout, moved_at)
+        lost = [rank_of[i] for i, r in enumerate(results)
+                if isinstance(r, (ray.exceptions.ActorUnavailableError, CallLost))]
         gave_up = [rank_of[i] for i, r in enumerate(results)
                    if isinstance(r, ray.exceptions.RayTaskError) and rank_of[i] not in lost]
         if gave_up or lost:  # everyone arrived late but did arrive: a transient; re-form without blame

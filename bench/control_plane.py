@@ -3,7 +3,8 @@
 The rank actors' engine does no math (`bench.control_rank.ControlRank`): this measures the
 control plane only. The actors keep the real paths the driver uses: heartbeats (`ping`,
 through one `node_agent.NodeAgent` per logical node of `--ranks-per-node` ranks), step calls
-waited on by `health.HealthMonitor.wait` (batch put once: `dispatch.dispatch_remote`), the
+sent as one call per node agent (`node_agent.NodeCalls`, as `ActorGroup.call` sends them) and
+waited on by `health.HealthMonitor.wait` (batch put once: `dispatch.dispatch_args`), the
 join barrier through the driver's TCPStore (`rendezvous`; no process group is made), the
 abort round (`HealthMonitor.abort_survivors`) and the restore plan (the survivors' rollback
 round, then `fault_tolerance.plan_restore`). Logical nodes: every actor runs on this Ray node
@@ -11,18 +12,27 @@ round, then `fault_tolerance.plan_restore`). Logical nodes: every actor runs on 
 agent, as on a cluster of 8-GPU nodes.
 
 Per N: driver CPU seconds (`time.process_time`: every thread of the driver process, the
-heartbeat thread and Ray's included) per step and per heartbeat round (an idle window divided
-by the rounds in it); detect for a killed rank (`ray.kill` while every rank is in a held step,
-until `WorkerFailure`) and for a silent one (SIGSTOP); abort; rebuild (the barrier of a new
-generation with a spare in the killed rank's place); the restore plan; recovery control =
-detect (killed) + abort + rebuild + plan. Growth exponent: the log-log slope of driver CPU per
-step against N.
+heartbeat thread and Ray's included) per step, through the node agents and, on the same
+actors, with one call per rank from the driver (`*_direct_s`: the driver before the agents
+carried steps), and per heartbeat round (an idle window divided by the rounds in it); per step
+also the calling thread's CPU alone (`driver_thread_cpu_*`: the driver's own work: split,
+send, wait, judge) and the process's less its idle rate over the step's wall time
+(`driver_cpu_per_step_net*`: without the heartbeats that run meanwhile, which grow with the
+step's wall time on an oversubscribed host); detect for a killed rank (`ray.kill` while every
+rank is in a held step, until `WorkerFailure`) and for a silent one (SIGSTOP); abort; rebuild
+(the barrier of a new generation with a spare in the killed rank's place); the restore plan;
+recovery control = detect (killed) + abort + rebuild + plan. Growth exponent: the log-log slope of driver CPU per
+step against N. `--profile` prints the top functions (cProfile, the calling thread) of each
+steps phase.
 
 Memory: per N, the proportional set size (PSS: shared pages split between the processes that
 map them) of the rank actors (a sample), an agent and the driver. An actor that joins through
 the store imports torch for its TCPStore client; `--no-store` skips the barrier (no torch in
 the actors). A size whose projected rank PSS (the previous size's per-actor PSS times N)
-exceeds 90% of MemAvailable is skipped and recorded.
+exceeds 90% of MemAvailable is skipped and recorded, and so is one whose projected threads
+(the previous size's threads per actor times the actors, each thread taking a pid) would take
+the threads on the host past 90% of the smallest of kernel.pid_max, kernel.threads-max and the
+cgroup's pids.max.
 
 Robust to a cut run: one progress line per phase per size (flushed), the JSON rewritten after
 every size, and every phase run under `--phase-timeout-s`: a phase past it is recorded as that
@@ -31,18 +41,22 @@ size's failure (`failures` in the JSON) and the next size runs. Actors start in 
 
 Usage (repository root): python -m bench.control_plane [--sizes 64 256 1024] [--ranks-per-node 8]
     [--steps 20] [--idle-s 5] [--health-timeout-s 3] [--no-store] [--phase-timeout-s 180]
-    [--start-batch 128] [--out FILE]
+    [--start-batch 128] [--profile] [--out FILE]
 Prints a table and writes bench/results/control_plane_cpu.json (top level: sizes (those
-measured to the end), driver_cpu_per_step_s, step_wall_s, driver_cpu_per_round_s, recovery_control_s,
+measured to the end), driver_cpu_per_step_s, step_wall_s, driver_cpu_per_step_direct_s,
+step_wall_direct_s, driver_cpu_per_round_s, recovery_control_s,
 detect_kill_s, detect_silent_s, abort_s, rebuild_s, restore_plan_s, start_s, rank_pss_mb,
-agent_pss_mb, driver_pss_mb, growth_exponent_driver_cpu, failures, device, settings).
+agent_pss_mb, driver_pss_mb, growth_exponent_driver_cpu (and _per_round, _direct), failures,
+device, settings).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import os
 import platform
+import pstats
 import signal
 import sys
 import threading
@@ -56,11 +70,11 @@ from bench import actor_env, write_json
 from bench.control_rank import ControlRank
 from bench.scale import loglog_slope, mem_available_gb, pss_mb
 from config import load_config
-from dispatch import dispatch_remote
+from dispatch import dispatch_args, dispatch_remote
 from failures import WorkerFailure
 from fault_tolerance import plan_restore
-from health import Heartbeats, HealthMonitor
-from node_agent import NodeAgent
+from health import HealthMonitor
+from node_agent import NodeAgent, NodeCalls
 from parallel_dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,9 +82,11 @@ NOTE = "control plane only: the rank actors' engine does no math"
 SPARES = 2
 HOLD_S = 120.0  # a held step (a rank in a collective) lasts until an abort frees it
 PSS_SAMPLE = 32  # rank actors whose PSS is read per size
-KEYS = ("driver_cpu_per_step_s", "step_wall_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
+KEYS = ("driver_cpu_per_step_s", "step_wall_s", "driver_cpu_per_step_direct_s", "step_wall_direct_s",
+        "driver_thread_cpu_per_step_s", "driver_thread_cpu_per_step_direct_s", "driver_cpu_per_step_net_s",
+        "driver_cpu_per_step_net_direct_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
         "rebuild_s", "restore_plan_s", "recovery_control_s", "start_s", "rank_pss_mb", "agent_pss_mb",
-        "driver_pss_mb")
+        "driver_pss_mb", "rank_threads")
 
 
 class PhaseTimeout(Exception):
@@ -111,8 +127,8 @@ class Run:
         self.n, self.args, self.ft = n, args, ft
         self.generation = 0
         self.actors, self.pids, self.agents = [], [], {}
-        self.workers, self.spares, self.logical = [], [], {}
-        self.health = self.store = self.host = None
+        self.workers, self.spares = [], []
+        self.health = self.calls = self.store = self.host = None
 
     def start(self) -> None:
         """Start the actors in batches of `--start-batch` (one line each), their agents, the
@@ -128,16 +144,14 @@ class Run:
                   f"MemAvailable {mem_available_gb():.1f} GB)", flush=True)
         ip, node = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
         slots = [ActorSlot(a, ip, node, [], i) for i, a in enumerate(self.actors)]
-        # Heartbeats see logical nodes; raylet checks (`lost_ranks`) see the real one.
-        self.logical = {s.bundle_index: ActorSlot(s.handle, ip, f"node{s.bundle_index // rpn}", [], s.bundle_index)
-                        for s in slots}
         self.agents = {f"node{k}": NodeAgent.remote(ft.health_interval_s / 2) for k in range(-(-total // rpn))}
         ray.get([a.node_id.remote() for a in self.agents.values()])
         print(f"N={self.n}   {len(self.agents)} node agents up ({time.monotonic() - t0:.1f} s)", flush=True)
         self.workers, self.spares = slots[:self.n], slots[self.n:]
-        self.health = HealthMonitor(ft, lambda: self.workers, lambda: self.spares, lambda: self.generation)
-        self.health.beats = Heartbeats(lambda: [self.logical[s.bundle_index] for s in self.workers + self.spares],
-                                       ft.health_interval_s, ft.health_timeout_s, lambda: self.agents)
+        # Heartbeats and step calls see logical nodes; raylet checks (`lost_ranks`) see the real one.
+        self.health = HealthMonitor(ft, lambda: self.workers, lambda: self.spares, lambda: self.generation,
+                                    lambda: self.agents, lambda s: f"node{s.bundle_index // rpn}")
+        self.calls = NodeCalls(self.health.beats.node_of, self.health.beats.live_agent, self.health.agent_failed)
         if not self.args.no_store:
             import torch.distributed as dist
 
@@ -157,21 +171,37 @@ class Run:
                           for r, s in enumerate(self.workers)], self.ft.rendezvous_timeout_s)
         return time.monotonic() - t0
 
-    def step(self, step: int, batch, hold_s: float = 0.0) -> list:
+    def step(self, step: int, batch, hold_s: float = 0.0, direct: bool = False):
+        """Start a step on every worker (batch put once), as `ActorGroup.call` does: one call per
+        node agent (`NodeCalls`), or with `direct` one call per rank from the driver (as before
+        the agents carried calls). Returns what `HealthMonitor.wait` takes."""
         dims = ParallelDims(tp=1, pp=1, cp=1, dp=self.n)
-        return dispatch_remote([s.handle for s in self.workers], "train_step", dims, "pass_through",
-                               self.generation, step, batch, hold_s, put=ray.put)
+        args = (self.generation, step, batch, hold_s)
+        if direct:
+            return dispatch_remote([s.handle for s in self.workers], "train_step", dims, "pass_through", *args,
+                                   put=ray.put)
+        return self.calls.start(self.workers, "train_step", dispatch_args(dims, "pass_through", *args, put=ray.put))
 
-    def steps(self, first: int, count: int) -> dict[str, float]:
-        """`count` steps waited on by the health monitor: driver CPU seconds (every thread of
-        the driver process: the heartbeats' too, so this grows with the step's wall time) and
-        wall seconds per step."""
+    def steps(self, first: int, count: int, direct: bool = False) -> dict[str, float]:
+        """`count` steps waited on by the health monitor (`direct`: see `step`): driver CPU
+        seconds (every thread of the driver process: the heartbeats' too, so this grows with the
+        step's wall time), the calling thread's alone (the driver's own work of a step: split,
+        send, wait, judge; not Ray's threads), and wall seconds per step. With `--profile`, prints the calling
+        thread's top functions."""
         batch = list(range(64))
-        c0, w0 = time.process_time(), time.monotonic()
+        profile = cProfile.Profile() if self.args.profile else None
+        c0, t0, w0 = time.process_time(), time.thread_time(), time.monotonic()
+        if profile is not None:
+            profile.enable()
         for s in range(first, first + count):
-            self.health.wait(self.step(s, batch), self.ft.step_timeout_s)
-        return {"driver_cpu_per_step_s": (time.process_time() - c0) / count,
-                "step_wall_s": (time.monotonic() - w0) / count}
+            self.health.wait(self.step(s, batch, direct=direct), self.ft.step_timeout_s)
+        if profile is not None:
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+        suffix = "_direct" if direct else ""
+        return {f"driver_cpu_per_step{suffix}_s": (time.process_time() - c0) / count,
+                f"driver_thread_cpu_per_step{suffix}_s": (time.thread_time() - t0) / count,
+                f"step_wall{suffix}_s": (time.monotonic() - w0) / count}
 
     def idle(self, seconds: float) -> float:
         """Driver CPU seconds per heartbeat round over an idle window of `seconds`."""
@@ -180,12 +210,14 @@ class Run:
         return (time.process_time() - c0) / ((time.monotonic() - w0) / self.ft.health_interval_s)
 
     def memory(self) -> dict[str, float]:
-        """PSS (MB): mean of a sample of rank actors, of the agents, and the driver's."""
+        """PSS (MB): mean of a sample of rank actors, of the agents, and the driver's; threads
+        per rank actor (mean of the sample)."""
         pids = self.pids[::max(1, len(self.pids) // PSS_SAMPLE)]
         agent_pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in list(self.agents.values())[:4]])
         return {"rank_pss_mb": sum(map(pss_mb, pids)) / len(pids),
                 "agent_pss_mb": sum(map(pss_mb, agent_pids)) / len(agent_pids),
-                "driver_pss_mb": pss_mb(os.getpid())}
+                "driver_pss_mb": pss_mb(os.getpid()),
+                "rank_threads": sum(len(os.listdir(f"/proc/{p}/task")) for p in pids) / len(pids)}
 
     def fail(self, rank: int, how: str) -> tuple[float, WorkerFailure]:
         """Hold every rank in a step, then kill (or SIGSTOP) `rank`; seconds until detected."""
@@ -241,6 +273,42 @@ class Run:
             time.sleep(0.5)
 
 
+def thread_limit() -> int:
+    """The most threads (pids) this host allows: the smallest of kernel.pid_max,
+    kernel.threads-max and the cgroup's pids.max (v2 or v1) where readable."""
+    limits = []
+    for f in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max", "/sys/fs/cgroup/pids.max",
+              "/sys/fs/cgroup/pids/pids.max"):
+        try:
+            limits.append(int(Path(f).read_text().strip()))
+        except (OSError, ValueError):  # absent, or "max"
+            pass
+    return min(limits)
+
+
+def threads_now() -> int:
+    """Threads of every process on the host now."""
+    total = 0
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                total += len(os.listdir(p / "task"))
+            except OSError:
+                pass
+    return total
+
+
+def skip_reason(n: int, rpn: int, per_rank_mb: float, per_actor_threads: float) -> str | None:
+    """Why size `n` would not fit this host, from the largest per-actor PSS (MB) and threads
+    measured so far (0: not measured yet), or None."""
+    if per_rank_mb and (need := (n + SPARES) * per_rank_mb / 1024) > 0.9 * (have := mem_available_gb()):
+        return f"skipped: {need:.1f} GB of rank PSS projected, {have:.1f} GB available"
+    actors = n + SPARES + -(-(n + SPARES) // rpn)
+    if per_actor_threads and (need := threads_now() + actors * per_actor_threads) > 0.9 * (limit := thread_limit()):
+        return f"skipped: {need:.0f} threads projected ({actors} actors x {per_actor_threads:.0f}), host limit {limit}"
+    return None
+
+
 def measure(n: int, args, ft) -> dict:
     """One size's row: KEYS that were measured, and `failed` ("phase: error") when a phase failed
     or ran past `--phase-timeout-s`."""
@@ -254,8 +322,10 @@ def measure(n: int, args, ft) -> dict:
         phase(n, name, limit, run.join)
         name = "warm steps"
         phase(n, name, limit, run.steps, 0, 3)
-        name = f"{args.steps} steps"
-        row.update(phase(n, name, limit, run.steps, 3, args.steps))
+        name = f"{args.steps} steps, one call per rank"
+        row.update(phase(n, name, limit, run.steps, 3, args.steps, True))
+        name = f"{args.steps} steps, one call per node agent"
+        row.update(phase(n, name, limit, run.steps, 3 + args.steps, args.steps))
         name = "memory"
         row.update(phase(n, name, limit, run.memory))
         name = f"idle {args.idle_s:g} s"
@@ -269,6 +339,9 @@ def measure(n: int, args, ft) -> dict:
         name = "restore plan"
         row["restore_plan_s"] = phase(n, name, limit, run.restore_plan, failed)
         row["recovery_control_s"] = row["detect_kill_s"] + row["abort_s"] + row["rebuild_s"] + row["restore_plan_s"]
+        for suffix in ("", "_direct"):  # less what the driver spends while idle over the step's wall time
+            row[f"driver_cpu_per_step_net{suffix}_s"] = row[f"driver_cpu_per_step{suffix}_s"] - row[
+                "driver_cpu_per_round_s"] / ft.health_interval_s * row[f"step_wall{suffix}_s"]
         name = "detect silent"
         row["detect_silent_s"], failure = phase(n, name, limit, run.fail, 2, "stop")
         name = "abort after silent"
@@ -296,6 +369,11 @@ def summary(rows: list[dict], args) -> dict:
     return {"note": NOTE, "sizes": sizes, **{k: [round(r[k], 5) for r in done] for k in KEYS},
             "growth_exponent_driver_cpu": slope("driver_cpu_per_step_s"),
             "growth_exponent_driver_cpu_per_round": slope("driver_cpu_per_round_s"),
+            "growth_exponent_driver_cpu_direct": slope("driver_cpu_per_step_direct_s"),
+            "growth_exponent_driver_cpu_net": slope("driver_cpu_per_step_net_s"),
+            "growth_exponent_driver_cpu_net_direct": slope("driver_cpu_per_step_net_direct_s"),
+            "growth_exponent_driver_thread_cpu": slope("driver_thread_cpu_per_step_s"),
+            "growth_exponent_driver_thread_cpu_direct": slope("driver_thread_cpu_per_step_direct_s"),
             "failures": [r for r in rows if "failed" in r],
             "device": f"cpu: {os.cpu_count()} cores ({platform.node()})",
             "settings": {"ranks_per_node": args.ranks_per_node, "steps": args.steps, "idle_s": args.idle_s,
@@ -315,28 +393,32 @@ def main(argv=None) -> dict:
     p.add_argument("--phase-timeout-s", type=float, default=180.0,
                    help="a phase of one size running longer is recorded as that size's failure")
     p.add_argument("--start-batch", type=int, default=128, help="rank actors started per batch")
+    p.add_argument("--profile", action="store_true", help="print the top functions of each steps phase (cProfile)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "control_plane_cpu.json"))
     args = p.parse_args(argv)
     ft = load_config(str(ROOT / "config.yaml"), [
         f"fault_tolerance.health_timeout_s={args.health_timeout_s}",
         f"fault_tolerance.health_interval_s={args.health_interval_s}",
         "fault_tolerance.rendezvous_timeout_s=120", "fault_tolerance.step_timeout_s=120"]).fault_tolerance
-    print(NOTE, flush=True)
+    print(NOTE + ("; the rank actors import no torch (no join barrier: --no-store)" if args.no_store else
+                  "; the rank actors import torch for the store client of the join barrier"), flush=True)
     # `timeout` sends SIGTERM: exit through Python's cleanup, which stops the local Ray started here.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": actor_env(ROOT, RAY_IGNORE_UNHANDLED_ERRORS="1")})
-    rows, per_rank_mb = [], 0.0
+    print(f"host: {os.cpu_count()} cores, {mem_available_gb():.1f} GB available, {threads_now()} threads "
+          f"running, thread limit {thread_limit()}", flush=True)
+    rows, per_rank_mb, per_actor_threads = [], 0.0, 0.0
     for n in args.sizes:
-        if per_rank_mb and (need := (n + SPARES) * per_rank_mb / 1024) > 0.9 * (have := mem_available_gb()):
-            rows.append({"n": n, "failed": f"skipped: {need:.1f} GB of rank PSS projected, "
-                                           f"{have:.1f} GB available"})
-            print(f"N={n}: {rows[-1]['failed']}", flush=True)
+        if (why := skip_reason(n, args.ranks_per_node, per_rank_mb, per_actor_threads)) is not None:
+            rows.append({"n": n, "failed": why})
+            print(f"N={n}: {why}", flush=True)
         else:
             rows.append(measure(n, args, ft))
             per_rank_mb = max(per_rank_mb, rows[-1].get("rank_pss_mb", 0.0) + rows[-1].get("agent_pss_mb", 0.0)
                               / args.ranks_per_node)
+            per_actor_threads = max(per_actor_threads, rows[-1].get("rank_threads", 0.0))
         result = summary(rows, args)
         write_json(args.out, result)  # a cut run keeps the sizes it measured
     print(f"{'N':>6} " + " ".join(f"{k[:16]:>16}" for k in KEYS))

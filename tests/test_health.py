@@ -49,6 +49,12 @@ class Rank:
     def noop(self) -> bool:
         return True
 
+    def echo(self, value, batch) -> tuple:
+        """(value, batch); raises ValueError when value is "raise"."""
+        if value == "raise":
+            raise ValueError("bad value")
+        return value, batch
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -58,11 +64,14 @@ def _slots(handles) -> list[ActorSlot]:
     return [ActorSlot(h, "127.0.0.1", node, [], i) for i, h in enumerate(handles)]
 
 
+def _ft(timeout_s: float):
+    return load_config("config.yaml", [f"fault_tolerance.health_timeout_s={timeout_s}",
+                                       "fault_tolerance.health_interval_s=0.2"]).fault_tolerance
+
+
 def _monitor(handles, timeout_s: float = 20.0) -> HealthMonitor:
-    ft = load_config("config.yaml", [f"fault_tolerance.health_timeout_s={timeout_s}",
-                                     "fault_tolerance.health_interval_s=0.2"]).fault_tolerance
     slots = _slots(handles)
-    return HealthMonitor(ft, lambda: slots)
+    return HealthMonitor(_ft(timeout_s), lambda: slots)
 
 
 def test_a_call_lost_to_actor_unavailable_replaces_nobody(ray_session, tmp_path):
@@ -284,3 +293,48 @@ def test_node_agents_carry_heartbeats_one_call_per_node(ray_session):
         os.kill(pids[1], signal.SIGCONT)
         for r in ranks:
             ray.kill(r)
+
+
+def test_node_agents_carry_step_calls_one_call_per_node(ray_session):
+    """A call on every rank goes out as one `NodeAgent.call` per node (two logical nodes of two
+    ranks here), per-rank arguments and an ObjectRef put once passing through; the results come
+    back in rank order. A rank whose call raises is that rank's 'exception', a killed rank that
+    rank's 'crash'; a spare in its place is reached (the agent's roster resent); a dead agent
+    replaces nobody (its calls are lost, its node's raylet answers) and later calls reach its
+    node's ranks from the driver."""
+    from node_agent import NodeAgent, NodeCalls
+
+    slots = _slots([Rank.remote() for _ in range(4)])
+    agents = {"n0": NodeAgent.remote(0.05), "n1": NodeAgent.remote(0.05)}
+    health = HealthMonitor(_ft(5.0), lambda: slots, agents=lambda: agents,
+                           node_of=lambda s: f"n{s.bundle_index // 2}")
+    calls = NodeCalls(health.beats.node_of, health.beats.live_agent, health.agent_failed)
+    batch = ray.put([1, 2, 3])
+    ray.get([*(s.handle.noop.remote() for s in slots), *(a.node_id.remote() for a in agents.values())])
+
+    def call(values):
+        sent = calls.start(slots, "echo", [((v, batch), {}) for v in values])
+        return len(sent.waitables()), health.wait(sent, timeout=30)
+
+    health.start()
+    try:
+        assert call(range(4)) == (2, [(r, [1, 2, 3]) for r in range(4)])
+        with pytest.raises(WorkerFailure) as failure:
+            call([0, 1, "raise", 3])
+        assert (failure.value.ranks, failure.value.kind) == ({2}, "exception"), failure.value
+        ray.kill(slots[3].handle)
+        with pytest.raises(WorkerFailure) as failure:
+            call(range(4))
+        assert (failure.value.ranks, failure.value.kind) == ({3}, "crash"), failure.value
+        slots[3] = _slots([Rank.remote()] * 4)[3]
+        ray.get(slots[3].handle.noop.remote())
+        assert call(range(4)) == (2, [(r, [1, 2, 3]) for r in range(4)])
+        ray.kill(agents["n0"])
+        with pytest.raises(WorkerFailure) as failure:
+            call(range(4))
+        assert (failure.value.ranks, failure.value.kind) == (set(), "exception"), failure.value
+        assert call(range(4)) == (3, [(r, [1, 2, 3]) for r in range(4)])   # ranks 0, 1 from the driver
+    finally:
+        health.stop()
+        for a in [*agents.values(), *(s.handle for s in slots)]:
+            ray.kill(a)

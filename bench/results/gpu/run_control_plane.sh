@@ -6,9 +6,13 @@
 #   MODE store: N = 64 256 512, the join barrier through the driver's TCPStore (torch in every
 #     rank actor, ~190 MB PSS each: 1,024 do not fit 128 GiB; the bench skips a size whose
 #     projected PSS exceeds 90% of MemAvailable).
-# 10 timed steps and a 3 s idle window per size keep a run under ~540 s; every phase has a 200 s
-# limit (recorded as the size's failure in the JSON, which is rewritten after every size).
-# Keeps control_plane[_store]_nvidia-h200_DATE.cmd/.log/.json in bench/results/gpu/.
+# Per size: 10 timed steps with one call per rank (the driver before node agents carried steps)
+# and 10 through the node agents, on the same actors, and a 3 s idle window; a run stays under
+# ~520 s; every phase (the start of 1,155 actors too) has a 300 s limit, recorded as the size's
+# failure in the JSON, which is rewritten after every size. A size whose projected PSS or threads do not fit is skipped and
+# recorded (each Ray worker runs ~28 threads, each taking a pid: 1,155 actors need ~32k).
+# Keeps control_plane[_store]_nvidia-h200_DATE.cmd/.log/.json in bench/results/gpu/ and copies
+# them to $OUT when it is set (the device tool brings back what is there).
 # Usage (repo root, after `source .gpu/install.sh .gpu`):
 #   bash bench/results/gpu/run_control_plane.sh [nostore|store] [more bench args]
 set -o pipefail
@@ -21,8 +25,9 @@ case $mode in
   store) name=control_plane_store_nvidia-h200_$(date +%F); sizes="${SIZES:-64 256 512}" ;;
   *) echo "mode must be nostore or store, got '$mode'"; exit 2 ;;
 esac
-# Each Ray worker runs ~28 threads (2-core VM), each taking a pid: 1,155 workers need ~32k.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null  # the driver holds a connection to each of ~1,155 actors
 echo "pid_max $(cat /proc/sys/kernel/pid_max), threads-max $(cat /proc/sys/kernel/threads-max), cgroup pids.max $(cat /sys/fs/cgroup/pids.max 2>/dev/null || echo n/a)"
 echo "$(nproc) cores, $(free -g | awk '/Mem:/ {print $7}') GB available, open files $(ulimit -n) soft / $(ulimit -Hn) hard"
-keep_run "$name" "$dest" "${BENCH_TIMEOUT:-540}" 40 "python3 -m bench.control_plane --sizes $sizes
- --steps 10 --idle-s 3 --phase-timeout-s 200 --out $dest/$name.json $*"
+keep_run "$name" "$dest" "${BENCH_TIMEOUT:-520}" 40 "python3 -m bench.control_plane --sizes $sizes
+ --steps 10 --idle-s 3 --phase-timeout-s 300 --out $dest/$name.json $*"
+[ -n "${OUT:-}" ] && cp "$dest/$name"* "$OUT"/

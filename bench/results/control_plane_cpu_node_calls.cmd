@@ -1,0 +1,1 @@
+python -m bench.control_plane --sizes 8 16 32 64 --steps 10 --idle-s 3 --no-store --phase-timeout-s 400 --out bench/results/control_plane_cpu_node_calls.json  # 2-core VM shared with other helpers' jobs (load average ~35); per size the same actors run 10 steps with one call per rank (*_direct_s: the driver before this change) and 10 through the node agents
