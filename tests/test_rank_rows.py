@@ -1,10 +1,10 @@
 """Ranks read their own rows (rank_rows.py): the same bytes, loss weights and digests as the
 driver-side read of the global batch at dp 1, 2 and 4, through the prefetch and after a rewind;
 a whole step trained from rank reads is bitwise the step trained from the driver's batch (the
-DP all-reduce of masked tokens included); a file cut under a rank's reader (a .bin, an .idx
-of many pages, SFT tokens or masks) is a DataError naming step, row and document (not SIGBUS,
-not rows from a short read's buffer); a .bin truncated mid-run stops the run (and the CLI, exit
-2) with one line and spends no spare."""
+DP all-reduce of masked tokens included); a .bin cut under a rank's reader (text, SFT tokens
+or masks) is a DataError naming step, row and document (not rows from a short read's buffer),
+an .idx cut changes no row (not SIGBUS); a .bin truncated mid-run stops the run (and the CLI,
+exit 2) with one line and spends no spare."""
 import os
 import pickle
 import re
@@ -115,15 +115,11 @@ def _many_documents(prefix: str, out: str, tokens_per_document: int = 40) -> str
     return out
 
 
-@pytest.mark.parametrize("kind, cut", [("indexed", ".idx"), ("sft", ".bin"), ("sft", "_loss_mask.bin")])
-def test_a_file_cut_under_a_ranks_reader_is_a_data_error_naming_step_row_and_document(
-        stdlib_corpus, sft_corpus, tmp_path, kind, cut):
-    """The rank's reader (`RankRows`, its prefetch thread included) reads step 1, the file is
-    cut to 4 KiB, the next steps raise DataError naming the step, the row, the window and the
-    document in the cut file: not a SIGBUS (an .idx that was memory-mapped), not an SFT row
-    made of whatever a short read left in its buffer (megatron-core's file reader)."""
+def _reader(kind, stdlib_corpus, sft_corpus, tmp_path):
+    """(config, `Data` opened from it, a `RankRows` over the Data as a rank gets it that has
+    read step 1) on a copy of the corpus: `indexed`: documents of 40 tokens (an .idx of ten
+    4 KiB pages), `sft`: the conversations with their masks."""
     from data import LOSS_MASK_SUFFIX
-    from failures import DataError
 
     if kind == "indexed":
         tok, prefix = stdlib_corpus
@@ -132,8 +128,21 @@ def test_a_file_cut_under_a_ranks_reader_is_a_data_error_naming_step_row_and_doc
         tok, template, chats, rows, prefix = sft_corpus
         cfg = sft_cfg((tok, template, chats, rows, _copy(prefix, str(tmp_path / "chats"), ("", LOSS_MASK_SUFFIX))))
     data = open_data(cfg)
-    reader = RankRows(pickle.loads(pickle.dumps(data)))  # as a rank gets it
-    reader.batch(1, 1, 0)
+    reader = RankRows(pickle.loads(pickle.dumps(data)))
+    reader.batch(1, 1, 0)  # and step 2 prefetched
+    return cfg, data, reader
+
+
+@pytest.mark.parametrize("kind, cut", [("indexed", ".bin"), ("sft", ".bin"), ("sft", "_loss_mask.bin")])
+def test_a_file_cut_under_a_ranks_reader_is_a_data_error_naming_step_row_and_document(
+        stdlib_corpus, sft_corpus, tmp_path, kind, cut):
+    """The rank's reader (`RankRows`, its prefetch thread included) has read step 1, the file is
+    cut to 4 KiB, the next steps raise DataError naming the step, the row, the window and the
+    document in the cut file (an SFT row is not made of whatever a short read left in its
+    buffer, as megatron-core's file reader gives it)."""
+    from failures import DataError
+
+    cfg, _, reader = _reader(kind, stdlib_corpus, sft_corpus, tmp_path)
     os.truncate(cfg.data.path + cut, 4096)
     with pytest.raises(DataError) as e:
         for step in (2, 3):  # step 2 may have been prefetched before the cut
@@ -141,6 +150,22 @@ def test_a_file_cut_under_a_ranks_reader_is_a_data_error_naming_step_row_and_doc
     assert re.fullmatch(rf"step {step} row \d+ \(window \d+ of {re.escape(cfg.data.path)}\): document \d+ of "
                         rf"{re.escape(cfg.data.path + cut)}: read [\d,]+ of [\d,]+ bytes at offset [\d,]+ \(the file "
                         r"was truncated or replaced after the run's checks\)", str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["indexed", "sft"])
+def test_an_idx_cut_under_a_ranks_reader_changes_no_row(stdlib_corpus, sft_corpus, tmp_path, kind):
+    """The index is read when the rank opens the data (`IndexedFile`): an .idx cut later to
+    1,000 bytes changes no row (a memory-mapped one kills its reader with SIGBUS beyond the
+    first 4 KiB page and reads zeros in it)."""
+    from data import LOSS_MASK_SUFFIX
+
+    cfg, data, reader = _reader(kind, stdlib_corpus, sft_corpus, tmp_path)
+    want = {step: data.batch(step) for step in (2, 3, 4)}
+    for suffix in ("", LOSS_MASK_SUFFIX) if kind == "sft" else ("",):
+        os.truncate(cfg.data.path + suffix + ".idx", 1000)
+    for step in (2, 3, 4):
+        got = reader.batch(step, 1, 0)
+        assert got.digest() == want[step].digest(), step  # tokens and masks
 
 
 @pytest.mark.slow
