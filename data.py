@@ -60,6 +60,10 @@ def index_header(prefix: str) -> dict:
     counts, and the .bin holds every byte the index points to. Returns {dtype, sequences,
     documents, lengths (int32 [sequences]), tokens}. Raises ConfigError naming data.path."""
     base = os.path.basename(prefix)
+    if "://" in prefix:
+        raise ConfigError(f"data.path: {prefix}: an indexed dataset is read from a local or mounted path (each rank "
+                          "reads byte ranges of its .bin every step); copy the .bin/.idx to the nodes' disks or "
+                          "mount the bucket")
     if prefix.endswith((".bin", ".idx")):
         raise ConfigError(f"data.path: give the prefix without .bin/.idx: {prefix[:-4]}")
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
@@ -95,6 +99,24 @@ def index_header(prefix: str) -> dict:
                           f"{end:,} (truncated, or still being copied?)")
     return {"dtype": dtype, "sequences": sequences, "documents": documents,
             "lengths": np.array(lengths), "tokens": int(lengths.sum(dtype=np.int64))}
+
+
+def check_reachable(url: str, field: str) -> None:
+    """The object at fsspec URL `url` (s3://, gs://, ...) exists and its storage answers (one
+    metadata request, with the client's own retries), so an unreachable endpoint, a missing
+    bucket or object, or refused credentials show in one line before any actor starts.
+    Raises ConfigError naming `field`, the URL and the client's error."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.info(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{field}: {url}: no such object (or no such bucket) at its storage endpoint") from None
+    except Exception as e:  # noqa: BLE001 - any client's error (botocore's and gcsfs's are not OSError)
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{field}: cannot reach {url}: {type(e).__name__}: {detail}; check the URL, the "
+                          "endpoint (e.g. AWS_ENDPOINT_URL) and the credentials") from None
 
 
 def check_token_ids(prefix: str, header: dict, vocab_size: int) -> None:
