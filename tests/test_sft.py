@@ -255,8 +255,8 @@ def test_sft_with_a_rank_killed_inside_the_allreduce_matches_the_run_without_fai
 
 
 def _megatron_sft(rank, world, store, tok, prefix, steps) -> dict:
-    """One rank of the Megatron engine (the GPU tests' small GPT, 4 layers of hidden 128, with
-    the fixture tokenizer's 2,048-token vocabulary) fed SFT rows as the trainer feeds them at
+    """One rank of the Megatron engine (the GPU tests' small GPT, 4 layers of hidden 128, no
+    distributed optimizer, with the fixture tokenizer's 2,048-token vocabulary) fed SFT rows as the trainer feeds them at
     dp=1 (the global batch, token-mean `loss_weights`; two optimizer updates per step, where
     PPO would run a behaviour pass). Step 1 three times from the initial state (`rollback(0)`):
     as it is, with its padding replaced by other tokens (loss mask 0 there, after every scored
@@ -272,11 +272,12 @@ def _megatron_sft(rank, world, store, tok, prefix, steps) -> dict:
     from ppo import step_loss_weights
 
     cfg = resolve(load_config(None, [
-        "model.num_layers=4", "model.hidden_size=128", "model.num_heads=4", "model.ffn_hidden_size=256",
+        "model.distributed_optimizer=false", "model.num_layers=4", "model.hidden_size=128", "model.num_heads=4",
+        "model.ffn_hidden_size=256",
         "model.vocab_size=2048", f"model.max_seq_len={SEQ_LEN}", f"train.seq_len={SEQ_LEN}", "cluster.num_workers=1",
         "train.global_batch_size=16", "train.mini_batch_size=8", "train.micro_batch_size=4", "train.lr=0.01",
         f"train.steps={steps}", "train.objective=ce", "data.kind=sft", f"data.path={prefix}", f"data.tokenizer={tok}"]),
-        num_gpus=1)
+        num_gpus=int(torch.cuda.is_available()))  # bf16 on the GPU; runs on the CPU too (gloo, float32)
     data = open_data(cfg)
     engine = MegatronEngine(cfg)
     engine.connect(dist.PrefixStore("gen1", store), ParallelDims.from_config(cfg), rank)
