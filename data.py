@@ -1,6 +1,6 @@
 """Training data as a pure function of (data, seed, step): the sample address and its rows.
 
-Sources are Megatron indexed datasets (.bin/.idx, read with megatron-core's `IndexedDataset`),
+Sources are Megatron indexed datasets (.bin/.idx in megatron-core's layout, read by `IndexedFile`),
 weighted blends of them, and megatron-core's mock dataset. A sample is a packed window of
 `train.seq_len` tokens: megatron-core's `build_sample_idx` with sequence length seq_len - 1 and
 the extra label token, over the document order `RandomState(seed).shuffle` - the windows of
@@ -21,10 +21,11 @@ checkpoints. DP replica d of dp trains rows j = d, d + dp, ... (`dispatch.MeshDi
 
 Files are checked when opened (`open_data`): one `ConfigError` line per problem (missing or
 truncated .bin/.idx, a path with its extension, token ids beyond the model's vocabulary, fewer
-windows than one global batch) before any actor starts. Tokens are read with checked range
-reads (`os.pread`, not a memory map of the .bin): a row that cannot be read mid-run (a file
-truncated or replaced since) raises `DataError` naming step, row and document instead of
-killing the reader with SIGBUS. A `Data` pickles as the `DataSpec` it was opened from: a rank
+windows than one global batch) before any actor starts. Rows are read with checked range reads
+of the .bin and .idx (`IndexedFile`: `os.pread`, no memory map): a row that cannot be read
+mid-run (a file truncated or replaced in place since, an I/O error) raises `DataError` naming
+step, row and document instead of killing the reader with SIGBUS or training on what a short
+read left in its buffer. A `Data` pickles as the `DataSpec` it was opened from: a rank
 actor that receives one opens the same files without the checks (`rank_rows.RankRows`).
 """
 from __future__ import annotations
@@ -59,6 +60,10 @@ def index_header(prefix: str) -> dict:
     counts, and the .bin holds every byte the index points to. Returns {dtype, sequences,
     documents, lengths (int32 [sequences]), tokens}. Raises ConfigError naming data.path."""
     base = os.path.basename(prefix)
+    if "://" in prefix:
+        raise ConfigError(f"data.path: {prefix}: an indexed dataset is read from a local or mounted path (each rank "
+                          "reads byte ranges of its .bin every step); copy the .bin/.idx to the nodes' disks or "
+                          "mount the bucket")
     if prefix.endswith((".bin", ".idx")):
         raise ConfigError(f"data.path: give the prefix without .bin/.idx: {prefix[:-4]}")
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
@@ -94,6 +99,24 @@ def index_header(prefix: str) -> dict:
                           f"{end:,} (truncated, or still being copied?)")
     return {"dtype": dtype, "sequences": sequences, "documents": documents,
             "lengths": np.array(lengths), "tokens": int(lengths.sum(dtype=np.int64))}
+
+
+def check_reachable(url: str, field: str) -> None:
+    """The object at fsspec URL `url` (s3://, gs://, ...) exists and its storage answers (one
+    metadata request, with the client's own retries), so an unreachable endpoint, a missing
+    bucket or object, or refused credentials show in one line before any actor starts.
+    Raises ConfigError naming `field`, the URL and the client's error."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.info(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{field}: {url}: no such object (or no such bucket) at its storage endpoint") from None
+    except Exception as e:  # noqa: BLE001 - any client's error (botocore's and gcsfs's are not OSError)
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{field}: cannot reach {url}: {type(e).__name__}: {detail}; check the URL, the "
+                          "endpoint (e.g. AWS_ENDPOINT_URL) and the credentials") from None
 
 
 def check_token_ids(prefix: str, header: dict, vocab_size: int) -> None:
@@ -138,20 +161,61 @@ def _stable_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
+class IndexedFile:
+    """One Megatron indexed dataset (`prefix`.bin/.idx) read with checked range reads and no
+    memory map: a mapped file truncated or replaced under a run kills its reader with SIGBUS
+    (a rank failure that spends spares), a read here raises DataError instead. The index is
+    read once, when opened: `sequence_lengths` (int32 [documents]) and the pointers (int64
+    [documents]), 12 bytes per document in this process (the .idx's size; one pointer read
+    per document from the .idx instead costs a third more time per step); an .idx changed
+    later is not read again. Each `get` is one `os.pread` of the .bin (thread-safe: the
+    prefetch thread reads while the compute thread trains). The .bin is opened once: a file
+    replaced by a rename keeps being read as it was opened. Raises DataError (naming the file,
+    the document and the bytes) when a read fails or comes back short."""
+
+    def __init__(self, prefix: str):
+        self.path_prefix = prefix
+        with open(prefix + ".idx", "rb", buffering=0) as idx:
+            _, code, sequences, _ = struct.unpack("<QBQQ", self._read(idx, 25, 9, "header"))
+            self.sequence_lengths = np.frombuffer(self._read(idx, 4 * sequences, 34, "lengths"), np.int32)
+            self._pointers = np.frombuffer(self._read(idx, 8 * sequences, 34 + 4 * sequences, "pointers"), np.int64)
+        self.dtype = np.dtype(_DTYPES[code])
+        self._bin = open(prefix + ".bin", "rb", buffering=0)  # open for the run: pread per document
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @staticmethod
+    def _read(f, size: int, at: int, what) -> bytes:
+        try:
+            data = os.pread(f.fileno(), size, at)
+        except OSError as e:
+            raise DataError(f"{what} of {f.name}: {e.strerror} reading {size:,} bytes at offset {at:,}") from None
+        if len(data) != size:
+            raise DataError(f"{what} of {f.name}: read {len(data):,} of {size:,} bytes at offset {at:,} (the file "
+                            "was truncated or replaced after the run's checks)")
+        return data
+
+    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of document `doc` (to its end when length is None),
+        as `IndexedDataset.get` returns them. Raises DataError."""
+        count = int(self.sequence_lengths[doc]) - offset if length is None else length
+        size = self.dtype.itemsize
+        at = int(self._pointers[doc]) + offset * size
+        return np.frombuffer(self._read(self._bin, count * size, at, f"document {doc}"), self.dtype)
+
+
 class Windows:
-    """The packed windows of one low-level dataset (an `IndexedDataset` or megatron-core's
+    """The packed windows of one low-level dataset (an `IndexedFile` or megatron-core's
     `MockGPTLowLevelDataset`): Megatron's `build_sample_idx` over the documents in the order
     `numpy.random.RandomState(seed).shuffle(arange(documents))` (GPTDataset's one-epoch order),
     windows of `seq_len` tokens (seq_len - 1 inputs and labels plus the shared extra token).
-    `len(self)` windows; `window(w)` int64 [seq_len]. An `IndexedDataset`'s tokens are read
-    with `os.pread` from its .bin, each read checked (`DataError` when it comes back short)."""
+    `len(self)` windows; `window(w)` int64 [seq_len]."""
 
     def __init__(self, low, seq_len: int, seed: int):
         from megatron.core.datasets import helpers
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.low, self.seq_len = low, seq_len
-        self._bin = open(low.path_prefix + ".bin", "rb", buffering=0) if isinstance(low, IndexedDataset) else None
         sizes = np.asarray(low.sequence_lengths, dtype=np.int32)
         self.document_index = np.arange(len(sizes), dtype=np.int32)
         np.random.RandomState(seed % 2**32).shuffle(self.document_index)
@@ -161,31 +225,16 @@ class Windows:
     def __len__(self) -> int:
         return len(self.sample_index) - 1
 
-    def _get(self, doc: int, offset: int, length: int | None) -> np.ndarray:
-        """Tokens [offset, offset + length) of document `doc` (to its end when length is None),
-        as `IndexedDataset.get` returns them. Raises DataError when the .bin holds fewer bytes."""
-        if self._bin is None:
-            return self.low.get(doc, offset=offset, length=length)
-        index = self.low.index
-        dtype = np.dtype(index.dtype)
-        count = int(index.sequence_lengths[doc]) - offset if length is None else length
-        at, size = int(index.sequence_pointers[doc]) + offset * dtype.itemsize, count * dtype.itemsize
-        data = os.pread(self._bin.fileno(), size, at)
-        if len(data) != size:
-            raise DataError(f"document {doc} of {self._bin.name}: read {len(data):,} of {size:,} bytes at offset "
-                            f"{at:,} (the file was truncated or replaced after the run's checks)")
-        return np.frombuffer(data, dtype)
-
     def window(self, w: int) -> np.ndarray:
         """Tokens of window `w` (int64 [seq_len]), read as GPTDataset reads sample text.
-        Raises DataError when the .bin cannot give them."""
+        Raises DataError when the files cannot give them."""
         (beg, beg_off), (end, end_off) = self.sample_index[w], self.sample_index[w + 1]
-        docs = self.document_index
+        docs, get = self.document_index, self.low.get
         if beg == end:
-            parts = [self._get(int(docs[beg]), int(beg_off), int(end_off - beg_off + 1))]
+            parts = [get(int(docs[beg]), offset=int(beg_off), length=int(end_off - beg_off + 1))]
         else:
-            parts = [self._get(int(docs[i]), int(beg_off) if i == beg else 0, int(end_off + 1) if i == end else None)
-                     for i in range(int(beg), int(end) + 1)]
+            parts = [get(int(docs[i]), offset=int(beg_off) if i == beg else 0,
+                         length=int(end_off + 1) if i == end else None) for i in range(int(beg), int(end) + 1)]
         out = np.concatenate(parts).astype(np.int64)
         if len(out) != self.seq_len:
             raise RuntimeError(f"window {w} has {len(out)} tokens, not {self.seq_len}")
@@ -194,7 +243,7 @@ class Windows:
 
 class Conversations:
     """The conversations of one SFT dataset (`data_prepare.prepare_sft`), one per sample: sample
-    w is document w of `low` (an `IndexedDataset`), right-padded to `seq_len` with `pad_id`
+    w is document w of `low` (an `IndexedFile`), right-padded to `seq_len` with `pad_id`
     (the window order's permutation shuffles them; nothing is packed). `masks` is the parallel
     uint8 dataset of its loss masks (1 = an assistant token). `len(self)` conversations;
     `window(w)` int64 [seq_len]; `sample_masks(w)` (attention int64, loss float32) [seq_len]."""
@@ -306,14 +355,17 @@ class Data:
     def rows(self, step: int, dp: int = 1, d: int = 0) -> np.ndarray:
         """Token ids (int64 [GBS / dp, seq_len]) of the rows replica d of dp trains at `step`.
         Raises DataError naming the step, the row and the document when one cannot be read."""
-        out = []
-        for g, k, _, w in self.addresses(step, dp, d):
-            try:
-                out.append(self.windows[k].window(w))
-            except DataError as e:
-                raise DataError(f"step {step} row {g - (step - 1) * self.gbs} (window {w} of {self.names[k]}): "
-                                f"{e}") from None
-        return np.stack(out)
+        return np.stack([self._read(step, g, k, w, self.windows[k].window)
+                         for g, k, _, w in self.addresses(step, dp, d)])
+
+    def _read(self, step: int, g: int, k: int, w: int, read):
+        """read(w) for global row g of `step` (window w of dataset k); its DataError is raised
+        again with the step, the row and the window in front."""
+        try:
+            return read(w)
+        except DataError as e:
+            raise DataError(f"step {step} row {g - (step - 1) * self.gbs} (window {w} of {self.names[k]}): "
+                            f"{e}") from None
 
     def batch(self, step: int, dp: int = 1, d: int = 0) -> TrainingBatch:
         """`rows` as a TrainingBatch: attention_mask all ones, loss_mask 1 from column 1 on (no
@@ -321,7 +373,8 @@ class Data:
         (`Conversations`): each conversation's attention and loss masks (`sample_masks`)."""
         ids = torch.from_numpy(self.rows(step, dp, d))
         if isinstance(self.windows[0], Conversations):
-            attention, loss = zip(*(self.windows[k].sample_masks(w) for _, k, _, w in self.addresses(step, dp, d)))
+            attention, loss = zip(*(self._read(step, g, k, w, self.windows[k].sample_masks)
+                                    for g, k, _, w in self.addresses(step, dp, d)))
             return TrainingBatch(input_ids=ids, attention_mask=torch.from_numpy(np.stack(attention)),
                                  loss_mask=torch.from_numpy(np.stack(loss)), advantages=None)
         mask = torch.ones(ids.shape, dtype=torch.float32)
@@ -374,7 +427,7 @@ class DataSpec:
 
     def open(self, tokenizer=None) -> Data:
         """The `Data` of this spec: its .idx files opened, its windows built (megatron-core's
-        compiled helpers), its .bin files opened for range reads."""
+        compiled helpers), its files opened for checked range reads (`IndexedFile`)."""
         if self.kind == "mock":
             from types import SimpleNamespace
 
@@ -382,11 +435,9 @@ class DataSpec:
 
             lows = [MockGPTLowLevelDataset(SimpleNamespace(vocab_size=self.vocab_size, eod=self.eod_id))]
         else:
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-            lows = [IndexedDataset(p, mmap=False) for _, p in self.sources]  # no memory map of the .bin
+            lows = [IndexedFile(p) for _, p in self.sources]
         if self.kind == "sft":  # one conversation per row, its loss mask beside it
-            windows = [(w, Conversations(low, IndexedDataset(p + LOSS_MASK_SUFFIX, mmap=False), self.seq_len,
+            windows = [(w, Conversations(low, IndexedFile(p + LOSS_MASK_SUFFIX), self.seq_len,
                                          self.pad_id)) for (w, p), low in zip(self.sources, lows)]
         else:
             windows = [(w, Windows(low, self.seq_len, self.seed)) for (w, _), low in zip(self.sources, lows)]

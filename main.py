@@ -497,6 +497,9 @@ def main(argv=None) -> int:
         raw = load_config(args.config, args.overrides)
         gpus = raw.cluster.gpus_per_node if args.dry_run and raw.cluster.gpus_per_node else None
         cfg = resolve(raw, num_gpus=gpus)
+        if cfg.data.kind == "prompts" and "://" in cfg.data.path and not cfg.data.path.startswith("file://"):
+            from data import check_reachable
+            check_reachable(cfg.data.path, "data.path")  # in one line, before the prompt set is read
         if cfg.rl.enabled:
             from rl import check_task
             check_task(cfg)

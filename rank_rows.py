@@ -25,7 +25,7 @@ from training_batch import TrainingBatch, batch_digest
 
 
 class RankRows:
-    """One rank's reader of `data` (a `data.Data`, opened on this rank: its .idx files mapped,
+    """One rank's reader of `data` (a `data.Data`, opened on this rank: its .idx files read,
     its windows built, its .bin files open for range reads) with a one-step prefetch.
 
     `batch(step, dp, d)`: the rows replica d of dp trains at `step` (the prefetched ones when

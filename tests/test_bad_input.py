@@ -125,3 +125,40 @@ def test_a_malformed_batch_fails_on_the_driver_naming_the_field(monkeypatch, fie
     cfg = load_config(None, ["model.vocab_size=100"])
     with pytest.raises(ValueError, match=field):
         trainer.Trainer.batch(SimpleNamespace(cfg=cfg, data=None), 1)
+
+
+@pytest.mark.parametrize("case", ["refused", "no_bucket", "indexed_on_s3"])
+def test_data_on_unreachable_storage_is_one_line_before_ray_starts(stdlib_corpus, s3_server, tmp_path, capsys,
+                                                                   monkeypatch, case):
+    """data.path on object storage: a prompt set behind an endpoint that refuses connections or
+    in a bucket that does not exist (a loopback S3), or an indexed dataset there (ranks read
+    local or mounted files): `main.py train` (`main.main` in this process, the CLI's code path)
+    exits 2 with one line naming data.path, and Ray does not start."""
+    import ray
+    import s3fs
+
+    import main
+
+    tok, prefix = stdlib_corpus
+    endpoint = f"http://127.0.0.1:{free_port()}" if case == "refused" else s3_server.endpoint_url
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    url = "s3://no-such-bucket-for-tests/train.parquet"
+    sets = [f"data.tokenizer={tok}", f"run_dir={tmp_path}/run", f"checkpoint.uri={tmp_path}/ckpt",
+            *([f"data.path={url}"] if case != "indexed_on_s3" else
+              ["rl.enabled=false", "train.objective=ce", "data.kind=indexed", f"data.path=s3://{s3_server.bucket}/corpus"])]
+    expected = {"refused": f"config error: data.path: cannot reach {url}: EndpointConnectionError: Could not connect "
+                           f"to the endpoint URL: \"{endpoint}/",
+                "no_bucket": f"config error: data.path: {url}: no such object (or no such bucket)",
+                "indexed_on_s3": f"config error: data.path: s3://{s3_server.bucket}/corpus: an indexed dataset is read "
+                                 "from a local or mounted path"}[case]
+    started = ray.is_initialized()
+    try:
+        code = main.main(["train", "--config", "configs/grpo_cpu.yaml", *(a for s in sets for a in ("--set", s))])
+    finally:  # fsspec caches the client made for this endpoint: later tests must not get it
+        s3fs.S3FileSystem.clear_instance_cache()
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("config error:")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(expected), stderr[-2000:]
+    assert "Traceback" not in stderr and ray.is_initialized() == started, stderr[-2000:]

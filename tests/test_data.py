@@ -78,11 +78,12 @@ def test_blend_counts_follow_the_weights(blend):
 
 def test_windows_equal_megatron_gpt_dataset_windows(stdlib_corpus, data):
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import Split
 
     _, prefix = stdlib_corpus
     ours: Windows = data.windows[0]
-    low, seq = ours.low, ours.seq_len
+    low, seq = IndexedDataset(prefix), ours.seq_len
     cfg = GPTDatasetConfig(random_seed=data.seed, sequence_length=seq - 1, blend=([prefix], None),
                            split="100,0,0", reset_position_ids=False, reset_attention_mask=False,
                            eod_mask_loss=False, path_to_cache=None, mid_level_dataset_surplus=0.005,
@@ -90,7 +91,7 @@ def test_windows_equal_megatron_gpt_dataset_windows(stdlib_corpus, data):
                                                            unique_identifiers={"class": "fixture"}))
     theirs = GPTDataset(low, prefix, np.arange(len(low.sequence_lengths), dtype=np.int32), len(ours),
                         Split.train, cfg)
-    assert len(theirs) == len(ours)
+    assert len(theirs) == len(ours) and (ours.low.sequence_lengths == low.sequence_lengths).all()
     assert (theirs.document_index == ours.document_index).all()
     assert (theirs.sample_index == ours.sample_index).all()
     position = np.argsort(theirs.shuffle_index)  # where GPTDataset serves window w

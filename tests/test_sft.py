@@ -2,7 +2,7 @@
 with the chat template, loss on assistant tokens only. The trained-on tokens decode to exactly
 the assistant turns; bad templates and overlong rows are one line at prepare time; the ce
 update does not depend on the split; a short run's loss falls and a peer recovery replays it
-bitwise."""
+bitwise; on one GPU the Megatron engine trains SFT rows (marker `gpu`)."""
 import ast
 import json
 import re
@@ -252,3 +252,72 @@ def test_sft_with_a_rank_killed_inside_the_allreduce_matches_the_run_without_fai
     assert [(tl.restore_source, tl.steps_lost) for tl in trainer.recoveries] == [("peer", 0)]
     assert trainer.losses == ref_losses
     assert trainer.data_digests == {s: sft.batch(s).digest() for s in range(1, 9)}
+
+
+def _megatron_sft(rank, world, store, tok, prefix, steps) -> dict:
+    """One rank of the Megatron engine (the GPU tests' small GPT, 4 layers of hidden 128, no
+    distributed optimizer, with the fixture tokenizer's 2,048-token vocabulary) fed SFT rows as the trainer feeds them at
+    dp=1 (the global batch, token-mean `loss_weights`; two optimizer updates per step, where
+    PPO would run a behaviour pass). Step 1 three times from the initial state (`rollback(0)`):
+    as it is, with its padding replaced by other tokens (loss mask 0 there, after every scored
+    token: the same loss when the mask is honoured) and with the loss mask on every
+    conversation token (another loss); then `steps` steps. Returns {"probes": {name: loss},
+    "losses": [...], "behaviour_passes": count}."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_engine import MegatronEngine
+    from parallel_dims import ParallelDims
+    from ppo import step_loss_weights
+
+    cfg = resolve(load_config(None, [
+        "model.distributed_optimizer=false", "model.num_layers=4", "model.hidden_size=128", "model.num_heads=4",
+        "model.ffn_hidden_size=256",
+        "model.vocab_size=2048", f"model.max_seq_len={SEQ_LEN}", f"train.seq_len={SEQ_LEN}", "cluster.num_workers=1",
+        "train.global_batch_size=16", "train.mini_batch_size=8", "train.micro_batch_size=4", "train.lr=0.01",
+        f"train.steps={steps}", "train.objective=ce", "data.kind=sft", f"data.path={prefix}", f"data.tokenizer={tok}"]),
+        num_gpus=int(torch.cuda.is_available()))  # bf16 on the GPU; runs on the CPU too (gloo, float32)
+    data = open_data(cfg)
+    engine = MegatronEngine(cfg)
+    engine.connect(dist.PrefixStore("gen1", store), ParallelDims.from_config(cfg), rank)
+    passes, behaviour = [], engine._behaviour_log_probs
+    engine._behaviour_log_probs = lambda *a, **k: (passes.append(1), behaviour(*a, **k))[1]
+
+    def step(batch, s: int) -> float:
+        engine.snapshot()
+        batch = dataclasses.replace(batch, loss_weights=step_loss_weights(batch.loss_mask, cfg.train, "token-mean", 1))
+        return engine.train_step(batch, s)["loss"]
+
+    first = data.batch(1)
+    pad = first.attention_mask == 0
+    other = torch.randint(0, 2048, first.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    everywhere = first.attention_mask.float()
+    everywhere[:, 0] = 0
+    probes = {}
+    for name, batch in {"as_is": first,
+                        "padding_changed": dataclasses.replace(first, input_ids=torch.where(pad, other, first.input_ids)),
+                        "mask_everywhere": dataclasses.replace(first, loss_mask=everywhere)}.items():
+        probes[name] = step(batch, 1)
+        assert engine.rollback(0)
+    losses = [step(data.batch(s), s) for s in range(1, steps + 1)]
+    return {"probes": probes, "losses": losses, "behaviour_passes": len(passes)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_megatron_sft_on_one_gpu_honours_the_masks_and_the_loss_falls(sft_corpus):
+    """The Megatron engine on one GPU trains the SFT corpus: the first loss is about ln(vocab)
+    (uniform at the start, averaged over assistant tokens only), the loss falls by more than 1
+    in 10 steps, tokens outside the loss mask (the padding) change nothing, the mask on every
+    token changes the loss, and no behaviour pass runs (`ce`)."""
+    from ranks import spawn_ranks
+
+    tok, _, _, _, prefix = sft_corpus
+    (res,) = spawn_ranks(_megatron_sft, 1, tok, prefix, 10, timeout_s=600)
+    probes, losses = res["probes"], res["losses"]
+    assert abs(probes["as_is"] - np.log(2048)) < 0.3, res
+    assert probes["padding_changed"] == pytest.approx(probes["as_is"], rel=1e-4), res
+    assert abs(probes["mask_everywhere"] - probes["as_is"]) > 1e-2, res
+    assert losses[0] == pytest.approx(probes["as_is"], rel=1e-3) and losses[-1] < losses[0] - 1.0, res
+    assert res["behaviour_passes"] == 0, res
