@@ -19,9 +19,11 @@ from trainer import Trainer
 
 
 def make_cfg(tmp_path, *overrides, spares: int = 1):
-    """`spares`: what the test needs, no more (each spare is an actor start of seconds)."""
+    """`spares`: what the test needs, no more (each spare is an actor start of seconds); no
+    refills (an actor start competing with the recovery; the spare pool is not checked here)."""
     return resolve(load_config("config.yaml", [
         "cluster.num_workers=2", f"cluster.num_spares={spares}", "checkpoint.interval=0",
+        "fault_tolerance.refill_spares=false",
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", *overrides]), num_gpus=0)
 
 
