@@ -39,16 +39,10 @@ def positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def on_shared_ray(ray) -> list[str]:
-    """The benchmark's `--set` joining the tests' Ray (`ray_session`) as a second driver, as a
-    run on a cluster does: a local Ray of its own costs seconds to start and stop."""
-    return ["--set", f"cluster.ray_address={ray.get_runtime_context().gcs_address}"]
-
-
-def test_bench_runs_on_cpu(ray_session, tmp_path):
+def test_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "train_speed.json"
     run_bench("train_speed", "--steps", "2", "--warmup", "1", "--out", str(out), "--reference", "eager",
-              *on_shared_ray(ray_session), "--set", "cluster.device=cpu", "--set", "cluster.num_workers=2", "--set", "cluster.num_spares=0")
+              "--set", "cluster.device=cpu", "--set", "cluster.num_workers=2", "--set", "cluster.num_spares=0")
     r = json.loads(out.read_text())
     for key in ("device", "engine", "layout", "params", "tokens_per_step", "off", "on",
                 "overhead_ratio", "config"):
@@ -85,7 +79,7 @@ def test_bench_runs_on_cpu(ray_session, tmp_path):
 
 
 @pytest.mark.parametrize("objective", ["ce", pytest.param("ppo", marks=pytest.mark.slow)])
-def test_bench_one_update_step_on_cpu(ray_session, tmp_path, stdlib_corpus, objective):
+def test_bench_one_update_step_on_cpu(tmp_path, stdlib_corpus, objective):
     """The issue-37 speed runs on CPU: `ce` on the stdlib corpus (rows read from the `.bin` every
     step) and one-update PPO; the headline keys are there and no old-log-prob pass is counted."""
     tok, prefix = stdlib_corpus
@@ -93,7 +87,7 @@ def test_bench_one_update_step_on_cpu(ray_session, tmp_path, stdlib_corpus, obje
     data = (["--set", "data.kind=indexed", "--set", f"data.path={prefix}", "--set", f"data.tokenizer={tok}"]
             if objective == "ce" else [])
     run_bench("train_speed", "--steps", "1", "--warmup", "1", "--out", str(out), "--reference", "eager",
-              "--no-components", *on_shared_ray(ray_session), "--set", "cluster.device=cpu", "--set", "cluster.num_workers=1",
+              "--no-components", "--set", "cluster.device=cpu", "--set", "cluster.num_workers=1",
               "--set", "cluster.num_spares=0", "--set", "fault_tolerance.memory_snapshot_interval=0",
               "--set", "model.vocab_size=2048", "--set", f"train.objective={objective}",
               "--set", "train.mini_batch_size=16", *data)
