@@ -55,12 +55,15 @@ def ray_session(s3_server, gcs_server, _shared_ray_at_exit):
     started by the first, kept for the next (a start and shutdown cost ~6 s), shut down at the
     end of the session or by a module that needs a Ray of its own (`own_ray`). Tests leave
     nothing running in it (each shuts its actors down). Driver and actors reach the loopback
-    S3 / GCS servers through the usual environment variables."""
+    S3 / GCS servers through the usual environment variables; botocore tries a request once
+    (`AWS_MAX_ATTEMPTS`, as `S3Server.storage_options`): a refused connection fails at once
+    instead of after botocore's backoff, and the retries left are the ones under test
+    (`checkpoint.retry_budget_s`)."""
     import ray
 
     env = {"PYTHONPATH": ROOT, "AWS_ENDPOINT_URL": s3_server.endpoint_url,
            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_EMULATOR_HOST": gcs_server.endpoint_url,
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1", "STORAGE_EMULATOR_HOST": gcs_server.endpoint_url,
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -137,7 +137,8 @@ def test_ce_peer_recovery_matches_the_run_without_failure_bitwise(ce_reference, 
     from actor_group import ActorGroup
     from trainer import Trainer
 
-    cfg = data_cfg(stdlib_corpus, "cluster.num_spares=1", "checkpoint.interval=2", tmp_path=tmp_path)
+    cfg = data_cfg(stdlib_corpus, "cluster.num_spares=1", "checkpoint.interval=2", "fault_tolerance.refill_spares=false",
+                   tmp_path=tmp_path)
     ref_losses, ref_states, _ = ce_reference
     group = ActorGroup(cfg)
     try:

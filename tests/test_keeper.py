@@ -27,8 +27,10 @@ ZERO = "model.distributed_optimizer=true"
 
 
 def make_cfg(tmp_path, *overrides, workers: int = 2, spares: int = 1):
+    """No refills: an actor start competing with the recovery (the pool is not checked here)."""
     return resolve(load_config("config.yaml", [
         f"cluster.num_workers={workers}", f"cluster.num_spares={spares}", "checkpoint.interval=0",
+        "fault_tolerance.refill_spares=false",
         f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", ZERO, *overrides]), num_gpus=0)
 
 

@@ -311,7 +311,7 @@ def test_recovered_run_samples_and_trains_as_uninterrupted(reference, tmp_path, 
     failure, bitwise."""
     ref, ref_digests = reference
     trainer, digests = run(make_cfg(tmp_path, *FULL, "checkpoint.interval=2",
-                                    f"fault_tolerance.restore={restore}",
+                                    f"fault_tolerance.restore={restore}", "fault_tolerance.refill_spares=false",
                                     "chaos.events=[{step: 4, rank: 1, kind: kill, point: step_start}]",
                                     spares=1), 5)
     (tl,) = trainer.recoveries

@@ -91,7 +91,7 @@ def test_killed_mid_checkpoint_write_uses_previous_checkpoint(ray_session, tmp_p
 
     # an async save of step 2 is finished (and would be committed) after step 3 has run
     cfg = make_cfg(tmp_path, "cluster.num_spares=1", "fault_tolerance.restore=checkpoint",
-                   f"checkpoint.async_save={str(async_save).lower()}",
+                   "fault_tolerance.refill_spares=false", f"checkpoint.async_save={str(async_save).lower()}",
                    f"chaos.events=[{{step: {3 if async_save else 2}, rank: 0, kind: kill, point: mid_save}}]")
     group = ActorGroup(cfg)
     try:

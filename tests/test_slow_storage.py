@@ -21,8 +21,9 @@ SAVE_S = 3 * STEP_TIMEOUT_S  # what one save's upload takes through the relay
 
 
 def make_cfg(tmp_path, s3_server, *overrides):
+    """No refills: an actor start competing with the recovery (the pool is not checked here)."""
     return resolve(load_config("config.yaml", [
-        "cluster.num_workers=2", "cluster.num_spares=1", "checkpoint.interval=0",
+        "cluster.num_workers=2", "cluster.num_spares=1", "checkpoint.interval=0", "fault_tolerance.refill_spares=false",
         f"fault_tolerance.step_timeout_s={STEP_TIMEOUT_S}", "fault_tolerance.min_step_timeout_s=1",
         f"run_dir={tmp_path}", f"checkpoint.uri={s3_server.uri(tmp_path.name)}", *overrides]), num_gpus=0)
 
