@@ -98,6 +98,16 @@ def carve(state, arena: torch.Tensor):
     return torch.utils._pytree.tree_map(view, state)
 
 
+def carve_shard(state, arena: torch.Tensor):
+    """`carve` for an engine's `start_shard_copy`: the buffers, or ValueError naming both sizes
+    when `arena` is too small."""
+    into = carve(state, arena)
+    if into is None:
+        raise ValueError(f"start_shard_copy: arena of {arena.numel()} bytes, the shard needs "
+                         f"{state_nbytes(state)} (shard_nbytes)")
+    return into
+
+
 class _PinnedMap(mmap.mmap):
     """Anonymous host memory (pages faulted in on first touch, no memset) page-locked with
     cudaHostRegister for as long as any tensor views it: `torch.frombuffer` keeps this object

@@ -54,8 +54,8 @@ import comms
 from config import Config
 from engine import StepInterrupt, state_digest
 from keeper import keeps_shards
-from host_memory import (HostCopy, carve, configure_host_allocator, copy_state, pin_in_background, pinned_empty,
-                         same_layout, state_nbytes, state_tensors)
+from host_memory import (HostCopy, carve, carve_shard, configure_host_allocator, copy_state, pin_in_background,
+                         pinned_empty, same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import SavePlanCache, load_sharded, reserve_save_arena, save_sharded
 from megatron_compat import cpu_stand_ins, foreach_grad_norm, local_param_groups, patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
@@ -772,10 +772,7 @@ class MegatronEngine:
         state = self._shard_state()
         into = self._shard_buffers.get(arena.data_ptr())
         if into is None or not same_layout(into, state):
-            into = carve(state, arena)
-            if into is None:
-                raise ValueError(f"start_shard_copy: arena of {arena.numel()} bytes, the shard needs "
-                                 f"{state_nbytes(state)} (shard_nbytes)")
+            into = carve_shard(state, arena)
             while len(self._shard_buffers) >= 2:  # the sender's two arenas; older ones are freed
                 self._shard_buffers.pop(next(iter(self._shard_buffers)))
             self._shard_buffers[arena.data_ptr()] = into

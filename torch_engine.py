@@ -35,7 +35,7 @@ from checkpoint import check_compatible
 from config import Config
 from comms import abort_process_groups, left_collective, recording_new_sockets, shutdown_sockets
 from engine import StepInterrupt, state_digest
-from host_memory import HostCopy, carve, state_nbytes, state_tensors
+from host_memory import HostCopy, carve_shard, state_nbytes, state_tensors
 from parallel_dims import ParallelDims
 from ppo import behaviour_pass_needed, ce_objective, ppo_objective, token_entropy, token_log_probs
 from training_batch import TrainingBatch
@@ -562,11 +562,7 @@ class TorchEngine:
         if not self.zero:
             return None
         state = self._shard_state()
-        into = carve(state, arena)
-        if into is None:
-            raise ValueError(f"start_shard_copy: arena of {arena.numel()} bytes, the shard needs "
-                             f"{state_nbytes(state)} (shard_nbytes)")
-        return self._start_copy("shard", state, state_tensors(into))
+        return self._start_copy("shard", state, state_tensors(carve_shard(state, arena)))
 
     def _shard_state(self) -> dict:
         """This rank's ZeRO optimizer shard (its local AdamW's state, references) and the step."""
