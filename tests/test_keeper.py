@@ -338,3 +338,19 @@ def test_at_dp1_a_rank_lost_inside_the_copy_window_reruns_one_step_from_its_hold
         assert group.state_digests() == reference1[1]
     finally:
         group.shutdown()
+
+
+def test_the_recovery_bench_measures_the_defaults_at_dp1_on_cpu(tmp_path):
+    """`python -m bench.recovery` as issue item 8's measurement, small: the defaults, 1 worker
+    + 1 spare (refilled between repeats), the rank killed mid-step twice: restored from its
+    node's holder, the JSON's keys, bitwise as the run without failure."""
+    import json
+
+    out = tmp_path / "recovery.json"
+    run_bench("recovery", "--repeats", "2", "--full-restarts", "0", "--set", "cluster.num_workers=1",
+              "--set", "cluster.num_spares=1", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["defaults_only"] is True and "cpu" in r["device"] and r["save_stall_s"] > 0
+    assert len(r["restore_sources"]) == 2 and all(s.startswith("local") for s in r["restore_sources"])
+    assert r["steps_lost"] <= 1 and r["recovery_s"] > 0  # 1: a kill inside the copy window of the newest step
+    assert r["matches_reference"] == {"losses": True, "state": True}
