@@ -340,6 +340,7 @@ def test_at_dp1_a_rank_lost_inside_the_copy_window_reruns_one_step_from_its_hold
         group.shutdown()
 
 
+@pytest.mark.slow
 def test_the_recovery_bench_measures_the_defaults_at_dp1_on_cpu(tmp_path):
     """`python -m bench.recovery` as issue item 8's measurement, small: the defaults, 1 worker
     + 1 spare (refilled between repeats), the rank killed mid-step twice: restored from its
