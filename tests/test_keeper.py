@@ -355,3 +355,52 @@ def test_the_recovery_bench_measures_the_defaults_at_dp1_on_cpu(tmp_path):
     assert len(r["restore_sources"]) == 2 and all(s.startswith("local") for s in r["restore_sources"])
     assert r["steps_lost"] <= 1 and r["recovery_s"] > 0  # 1: a kill inside the copy window of the newest step
     assert r["matches_reference"] == {"losses": True, "state": True}
+
+
+def _local_keeper_rank(proc: int, world: int, store, tp: int) -> dict:
+    """Rank `proc` of a Megatron engine at tp=`tp`, dp=1 on gloo: trains steps 1-2, copies its
+    whole state into a shared arena as the local keeper does (`start_shard_copy(whole=True)`,
+    sealed), records the uninterrupted steps 3-4, then a fresh engine in a new generation (every
+    rank position replaced) loads the arena through another mapping and trains steps 3-4."""
+    import torch.distributed as dist
+
+    from megatron_engine import MegatronEngine
+    from parallel_dims import ParallelDims
+    from test_megatron_peer_restore import _cfg, _train
+
+    torch.set_num_threads(1)
+    cfg = _cfg(1, tp)
+    dims = ParallelDims.from_config(cfg)
+
+    def joined(gen):
+        engine = MegatronEngine(cfg)
+        engine.connect(dist.PrefixStore(f"gen{gen}", store), dims, proc)
+        return engine
+
+    e = joined(1)
+    _train(e, cfg, dims, proc, (1, 2))
+    arena = SharedArena(e.shard_nbytes(True) + SEAL_BYTES, "shard-keeper-test-megatron")
+    arena.retire()
+    copy = e.start_shard_copy(arena.tensor[SEAL_BYTES:], True)
+    layout = regions(copy.state, arena.tensor)
+    reference = _train(e, cfg, dims, proc, (3, 4))
+    copy.wait()
+    arena.seal(2)
+    e = None
+    dist.destroy_process_group()
+    e = joined(2)
+    e.load_state(from_regions(layout, attach_shared(arena.path, arena.nbytes)))
+    out = {"step": e.step, "reference": reference, "resumed": _train(e, cfg, dims, proc, (3, 4))}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow
+def test_megatron_at_tp2_dp1_resumes_bitwise_from_its_whole_state_in_an_arena():
+    """The Megatron engine's side of the local keeper (CPU, gloo, fp32, no distributed optimizer:
+    Megatron-Core's refuses CPU tensors): both rank positions of tp=2 at dp=1 replaced and loaded
+    from their arenas train steps 3-4 exactly as the uninterrupted run."""
+    from ranks import spawn_ranks
+
+    for r in spawn_ranks(_local_keeper_rank, 2, 2, timeout_s=300):
+        assert r["step"] == 2 and r["resumed"] == r["reference"]
