@@ -301,7 +301,7 @@ class ActorGroup:
         self.holders: dict[str, object] = {}
         if cfg.fault_tolerance.memory_snapshot_interval > 0 or keeps_shards(
                 cfg.model.distributed_optimizer, cfg.fault_tolerance.shard_keeper, self.dims.dp) or \
-                keeps_locally(cfg.fault_tolerance.shard_keeper, self.dims.dp):
+                keeps_locally(cfg.fault_tolerance.shard_keeper, self.dims.dp, c.num_spares):
             # In a bundle of the placement group on that node: reserved, so the holder is where
             # its key says (a soft node affinity may fall back to another node, e.g. for a node
             # just added, and a rank's copies would then sit on its own node). Keyed by the node

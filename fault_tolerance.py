@@ -236,7 +236,8 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
     plan = plan_restore(ft.restore, committed, dims.group_ranks("dp"), survivors, clean,
                         held if group.holders else None, floor, kept if sharded else None,
                         subgroups=group.cfg.model.engine != "megatron",
-                        local=local if group.holders and keeps_locally(ft.shard_keeper, dims.dp) else None)
+                        local=local if group.holders and keeps_locally(
+                            ft.shard_keeper, dims.dp, group.cfg.cluster.num_spares) else None)
     timeline.notes += plan.notes
     if plan.source in ("peer", "peer+keeper"):
         if committed > 0:

@@ -53,10 +53,11 @@ def keeps_shards(distributed_optimizer: bool, shard_keeper: bool, dp: int) -> bo
     return distributed_optimizer and shard_keeper and dp >= 2
 
 
-def keeps_locally(shard_keeper: bool, dp: int) -> bool:
+def keeps_locally(shard_keeper: bool, dp: int, spares: int) -> bool:
     """Whether ranks keep their whole training state with their own node's holder (the local
-    keeper): `fault_tolerance.shard_keeper` on at dp = 1, where no DP peer holds any of it."""
-    return shard_keeper and dp == 1
+    keeper): `fault_tolerance.shard_keeper` on at dp = 1, where no DP peer holds any of it, and
+    `cluster.num_spares` > 0 (without a spare no replacement would load it)."""
+    return shard_keeper and dp == 1 and spares > 0
 
 
 def shard_key(layout: str, rank: int) -> tuple:

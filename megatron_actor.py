@@ -261,7 +261,8 @@ class MegatronActor:
             # Before the first snapshot step, in the background.
             self.engine.prepare_host_copy()
             self._sender.connect(holder)
-        local = local_holder is not None and keeps_locally(ft.shard_keeper, dims.dp)
+        local = local_holder is not None and keeps_locally(ft.shard_keeper, dims.dp,
+                                                           self.cfg.cluster.num_spares)
         self._keeper = local_holder if local else holder if keeps_shards(
             self.cfg.model.distributed_optimizer, ft.shard_keeper, dims.dp) else None
         if self._keeper is not None:
