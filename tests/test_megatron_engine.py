@@ -625,6 +625,49 @@ def test_a_kept_shard_restores_a_rank_of_the_distributed_optimizer(world):
         assert res == {"pinned": True, "rollback": True, "restored": True, "same_step_2": True}, res
 
 
+def _local_keeper_ranks(rank, world, store) -> dict:
+    """The engine's side of the local keeper (keeper.py, dp = 1) with the distributed
+    optimizer: `start_shard_copy(whole=True)` of step 1 into a pinned shared arena (after its
+    seal), overlapped with step 2, holds step 1's whole state; with every live tensor zeroed, the
+    state loaded through another mapping of the arena (`load_state`, as a replacement maps the
+    holder's) is bitwise step 1's, and step 2 trains the same again."""
+    from courier import from_regions, regions
+    from host_memory import SEAL_BYTES, SharedArena, attach_shared, state_tensors
+    from megatron_engine import MegatronEngine
+
+    cfg = _cfg(world=world)
+    dims = ParallelDims.from_config(cfg)
+    e = MegatronEngine(cfg)
+    _join(e, store, 1, rank, dims)
+    e.snapshot()
+    e.train_step(_batch(cfg, 1, dims, rank), 1)
+    step1 = _digest(e)
+    arena = SharedArena(e.shard_nbytes(True) + SEAL_BYTES)
+    arena.retire()
+    copy = e.start_shard_copy(arena.tensor[SEAL_BYTES:], True)
+    layout = regions(copy.state, arena.tensor)
+    e.snapshot()
+    second = e.train_step(_batch(cfg, 2, dims, rank), 2)
+    copy.wait()
+    arena.seal(1)
+    out = {"pinned": copy.state["model"][0].is_pinned()}
+    for x in state_tensors(e._train_state()):
+        x.zero_()
+    e.load_state(from_regions(layout, attach_shared(arena.path, arena.nbytes)))
+    out["restored"] = _digest(e) == step1 and e.step == 1
+    again = e.train_step(_batch(cfg, 2, dims, rank), 2)
+    out["same_step_2"] = (second["loss"], second["grad_norm"]) == (again["loss"], again["grad_norm"])
+    return out
+
+
+@pytest.mark.gpu
+def test_the_local_keeper_restores_a_rank_of_the_distributed_optimizer_at_dp1():
+    if NGPU < 1:
+        pytest.skip("needs a CUDA GPU")
+    (res,) = spawn_ranks(_local_keeper_ranks, 1)
+    assert res == {"pinned": True, "restored": True, "same_step_2": True}, res
+
+
 def _generations_ranks(rank, world, store) -> dict:
     """20 membership generations of one engine, as a rank lives through them: half re-formed
     cleanly, half after an abort of the NCCL communicators (the failure path), each with a
