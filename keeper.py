@@ -158,14 +158,12 @@ class ShardSender:
             self._arenas[index] = future
         return future.result() if future.done() else None
 
-    def prepare(self, engine, wait: bool = True) -> None:
-        """Allocate both arenas for the engine's current shard now and, with `wait`, wait for
-        them (raises what the allocation raised). An arena a send still reads is replaced only
-        when too small, and lives on with that send."""
+    def prepare(self, engine) -> None:
+        """Allocate both arenas for the engine's current shard now and wait for them (raises
+        what the allocation raised)."""
         for i in range(self.BUFFERS):
             self.arena(engine, i)
-            if wait:
-                self._arenas[i].result()
+            self._arenas[i].result()
 
     def after_step(self, engine, holder, key: tuple, step: int, generation: int = 0) -> dict:
         """Send the shard of committed step `step` to `holder` (a `SnapshotHolder`) under `key`,

@@ -267,8 +267,6 @@ class MegatronActor:
             self.cfg.model.distributed_optimizer, ft.shard_keeper, dims.dp) else None
         if self._keeper is not None:
             self._shards.connect(self._keeper, local)
-            if self.cfg.cluster.device == "cuda":  # pinning takes seconds: the first steps' copies would be skipped
-                self._shards.prepare(self.engine, wait=False)
         else:
             self._shards.close()  # no shard kept in this layout: its courier and arenas go
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
