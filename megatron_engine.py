@@ -710,9 +710,10 @@ class MegatronEngine:
     def _prebuild(self) -> None:
         """Spare, tp = pp = cp = 1 (every rank holds the same model shard): build the model
         stage now, in a private NCCL world of one rank, exactly as `connect` would build it;
-        `connect` then only moves it onto the generation's groups where that is unambiguous: in
-        a world of one rank every role is one group, so at dp >= 2 (TP and DP groups differ)
-        `megatron_groups.rebind` refuses and `connect` builds the model again. Keeps the RNG states the
+        `connect` then only moves it onto the generation's groups (`megatron_groups.rebind`),
+        at any dp. The world's groups are one per role (`make_groups(shared=False)`): shared,
+        every role would be the world's one group and a reference to it would not say whether
+        it is the TP or the DP group of a dp >= 2 generation. Keeps the RNG states the
         build leaves (what a build at join would leave) for `connect`, and restores the
         process's own."""
         from megatron.core import parallel_state as ps
@@ -720,7 +721,7 @@ class MegatronEngine:
         rng = self._rng_state()
         dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
         try:
-            groups = make_groups(ParallelDims(tp=1, pp=1, cp=1, dp=1))
+            groups = make_groups(ParallelDims(tp=1, pp=1, cp=1, dp=1), shared=False)
             self.dims = ParallelDims(tp=1, pp=1, cp=1, dp=1)
             self._build_model()
             torch.cuda.synchronize()
