@@ -26,7 +26,7 @@ of the .bin and .idx (`IndexedFile`: `os.pread`, no memory map): a row that cann
 mid-run (a file truncated or replaced in place since, an I/O error) raises `DataError` naming
 step, row and document instead of killing the reader with SIGBUS or training on what a short
 read left in its buffer. A `Data` pickles as the `DataSpec` it was opened from: a rank
-actor that receives one opens the same files without the checks (`rank_rows.RankRows`).
+actor that receives one opens the same files with `IndexedFile`'s header checks only (`rank_rows.RankRows`).
 """
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ LOSS_MASK_SUFFIX = "_loss_mask"  # SFT: {tokens prefix}_loss_mask.bin/.idx, uint
 def index_header(prefix: str) -> dict:
     """Check the files of Megatron dataset `prefix` against each other, without megatron-core:
     both exist, the .idx header, version and dtype code are Megatron's, its size matches its
-    counts, and the .bin holds every byte the index points to. Returns {dtype, sequences,
-    documents, lengths (int32 [sequences]), tokens}. Raises ConfigError naming data.path."""
+    counts, and the .bin holds every byte the index points to (the last three: `IndexedFile`'s
+    parse). Returns {dtype, sequences, documents, lengths (int32 [sequences]), tokens}. Raises
+    ConfigError naming data.path."""
     base = os.path.basename(prefix)
     if "://" in prefix:
         raise ConfigError(f"data.path: {prefix}: an indexed dataset is read from a local or mounted path (each rank "
@@ -72,33 +73,10 @@ def index_header(prefix: str) -> dict:
         found = sorted(p.name for p in folder.glob(base + ".*")) if folder.is_dir() else []
         raise ConfigError(f"data.path: {prefix}: no Megatron dataset there (looked for {bin_.name} and "
                           f"{idx.name}; found: {', '.join(found) if found else 'nothing'})")
-    size = idx.stat().st_size
-    with idx.open("rb") as f:
-        head = f.read(34)
-    if head[:9] != _INDEX_HEADER:
-        raise ConfigError(f"data.path: {idx} is not a Megatron index (header {head[:9]!r} is not "
-                          f"{_INDEX_HEADER!r}; partial copy, or written by another tool?)")
-    if len(head) < 34:
-        raise ConfigError(f"data.path: {idx} has {size:,} bytes, less than its 34-byte header (truncated?)")
-    version, code, sequences, documents = struct.unpack("<QBQQ", head[9:34])
-    if version != 1 or code not in _DTYPES:
-        raise ConfigError(f"data.path: {idx}: version {version}, dtype code {code}: not a Megatron "
-                          "index this megatron-core reads (version 1, codes 1-8)")
-    want = 34 + sequences * (4 + 8) + documents * 8
-    if size != want:
-        raise ConfigError(f"data.path: {idx} has {size:,} bytes but its counts ({sequences:,} sequences, "
-                          f"{documents:,} document marks) need {want:,} (truncated, multimodal, or still "
-                          "being copied?)")
-    mm = np.memmap(idx, mode="r")
-    lengths = np.frombuffer(mm, np.int32, sequences, 34)
-    pointers = np.frombuffer(mm, np.int64, sequences, 34 + 4 * sequences)
-    dtype = _DTYPES[code]
-    end = int(pointers[-1]) + int(lengths[-1]) * np.dtype(dtype).itemsize if sequences else 0
-    if bin_.stat().st_size < end:
-        raise ConfigError(f"data.path: {bin_} has {bin_.stat().st_size:,} bytes but its index points to "
-                          f"{end:,} (truncated, or still being copied?)")
-    return {"dtype": dtype, "sequences": sequences, "documents": documents,
-            "lengths": np.array(lengths), "tokens": int(lengths.sum(dtype=np.int64))}
+    f = IndexedFile(prefix)
+    f.close()
+    return {"dtype": f.dtype, "sequences": len(f), "documents": f.documents, "lengths": f.sequence_lengths,
+            "tokens": int(f.sequence_lengths.sum(dtype=np.int64))}
 
 
 def check_reachable(url: str, field: str) -> None:
@@ -168,19 +146,46 @@ class IndexedFile:
     read once, when opened: `sequence_lengths` (int32 [documents]) and the pointers (int64
     [documents]), 12 bytes per document in this process (the .idx's size; one pointer read
     per document from the .idx instead costs a third more time per step); an .idx changed
-    later is not read again. Each `get` is one `os.pread` of the .bin (thread-safe: the
-    prefetch thread reads while the compute thread trains). The .bin is opened once: a file
-    replaced by a rename keeps being read as it was opened. Raises DataError (naming the file,
-    the document and the bytes) when a read fails or comes back short."""
+    later is not read again. Opening checks the files against each other: the .idx header,
+    version and dtype code are Megatron's, its size matches its counts, the .bin holds every
+    byte the index points to (ConfigError naming data.path, `index_header`'s checks). Each `get`
+    is one `os.pread` of the .bin (thread-safe: the prefetch thread reads while the compute
+    thread trains). The .bin is opened once: a file replaced by a rename keeps being read as
+    it was opened. Raises DataError (naming the file, the document and the bytes) when a read
+    fails or comes back short."""
 
     def __init__(self, prefix: str):
         self.path_prefix = prefix
         with open(prefix + ".idx", "rb", buffering=0) as idx:
-            _, code, sequences, _ = struct.unpack("<QBQQ", self._read(idx, 25, 9, "header"))
+            size = os.fstat(idx.fileno()).st_size
+            head = self._read(idx, min(size, 34), 0, "header")
+            if head[:9] != _INDEX_HEADER:
+                raise ConfigError(f"data.path: {idx.name} is not a Megatron index (header {head[:9]!r} is not "
+                                  f"{_INDEX_HEADER!r}; partial copy, or written by another tool?)")
+            if len(head) < 34:
+                raise ConfigError(f"data.path: {idx.name} has {size:,} bytes, less than its 34-byte header (truncated?)")
+            version, code, sequences, self.documents = struct.unpack("<QBQQ", head[9:34])
+            if version != 1 or code not in _DTYPES:
+                raise ConfigError(f"data.path: {idx.name}: version {version}, dtype code {code}: not a Megatron "
+                                  "index this megatron-core reads (version 1, codes 1-8)")
+            want = 34 + sequences * (4 + 8) + self.documents * 8
+            if size != want:
+                raise ConfigError(f"data.path: {idx.name} has {size:,} bytes but its counts ({sequences:,} sequences, "
+                                  f"{self.documents:,} document marks) need {want:,} (truncated, multimodal, or still "
+                                  "being copied?)")
             self.sequence_lengths = np.frombuffer(self._read(idx, 4 * sequences, 34, "lengths"), np.int32)
             self._pointers = np.frombuffer(self._read(idx, 8 * sequences, 34 + 4 * sequences, "pointers"), np.int64)
         self.dtype = np.dtype(_DTYPES[code])
         self._bin = open(prefix + ".bin", "rb", buffering=0)  # open for the run: pread per document
+        end = int(self._pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if sequences else 0
+        if (have := os.fstat(self._bin.fileno()).st_size) < end:
+            self.close()
+            raise ConfigError(f"data.path: {self._bin.name} has {have:,} bytes but its index points to "
+                              f"{end:,} (truncated, or still being copied?)")
+
+    def close(self) -> None:
+        """Close the .bin (`get` then fails)."""
+        self._bin.close()
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

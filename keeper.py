@@ -152,7 +152,7 @@ class ShardSender:
             name = f"shard-keeper-{os.getpid()}-{index}"
             if torch.cuda.is_available():
                 future = share_in_background(need, name)
-            else:
+            else:  # nothing to pin: allocated at once, else this step's shard would be skipped
                 future = concurrent.futures.Future()
                 future.set_result(SharedArena(need, name))
             self._arenas[index] = future

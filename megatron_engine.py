@@ -152,6 +152,8 @@ class MegatronEngine:
         self._arena: concurrent.futures.Future | None = None    # pinned bytes of the snapshot buffers
         self._copy_stream: torch.cuda.Stream | None = None       # side stream of the snapshot copy
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
+        self._copy_launcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-copy")
+        self._copy_launched: concurrent.futures.Future | None = None  # its launch (`_host_copy_async`)
         self._send_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_host_copy`
         self._send_buffers: dict | None = None  # its buffers (views of the arena) for this layout
         self._shard_buffers: dict[int, dict] = {}  # `start_shard_copy`'s buffers, by arena address
@@ -581,23 +583,53 @@ class MegatronEngine:
     def _host_copy_async(self, state: dict, into: dict) -> dict:
         """Start copying `state` into the pinned buffers `into` on a side stream and return at
         once: the copy overlaps the step's forward and backward passes, which only read the
-        state. `_wait_snapshot_copy` orders the optimizer step (and any reader) after it. On CPU
-        the copy is done when this returns."""
+        state. `_wait_snapshot_copy` orders the optimizer step (and any reader) after it. The
+        copies are queued on the device by a thread of this engine (`_copy_launcher`): a state
+        has ~1,000 tensors and each device-to-host copy launch costs the calling thread tens of
+        microseconds of driver time, which the training thread, launching the step's kernels,
+        would pay every step. On CPU the copy is done when this returns."""
         if self.backend != "nccl":
             copy_state(into, state)
             return _with_counters(into, state)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream()
-        self._copy_stream.wait_stream(torch.cuda.current_stream())  # the state as of now
-        with torch.cuda.stream(self._copy_stream):
-            copy_state(into, state)
-            self._copy_done = torch.cuda.Event()
-            self._copy_done.record()
+        ready, done, stream = torch.cuda.Event(), torch.cuda.Event(), self._copy_stream
+        ready.record()  # the state as of now
+        src, dst = state_tensors(state), state_tensors(into)
+
+        def launch():  # ~1,000 copy launches (tens of ms of driver time) off the training thread
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                copy_state(dst, src)
+                done.record()
+
+        self._copies_launched()  # the launches of one stream stay in call order
+        self._copy_launched, self._copy_done = self._copy_launcher.submit(launch), done
         return _with_counters(into, state)
+
+    def _copy_waiter(self):
+        """A function that blocks until the copy just started by `_host_copy_async` is done
+        (not the later ones); nothing to wait for on CPU."""
+        launched, done = self._copy_launched, self._copy_done
+        if done is None:
+            return lambda: None
+
+        def wait():
+            if launched is not None:
+                launched.result()
+            done.synchronize()
+        return wait
+
+    def _copies_launched(self) -> None:
+        """Block until the copies of `_host_copy_async` are queued on the device (so that
+        `_copy_done` has been recorded; raises what the launch raised)."""
+        if self._copy_launched is not None:
+            self._copy_launched.result()
 
     def _wait_snapshot_copy(self, stream: torch.cuda.Stream | None = None) -> None:
         """Order `stream`'s later work after the snapshot copy in flight (no host wait), or with
         no stream, block until the copy is done (before the host reads the snapshot)."""
+        self._copies_launched()
         if self._copy_done is not None:
             if stream is None:
                 self._copy_done.synchronize()
@@ -678,9 +710,10 @@ class MegatronEngine:
     def _prebuild(self) -> None:
         """Spare, tp = pp = cp = 1 (every rank holds the same model shard): build the model
         stage now, in a private NCCL world of one rank, exactly as `connect` would build it;
-        `connect` then only moves it onto the generation's groups where that is unambiguous: in
-        a world of one rank every role is one group, so at dp >= 2 (TP and DP groups differ)
-        `megatron_groups.rebind` refuses and `connect` builds the model again. Keeps the RNG states the
+        `connect` then only moves it onto the generation's groups (`megatron_groups.rebind`),
+        at any dp. The world's groups are one per role (`make_groups(shared=False)`): shared,
+        every role would be the world's one group and a reference to it would not say whether
+        it is the TP or the DP group of a dp >= 2 generation. Keeps the RNG states the
         build leaves (what a build at join would leave) for `connect`, and restores the
         process's own."""
         from megatron.core import parallel_state as ps
@@ -688,7 +721,7 @@ class MegatronEngine:
         rng = self._rng_state()
         dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
         try:
-            groups = make_groups(ParallelDims(tp=1, pp=1, cp=1, dp=1))
+            groups = make_groups(ParallelDims(tp=1, pp=1, cp=1, dp=1), shared=False)
             self.dims = ParallelDims(tp=1, pp=1, cp=1, dp=1)
             self._build_model()
             torch.cuda.synchronize()
@@ -750,7 +783,7 @@ class MegatronEngine:
         if into is None:
             return None
         into = self._host_copy_async(state, into)
-        return HostCopy(into, self._copy_done.synchronize if self._copy_done is not None else lambda: None)
+        return HostCopy(into, self._copy_waiter())
 
     def _shard_state(self) -> dict:
         """This rank's optimizer shard (with the distributed optimizer: its fp32 main params and
@@ -779,7 +812,7 @@ class MegatronEngine:
                 self._shard_buffers.pop(next(iter(self._shard_buffers)))
             self._shard_buffers[arena.data_ptr()] = into
         into = self._host_copy_async(state, into)
-        return HostCopy(into, self._copy_done.synchronize if self._copy_done is not None else lambda: None)
+        return HostCopy(into, self._copy_waiter())
 
     def load_shard(self, state: dict) -> None:
         """Copy `state` (a `start_shard_copy` state of this rank position) into the live
@@ -975,6 +1008,7 @@ class MegatronEngine:
             self._save_plans = SavePlanCache(self.optimizer)
         if async_save and self._copy_stream is None and self.backend == "nccl":
             self._copy_stream = torch.cuda.Stream()
+        self._copies_launched()  # its copies queue on the same stream after theirs
         files = save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
                              after_write=lambda: self.fault_point("mid_save"), plans=self._save_plans,
                              copy_stream=self._copy_stream if async_save else None)

@@ -5,12 +5,15 @@ Megatron layers, DDP buckets and the distributed optimizer keep references to th
 groups they were built with (`tp_group`, `pg_collection`, `data_parallel_group`, ...). After a
 membership change with the same layout and the same rank, every group of the new generation
 has the same members as the old one of the same role, so the objects need only their group
-references swapped (`rebind`); nothing is rebuilt and no tensor is copied. A reference that
+references swapped (`rebind`); nothing is rebuilt and no tensor is copied. A spare's model
+built in a world of one rank moves the same way into any dp, its groups made one per role
+(`make_groups(shared=False)`) so that each reference names its role. A reference that
 cannot be swapped (a group made outside `parallel_state`, or one held where it cannot be
 replaced) raises `StaleGroups`, and the caller builds the objects again.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -24,14 +27,19 @@ class StaleGroups(RuntimeError):
     """Objects still reference process groups of an earlier generation after `rebind`."""
 
 
-def make_groups(dims: ParallelDims) -> dict[str, dist.ProcessGroup]:
+def make_groups(dims: ParallelDims, shared: bool = True) -> dict[str, dist.ProcessGroup]:
     """Replace Megatron's groups (`parallel_state`) by ones of the current default process
-    group for the layout `dims`, one communicator per distinct member list
-    (`megatron_compat.one_group_per_membership`); returns them by role (`groups_by_role`)."""
+    group for the layout `dims`; returns them by role (`groups_by_role`). `shared`: one
+    communicator per distinct member list (`megatron_compat.one_group_per_membership`), for a
+    generation that trains. `shared=False`: one group per role, as Megatron makes them (only
+    roles Megatron itself makes one object share one, in every generation alike), for objects
+    built to move to a generation of another layout (a spare's prebuilt model): shared, in a
+    world of one rank every role is one object and `rebind` could not tell which role a
+    reference serves."""
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    with one_group_per_membership():
+    with one_group_per_membership() if shared else contextlib.nullcontext():
         ps.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp,
                                      create_gloo_process_groups=False)
     return groups_by_role()
@@ -60,9 +68,9 @@ def rebind(roots: list, old: dict[str, dist.ProcessGroup], new: dict[str, dist.P
     ValueError when the two generations have different roles (another layout), StaleGroups when
     a process group that is in neither generation is still referenced, or one sits where it
     cannot be swapped (a `functools.partial`), or a referenced old group stands for several
-    roles whose new groups differ (one communicator per member list: in a world of one rank,
-    as a spare's prebuilt model has, every role is the same group, so a reference does not say
-    whether it is the TP or the DP group of the new generation)."""
+    roles whose new groups differ (a reference to it does not say which role it serves: groups
+    made with `make_groups(shared=True)` in a world of one rank are one group for every role, so
+    a spare prebuilds with `shared=False`)."""
     if old.keys() != new.keys():
         raise ValueError(f"the generations' groups differ in roles: {sorted(old.keys() ^ new.keys())}")
     swap: dict[int, dist.ProcessGroup | None] = {}

@@ -32,7 +32,10 @@ JSON: {"redundancy_overhead_ratio" (kept / off median step time at the first fra
 "shard_fraction", "kept_every_step" (every step of every kept block, settle steps included, sent,
 none skipped or failed, at the first fraction), "device", "engine", "params", "cases":
 {fraction: {"off", "kept" (, "rollback", "copy"): {"step_s", "p10_s", "p25_s", "p75_s", "p90_s",
-"steps_s", "block_s", "ratio", "ratio_p5", "ratio_p95", "block_ratio" {median, min, max}};
+"steps_s", "block_s", "ratio", "ratio_p5", "ratio_p95", "block_ratio" {median, min, max},
+"cpu_s" (median CPU seconds of the training thread per timed step: near step_s means the step
+is bound by the host's kernel launches), "gc_s" (the garbage collector's pauses over the timed
+steps)};
 "kept" also "kept" {sent, skipped, failed}, "send_waits", "send_wait_s", "couriers"; "shard_gb",
 "rollback_gb", "kept_every_step", "rounds"} or {"skipped": why}}, "complete" (false: a run cut
 short, the rounds so far; the file is rewritten after each round), "config"}.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import random
 import socket
@@ -132,6 +136,7 @@ class Case:
     def __init__(self, name: str, engine, holder):
         self.name, self.engine, self.holder = name, engine, holder
         self.steps_s, self.block_s, self.sender = [], [], None
+        self.cpu_s, self.gc_s = [], []  # per timed step: the training thread's CPU time, GC pauses
         if name == "kept":
             self.sender = ShardSender()
             self.sender.connect(holder)
@@ -163,6 +168,22 @@ class Case:
         sync(self.engine)
 
 
+class GC:
+    """Seconds the garbage collector paused this process so far (`gc.callbacks`)."""
+
+    paused_s, _start = 0.0, 0.0
+
+    @classmethod
+    def callback(cls, phase: str, info: dict) -> None:
+        if phase == "start":
+            cls._start = time.perf_counter()
+        else:
+            cls.paused_s += time.perf_counter() - cls._start
+
+
+gc.callbacks.append(GC.callback)
+
+
 def stats(times: list[float]) -> dict:
     q = statistics.quantiles(times, n=20, method="inclusive")  # q[k-1]: the 5k-th percentile
     return {"step_s": statistics.median(times), "p10_s": q[1], "p25_s": q[4], "p75_s": q[14], "p90_s": q[17]}
@@ -183,14 +204,16 @@ def run_blocks(cases: list[Case], cfg, args, step: int, after_round=lambda: None
         for case in (cases if block % 2 == 0 else cases[::-1]):
             case.begin()
             sync(case.engine)
-            times, last = [], time.perf_counter()
+            times, last, cpu, paused = [], time.perf_counter(), time.thread_time(), GC.paused_s
             for i in range(args.settle + args.block_steps):
                 case.step(cfg, step)
                 step += 1
-                now = time.perf_counter()
+                now, now_cpu = time.perf_counter(), time.thread_time()
                 if i >= args.settle:
                     times.append(now - last)
-                last = now
+                    case.cpu_s.append(now_cpu - cpu)
+                    case.gc_s.append(GC.paused_s - paused)
+                last, cpu, paused = now, now_cpu, GC.paused_s
             case.end()
             case.steps_s += times
             case.block_s.append(statistics.median(times))
@@ -206,6 +229,7 @@ def summary(cases: list[Case]) -> dict:
         blocks = [b / o for b, o in zip(case.block_s, off.block_s)]
         out[case.name] = {**stats(case.steps_s), "ratio": statistics.median(case.steps_s) / statistics.median(off.steps_s),
                           "ratio_p5": lo, "ratio_p95": hi, "steps_s": case.steps_s, "block_s": case.block_s,
+                          "cpu_s": statistics.median(case.cpu_s), "gc_s": sum(case.gc_s),
                           "block_ratio": {"median": statistics.median(blocks), "min": min(blocks), "max": max(blocks)}}
     return out
 
@@ -295,12 +319,14 @@ def main(argv=None) -> dict:
         results[str(fraction)] = result
         print(f"fraction {fraction} (shard {shard_b / 1e9:.2f} GB, rollback {rollback_b / 1e9:.2f} GB), "
               f"{args.blocks} blocks x {args.block_steps} timed steps per case:", flush=True)
-        print(f"  {'case':<9}{'median s':>9}{'p10':>8}{'p90':>8}{'ratio':>8}{'90% interval':>16}{'block ratios':>22}")
+        print(f"  {'case':<9}{'median s':>9}{'p10':>8}{'p90':>8}{'ratio':>8}{'90% interval':>16}{'block ratios':>22}"
+              f"{'cpu s':>8}{'gc s':>7}")
         for name in names:
             r = result[name]
             b = r["block_ratio"]
             print(f"  {name:<9}{r['step_s']:9.4f}{r['p10_s']:8.3f}{r['p90_s']:8.3f}{r['ratio']:8.3f}"
-                  f"{r['ratio_p5']:8.3f}-{r['ratio_p95']:.3f}{b['median']:8.3f} ({b['min']:.3f}-{b['max']:.3f})")
+                  f"{r['ratio_p5']:8.3f}-{r['ratio_p95']:.3f}{b['median']:8.3f} ({b['min']:.3f}-{b['max']:.3f})"
+                  f"{r['cpu_s']:8.3f}{r['gc_s']:7.3f}")
         print(f"  kept {kept.counts()}, {kept.waits} send waits ({kept.wait_s:.3f} s), {kept.couriers} courier(s)",
               flush=True)
     result = write(results, complete=True)

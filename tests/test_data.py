@@ -228,6 +228,22 @@ def test_bad_data_stops_train_with_one_line_before_ray(stdlib_corpus, tmp_path, 
     assert "Traceback" not in stderr and "Ray" not in stderr, stderr[-2000:]
 
 
+@pytest.mark.parametrize("case", ["truncated_bin", "truncated_idx", "corrupt_idx"])
+def test_a_rank_opening_damaged_files_gets_the_drivers_error(stdlib_corpus, tmp_path, case):
+    """The ranks' reader (`IndexedFile`) and the driver's check (`index_header`) parse the .idx
+    in one place: files damaged after the driver's check fail the rank's open with the same
+    ConfigError line, not a short read or garbage rows."""
+    from config import ConfigError
+    from data import IndexedFile, index_header
+
+    path = _damaged(stdlib_corpus[1], tmp_path, case)
+    with pytest.raises(ConfigError) as driver:
+        index_header(path)
+    with pytest.raises(ConfigError) as rank:
+        IndexedFile(path)
+    assert str(rank.value) == str(driver.value)
+
+
 def test_prepare_names_a_missing_column(stdlib_corpus, tmp_path):
     tok, _ = stdlib_corpus
     rows = tmp_path / "rows.jsonl"

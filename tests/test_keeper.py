@@ -193,6 +193,7 @@ def test_the_keeper_bench_runs_on_cpu(tmp_path):
     kept = r["cases"]["1.0"]["kept"]
     assert kept["kept"] == {"sent": 6, "skipped": 0, "failed": 0} and kept["couriers"] == 1 and "cpu" in r["device"]
     assert len(kept["steps_s"]) == 4 and set(r["cases"]["0.125"]) >= {"off", "kept", "rollback", "copy"}
+    assert 0 < kept["cpu_s"] and kept["gc_s"] >= 0
 
 
 

@@ -419,8 +419,10 @@ def test_megatron_recovery_falls_back_past_a_checkpoint_whose_bytes_changed(ray_
     rank 0 killed during step 3. The ranks' check before the load (sizes: the engine hashes
     while loading) passes step 2, the hash beside the load finds it; recovery discards that
     state, loads step 1 with no spare spent on the bad checkpoint, and replays step 2 with its
-    first loss bitwise. The same fallback load again (`fault_tolerance.restore_checkpoint`)
-    leaves every rank with the state it had after step 1, bitwise."""
+    first loss bitwise; no rank builds a model at the join (the spare's, prebuilt in a world of
+    one rank, moves onto the dp = 2 groups). The same fallback load again
+    (`fault_tolerance.restore_checkpoint`) leaves every rank with the state it had after step 1,
+    bitwise."""
     import dataclasses
 
     import ray
@@ -457,6 +459,7 @@ def test_megatron_recovery_falls_back_past_a_checkpoint_whose_bytes_changed(ray_
         (tl,) = trainer.recoveries
         assert (tl.failed_ranks, tl.restore_source, tl.attempts, len(group.pool)) == ([0], "checkpoint step 1", 1, 0)
         assert "checkpoint step 2 does not load" in tl.notes, tl.notes
+        assert "build_s" not in tl.rebuild_detail, tl.rebuild_detail  # the spare's prebuilt model moved
         assert trainer.replayed == {2: [losses[2]]}
         notes = []
         assert restore_checkpoint(group, trainer.ckpt, trainer.ckpt.committed_manifests(), cfg.fault_tolerance.step_timeout_s,

@@ -1,12 +1,13 @@
 """`megatron_groups`: a Megatron-Core GPTModel built in one generation holds only the next
 generation's groups after `rebind` and computes the same logits on them, on real gloo process
 groups (two CPU ranks, tp = 2); a group made outside `parallel_state` is reported, not silently
-left behind."""
+left behind; a spare's model prebuilt in a world of one rank joins dp = 2 without a build."""
 import contextlib
 
 import pytest
 import torch
 
+from parallel_dims import ParallelDims
 from ranks import spawn_ranks
 
 SEQ = 8
@@ -94,8 +95,8 @@ def test_a_group_made_outside_parallel_state_is_reported():
 
 def _one_group_for_two_roles(rank: int, world: int, store) -> dict:
     """A module holding the one group that stands for roles 'tp' and 'dp' in a world of one rank
-    (a spare's prebuilt model), moved to a generation where the two roles are different groups,
-    then to one where they are the same group."""
+    (shared groups, `make_groups(shared=True)`), moved to a generation where the two roles are
+    different groups, then to one where they are the same group."""
     import torch.distributed as dist
 
     from megatron_groups import StaleGroups, rebind
@@ -117,12 +118,63 @@ def _one_group_for_two_roles(rank: int, world: int, store) -> dict:
 
 
 def test_a_group_of_several_roles_is_not_guessed_when_their_new_groups_differ():
-    """A spare's model prebuilt in a world of one rank holds one group for every role; joining
-    at dp >= 2 the TP and DP groups differ, and a reference does not say which it is: `rebind`
-    raises StaleGroups naming the roles (the engine then builds the model again) instead of
-    swapping in whichever role came last (the DP group as the TP group: wrong shapes in the
-    checkpoint's sharded state dict, collectives over the wrong ranks). Where the roles' new
-    groups are one group, the reference moves."""
+    """A model built on shared groups in a world of one rank holds one group for every role;
+    moved to dp >= 2 the TP and DP groups differ, and a reference does not say which it is:
+    `rebind` raises StaleGroups naming the roles (the engine then builds the model again)
+    instead of swapping in whichever role came last (the DP group as the TP group: wrong shapes
+    in the checkpoint's sharded state dict, collectives over the wrong ranks). Where the roles'
+    new groups are one group, the reference moves. A spare prebuilds on groups made one per
+    role instead (`test_a_prebuilt_spare_joins_dp2_without_building`)."""
     (r,) = spawn_ranks(_one_group_for_two_roles, 1, timeout_s=120)
     assert "tp, dp" in r.get("ambiguous", "") and r["kept"], r
     assert r["swapped"] == 1 and r["moved"], r
+
+
+def _prebuilt_spare_joins(rank: int, world: int, store) -> dict:
+    """Generation 1: both ranks of a dp = 2 `MegatronEngine` on gloo build their model at join
+    and train step 1. Generation 2: rank 0 is a spare that warmed up (`warm_up`: its model
+    prebuilt in a world of one rank), rank 1 a fresh engine that builds at join; both train
+    step 1 again."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_engine import MegatronEngine
+    from test_megatron_engine import _digest
+    from test_megatron_peer_restore import _batch, _cfg
+
+    torch.set_num_threads(1)
+    cfg = _cfg(world, 1)  # gloo's connect waits up to step_timeout_s: a loaded machine starts ranks late
+    cfg = dataclasses.replace(cfg, fault_tolerance=dataclasses.replace(cfg.fault_tolerance, step_timeout_s=300))
+    dims = ParallelDims.from_config(cfg)
+    cold = MegatronEngine(cfg)
+    cold.connect(dist.PrefixStore("gen1", store), dims, rank)
+    expect = _digest(cold), cold.train_step(_batch(cfg, 1, dims, rank), 1), _digest(cold)
+    del cold
+    dist.destroy_process_group()
+    engine = MegatronEngine(cfg)
+    if rank == 0:
+        engine.warm_up()
+    out = {"phases": engine.connect(dist.PrefixStore("gen2", store), dims, rank)}
+    qkv = engine.model.decoder.layers[0].self_attention.linear_qkv
+    out["tp_group_right"] = qkv.tp_group is ps.get_tensor_model_parallel_group() is not ps.get_data_parallel_group()
+    got = _digest(engine), engine.train_step(_batch(cfg, 1, dims, rank), 1), _digest(engine)
+    out["same_start"], out["same_step"], out["same_end"] = (
+        got[0] == expect[0], (got[1]["loss"], got[1]["grad_norm"]) == (expect[1]["loss"], expect[1]["grad_norm"]),
+        got[2] == expect[2])
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_prebuilt_spare_joins_dp2_without_building():
+    """A spare's model prebuilt in its private world of one rank (`MegatronEngine.warm_up`,
+    tp = pp = cp = 1) joins a dp = 2 generation without being built again: that world's groups
+    are one per role (`make_groups(shared=False)`), so `rebind` moves each reference to its own
+    role's group (the TP group, not the DP group); the spare starts from the same state as a
+    model built at join and trains step 1 to the same loss, gradient norm and state, bitwise."""
+    spare, fresh = spawn_ranks(_prebuilt_spare_joins, 2, timeout_s=300)
+    assert "rebind_s" in spare["phases"] and "build_s" not in spare["phases"], spare["phases"]
+    assert "build_s" in fresh["phases"], fresh["phases"]
+    for r in (spare, fresh):
+        assert r["tp_group_right"] and r["same_start"] and r["same_step"] and r["same_end"], r

@@ -1,0 +1,1 @@
+python3 -m bench.host_copy --gb 2
