@@ -179,8 +179,8 @@ class ShardSender:
         arena = self.arena(engine, index)
         if arena is None:
             self.skipped += 1
-            log.warning("optimizer shard of step %d skipped: its host buffers are still being allocated "
-                        "(%d skipped, %d sent so far)", step, self.skipped, self.sent)
+            log.warning("%s of step %d skipped: its host buffers are still being allocated "
+                        "(%d skipped, %d sent so far)", self._what(), step, self.skipped, self.sent)
             return self.counts()
         arena.retire()  # before a byte changes: the holder serves it no more
         copy = engine.start_shard_copy(arena.tensor[SEAL_BYTES:], self.local)
@@ -219,7 +219,11 @@ class ShardSender:
                     self.courier = None
         except Exception as exc:  # noqa: BLE001 (a lost shard is not a failure of the rank)
             self.failed += 1
-            log.warning("optimizer shard of step %d not sent: %r", step, exc)
+            log.warning("%s of step %d not kept: %r", self._what(), step, exc)
+
+    def _what(self) -> str:
+        """What the logs call a copy: the whole state (`local`) or the optimizer shard."""
+        return "training state" if self.local else "optimizer shard"
 
     def wait(self) -> None:
         """Block until every send started, and the connection (`connect`), have ended."""
