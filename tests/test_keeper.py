@@ -405,3 +405,36 @@ def test_megatron_at_tp2_dp1_resumes_bitwise_from_its_whole_state_in_an_arena():
 
     for r in spawn_ranks(_local_keeper_rank, 2, 2, timeout_s=300):
         assert r["step"] == 2 and r["resumed"] == r["reference"]
+
+
+@pytest.mark.slow
+def test_megatron_actors_at_tp2_dp1_restore_a_sigkilled_rank_from_its_nodes_holder(ray_session, tmp_path):
+    """The protocol with `MegatronActor`s running the Megatron engine on CPU (gloo; the config is
+    resolved as for a GPU and set to the CPU after, as test_megatron_checkpoint.py does), tp=2,
+    dp=1, 2 workers + 1 spare: rank 1 SIGKILLed after step 3 comes back from its node's holder
+    (`local`, 0 steps lost; rank 0 rolled back locally), losses and final states bitwise as the
+    run without failure."""
+    import dataclasses
+
+    sets = ["cluster.num_workers=2", "cluster.num_spares=1", "parallel.tp=2", "model.distributed_optimizer=false",
+            "model.dtype=float32", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+            "model.ffn_hidden_size=128", "model.vocab_size=128", "model.max_seq_len=16", "train.seq_len=16",
+            "train.global_batch_size=4", "train.mini_batch_size=4", "train.micro_batch_size=1", "train.steps=5",
+            "checkpoint.interval=0", "checkpoint.async_save=false", "fault_tolerance.refill_spares=false",
+            f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt"]
+    cfg = resolve(load_config("config.yaml", sets), num_gpus=1)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0))
+    assert cfg.model.engine == "megatron"
+    ref_losses, ref_digests = reference_run(cfg, 5)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(3)
+        wait_for_local(group, 3)
+        os.kill(ray.get(group.workers[1].handle.__ray_call__.remote(lambda a: os.getpid())), signal.SIGKILL)
+        trainer.train(5)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local", 0, 3)
+        assert trainer.losses == ref_losses and group.state_digests() == ref_digests
+    finally:
+        group.shutdown()
