@@ -231,11 +231,12 @@ def test_a_killed_courier_is_replaced_and_a_sigkilled_rank_leaves_no_arena(refer
 # -- the local keeper (dp=1) -----------------------------------------------------------------------
 def local_cfg(tmp_path, *overrides):
     """The defaults at dp=1 (1 worker + 1 spare; `fault_tolerance.shard_keeper` on, no sharded
-    optimizer), checkpoints only where a test saves one."""
+    optimizer), checkpoints only where a test saves one. A spare silent for 30 s (not 5) is
+    dropped: on a loaded test machine the one spare missed its pings and the recovery had none."""
     return resolve(load_config("config.yaml", [
         "cluster.num_workers=1", "cluster.num_spares=1", "checkpoint.interval=0",
-        "fault_tolerance.refill_spares=false", f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt",
-        *overrides]), num_gpus=0)
+        "fault_tolerance.refill_spares=false", "fault_tolerance.health_timeout_s=30",
+        f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt", *overrides]), num_gpus=0)
 
 
 def wait_for_local(group, step: int, timeout_s: float = 30.0) -> None:
