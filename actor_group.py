@@ -23,7 +23,7 @@ from driver_failover import PLACEMENT_GROUP, CannotReattach, new_name
 from dispatch import dispatch_args, get_dispatch_type
 from failures import ClusterError, slowest
 from health import HealthMonitor
-from keeper import keeper_node, keeps_shards
+from keeper import keeper_node, keeps_locally, keeps_shards
 from megatron_actor import MegatronActor
 from node_agent import NodeAgent, NodeCalls
 from parallel_dims import ParallelDims, RankCoords
@@ -300,7 +300,8 @@ class ActorGroup:
         # copies to the holder of another node, so they outlive the rank's node.
         self.holders: dict[str, object] = {}
         if cfg.fault_tolerance.memory_snapshot_interval > 0 or keeps_shards(
-                cfg.model.distributed_optimizer, cfg.fault_tolerance.shard_keeper, self.dims.dp):
+                cfg.model.distributed_optimizer, cfg.fault_tolerance.shard_keeper, self.dims.dp) or \
+                keeps_locally(cfg.fault_tolerance.shard_keeper, self.dims.dp, c.num_spares):
             # In a bundle of the placement group on that node: reserved, so the holder is where
             # its key says (a soft node affinity may fall back to another node, e.g. for a node
             # just added, and a rank's copies would then sit on its own node). Keyed by the node
@@ -422,7 +423,7 @@ class ActorGroup:
             ray.wait(warming, num_returns=len(warming), timeout=self.cfg.fault_tolerance.step_timeout_s)
         waited = time.perf_counter() - t0
         refs = [s.handle.join.remote(self.generation, r, self.dims, self.store_host, self.store_port,
-                                     self.holder_for(s.node_id))
+                                     self.holder_for(s.node_id), self.holders.get(s.node_id))
                 for r, s in enumerate(self.workers)]
         parts = self.wait(refs, self.cfg.fault_tolerance.rendezvous_timeout_s)
         return {**slowest(parts), **({"spare_warm_wait_s": round(waited, 4)} if warming else {})}

@@ -333,7 +333,9 @@ class FaultToleranceConfig:
     rank copies its optimizer shard to host memory and sends it in the background to its keeper
     (the snapshot holder of another node, keeper.py), so a recovery takes the parameters from a
     DP peer and the shard from the keeper: no committed step lost, no checkpoint read. Costs host
-    RAM: up to 3 copies of each shard at the keeper plus the rank's send buffers."""
+    RAM: up to 3 copies of each shard at the keeper plus the rank's send buffers. At dp = 1 (the
+    local keeper): each rank copies its whole state into host memory its node's holder keeps,
+    and a replacement on that node loads it. Costs 2 copies of each rank's state (pinned on GPU)."""
     nccl_eager_init: bool = True
     """GPU: every NCCL communicator of a new generation is built when its group is made (true),
     or at its first collective, inside the first step (false: unused groups cost nothing)."""

@@ -46,15 +46,18 @@ def regions(state, arena: torch.Tensor):
 
 
 def from_regions(layout, arena: torch.Tensor):
-    """Inverse of `regions`: the state with views of `arena` (no copy) for its tensors."""
+    """Inverse of `regions`: the state with tensors over the bytes of `arena` (no copy), each
+    with a storage of its own bytes only (as `host_memory.carve`'s: a deepcopy of one copies
+    its bytes, not the arena's)."""
+    memory = arena.numpy()
+
     def tensor(x):
         if not isinstance(x, _Region):
             return x
         n = torch.Size(x.shape).numel()
-        if n == 0:
+        if n == 0:  # frombuffer refuses count 0
             return torch.empty(x.shape, dtype=x.dtype)
-        nbytes = n * torch.empty((), dtype=x.dtype).element_size()
-        return arena[x.offset:x.offset + nbytes].view(x.dtype).view(x.shape)
+        return torch.frombuffer(memory, dtype=x.dtype, count=n, offset=x.offset).view(x.shape)
 
     return torch.utils._pytree.tree_map(tensor, layout, is_leaf=lambda x: isinstance(x, _Region))
 

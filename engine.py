@@ -146,16 +146,18 @@ class Engine(Protocol):
     def load_state(self, state: dict) -> None:
         """Make `state` (a `start_host_copy` state of the same rank position) the live state."""
 
-    def shard_nbytes(self) -> int:
-        """Bytes of host memory `start_shard_copy` needs for this rank's optimizer shard now."""
+    def shard_nbytes(self, whole: bool = False) -> int:
+        """Bytes of host memory `start_shard_copy` needs for this rank's optimizer shard now
+        (`whole`: for its whole training state)."""
 
-    def start_shard_copy(self, arena: torch.Tensor) -> HostCopy | None:
+    def start_shard_copy(self, arena: torch.Tensor, whole: bool = False) -> HostCopy | None:
         """As `start_host_copy`, of this rank's optimizer shard only (with a sharded optimizer,
         `model.distributed_optimizer`: the part of the state no DP peer holds) and the step, for
         its keeper (keeper.py), into buffers carved from `arena` (uint8 host memory of at least
-        `shard_nbytes()` bytes, e.g. a `host_memory.SharedArena`'s; the caller is done with the
-        copy it held before). None without a sharded optimizer. Raises ValueError when `arena`
-        is too small."""
+        `shard_nbytes(whole)` bytes, e.g. a `host_memory.SharedArena`'s; the caller is done with
+        the copy it held before). `whole`: the whole training state (`start_host_copy`'s, for
+        the local keeper at dp = 1; `load_state` loads it). None without a sharded optimizer and
+        not `whole`. Raises ValueError when `arena` is too small."""
 
     def load_shard(self, state: dict) -> None:
         """Make `state` (a `start_shard_copy` state of the same rank position) the live optimizer

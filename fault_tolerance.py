@@ -13,7 +13,8 @@ Protocol (one failure or many; docs/recovery.md has the detail):
 5. Restore, cheapest source first (`plan_restore`): (a) peers (survivors roll back to their
    host-memory snapshot of the committed step, then every DP group with a new member broadcasts
    from a survivor; with a sharded optimizer a replaced rank then loads its optimizer shard from
-   its keeper, keeper.py); (b) in-memory snapshots held by `SnapshotHolder` actors on other nodes
+   its keeper, keeper.py); (b) at dp = 1, the state each rank's own node's holder keeps (the local
+   keeper, keeper.py); in-memory snapshots held by `SnapshotHolder` actors on other nodes
    (needed when a whole DP replica is gone or the optimizer state is sharded); (c) the newest
    verified checkpoint of this run (all ranks load it; the steps after it are replayed; a run
    resuming after its driver was lost loads it the same way, `restore_checkpoint`), else step 0
@@ -33,7 +34,7 @@ import ray
 
 from checkpoint import CheckpointError, CheckpointManager, Manifest, check_compatible
 from failures import RecoveryError, RecoveryTimeline, WorkerFailure
-from keeper import shard_key
+from keeper import keeps_locally, local_key, shard_key
 from parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -52,7 +53,9 @@ class RestorePlan:
     one (source rank, calling ranks, members) per DP group with a new member, `members` being
     the calling ranks when they are a strict subset of the DP group, else None: the whole
     group), 'peer+keeper' (those broadcasts, then `ranks` load their optimizer shard of `step`
-    from their keeper, keeper.py), 'memory' (`ranks` load their in-memory snapshot of `step`) or 'checkpoint' (the
+    from their keeper, keeper.py), 'local' (`ranks` load their state of `step` from the arena
+    their node's holder adopted: the local keeper at dp = 1, keeper.py), 'memory' (`ranks` load
+    their in-memory snapshot of `step`) or 'checkpoint' (the
     newest verified checkpoint, else step 0; `step` is not known yet). `notes`: the cheaper
     sources tried and why they were impossible."""
     source: str
@@ -116,7 +119,7 @@ def plan_memory_restore(committed: int, clean: set[int], held: list[set[int]],
 def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivors: set[int],
                  clean: set[int], held: Callable[[], list[set[int]]] | None,
                  floor: Callable[[], int], kept: Callable[[], list[set[int]]] | None = None,
-                 subgroups: bool = True) -> RestorePlan:
+                 subgroups: bool = True, local: Callable[[], list[set[int]]] | None = None) -> RestorePlan:
     """The cheapest restore source `mode` ('auto', 'peer', 'memory', 'checkpoint':
     `fault_tolerance.restore`) allows. `held()` (each rank's held snapshot steps; None: no
     holders) and `floor()` (the newest checkpoint's step) are `plan_memory_restore`'s inputs,
@@ -126,6 +129,11 @@ def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivor
     keepers), and a peer restore needs the committed step's shard of every replaced rank
     (`peer+keeper`): a shard of another step would not match the peer's parameters.
     `subgroups`: as `plan_peer_restore`'s.
+    `local`: None without the local keeper; else `local()` gives, per rank, the steps the holder
+    of the node that rank now runs on keeps of that rank position's whole state (a replacement
+    on another node has none there); tried before the in-memory snapshots, with the same rule
+    (`plan_memory_restore`: the committed step for the ranks that need it, else the newest
+    step every rank position has, none older than the newest checkpoint).
     Raises RecoveryError when `mode` names a source that cannot serve this failure."""
     notes = []
     if mode in ("auto", "peer"):
@@ -142,13 +150,15 @@ def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivor
                                 "holds no snapshot of the committed step or no keeper holds a replaced "
                                 "rank's optimizer shard of it; use restore=auto")
         notes.append("peer restore impossible")
-    if mode in ("auto", "memory") and held is not None:
-        found = plan_memory_restore(committed, clean, held(), floor())
-        if found is not None:
-            return RestorePlan("memory", found[0], ranks=found[1], notes=notes)
-        if mode == "memory":
+    if mode in ("auto", "memory"):
+        for source, steps in (("local", local), ("memory", held)):
+            if steps is not None:
+                found = plan_memory_restore(committed, clean, steps(), floor())
+                if found is not None:
+                    return RestorePlan(source, found[0], ranks=found[1], notes=notes)
+                notes.append(f"{'local keeper' if source == 'local' else 'in-memory'} restore impossible")
+        if mode == "memory" and held is not None:
             raise RecoveryError(NO_MEMORY_RESTORE)
-        notes.append("in-memory restore impossible")
     return RestorePlan("checkpoint", notes=notes)
 
 
@@ -216,12 +226,18 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
         snaps = group.held_snapshots()
         return [snaps.get(shard_key(str(dims), r), set()) for r in range(dims.world_size)]
 
+    def local() -> list[set[int]]:
+        snaps = group.held_snapshots()
+        return [snaps.get(local_key(str(dims), r, s.node_id), set()) for r, s in enumerate(group.workers)]
+
     sharded = group.cfg.model.distributed_optimizer and dims.dp > 1
     # Megatron broadcasts over its DP groups as made: a subgroup of NCCL communicators split from
     # the eagerly initialised world is a collective of every rank (docs/recovery.md, "Restore").
     plan = plan_restore(ft.restore, committed, dims.group_ranks("dp"), survivors, clean,
                         held if group.holders else None, floor, kept if sharded else None,
-                        subgroups=group.cfg.model.engine != "megatron")
+                        subgroups=group.cfg.model.engine != "megatron",
+                        local=local if group.holders and keeps_locally(
+                            ft.shard_keeper, dims.dp, group.cfg.cluster.num_spares) else None)
     timeline.notes += plan.notes
     if plan.source in ("peer", "peer+keeper"):
         if committed > 0:
@@ -238,17 +254,18 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
             timeline.restore_source = plan.source
             return committed
         timeline.notes.append("a keeper lost the optimizer shard it held")  # on to the checkpoint
-    if plan.source == "memory":
-        holders = list(group.holders.values())
-        ok = group.wait(group.submit("restore_snapshot", plan.step, holders, ranks=plan.ranks), timeout, plan.ranks)
+    if plan.source in ("local", "memory"):
+        call = ("restore_local", plan.step) if plan.source == "local" else \
+            ("restore_snapshot", plan.step, list(group.holders.values()))
+        ok = group.wait(group.submit(*call, ranks=plan.ranks), timeout, plan.ranks)
         if all(ok):
-            timeline.restore_source = "memory" if plan.step == committed else f"memory step {plan.step}"
-            if plan.step < committed:
+            timeline.restore_source = plan.source if plan.step == committed else f"{plan.source} step {plan.step}"
+            if plan.step < committed or plan.source == "local":  # local: fence off survivors' copies of later steps
                 group.drop_snapshots_after(plan.step)
             return plan.step
         if ft.restore == "memory":
             raise RecoveryError(NO_MEMORY_RESTORE)
-        timeline.notes.append("in-memory restore impossible")
+        timeline.notes.append(f"{plan.source} restore impossible")
     step = restore_checkpoint_through_outage(
         group, ckpt, lambda: manifests if manifests is not None else ckpt.committed_manifests(run_id),
         timeout, check_manifest, timeline.notes)

@@ -160,14 +160,45 @@ def pin_in_background(nbytes: int) -> concurrent.futures.Future:
     return _ALLOCATOR.submit(pinned_empty, nbytes, device)
 
 
-class SharedArena:
+SEAL_BYTES = 64  # the head of a keeper's arena: the step its contents are complete for (`seal`)
+
+
+class _MemoryFile:
+    """A descriptor `fd` of a memory file (memfd) held by this process: the memory lives while
+    any process holds a descriptor or mapping of it; another process of this node opens it
+    through `path` while this object lives. `sealed()` reads the step written by `seal`."""
+
+    fd = -1
+
+    @property
+    def path(self) -> str:
+        """Where another process of this node opens the memory (while this object lives)."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def sealed(self) -> int:
+        """The step the arena's contents are complete for (`SharedArena.seal`), -1: none."""
+        return int.from_bytes(os.pread(self.fd, 8, 0), "little", signed=True)
+
+    def close(self) -> None:
+        """Give this process's descriptor back (a mapping made from it stays valid)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        self.close()
+
+
+class SharedArena(_MemoryFile):
     """uint8 [nbytes] host memory (`tensor`) that another process of this node can map
     (`attach_shared`): an anonymous memory file (memfd, named `name` in /proc/PID/maps, no path
     under /dev/shm), page-locked with cudaHostRegister where CUDA exists, so device-to-host
     copies into it are asynchronous. Nothing to clean up after any exit: the kernel frees the
     memory when the last descriptor and mapping of it are gone (a SIGKILLed owner included).
     The descriptor stays open while this object lives, so a process that maps it later (a new
-    courier) can still do so through `path`."""
+    courier, a holder that adopts it: `AdoptedArena`) can still do so through `path`. A keeper
+    uses the first `SEAL_BYTES` bytes as the arena's seal (`retire`, `seal`) and puts the state
+    after them."""
 
     def __init__(self, nbytes: int, name: str = "shard-keeper", device: int | None = None):
         self.nbytes, self.fd = nbytes, os.memfd_create(name, os.MFD_CLOEXEC)
@@ -178,13 +209,31 @@ class SharedArena:
             with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
                 owner.register(self.tensor.data_ptr())
 
-    @property
-    def path(self) -> str:
-        """Where another process of this node opens the memory (while this object lives)."""
-        return f"/proc/{os.getpid()}/fd/{self.fd}"
+    def retire(self) -> None:
+        """Mark the contents incomplete (`sealed()` -1) before they are overwritten: a reader
+        that sees the seal of step k before and after reading read step k's bytes."""
+        self.tensor[:8].view(torch.int64).fill_(-1)
 
-    def __del__(self):
-        os.close(self.fd)  # the mapping (kept alive by `tensor`'s views) stays valid
+    def seal(self, step: int) -> None:
+        """Mark the contents complete for `step` (after every byte of it is in)."""
+        self.tensor[:8].view(torch.int64).fill_(step)
+
+
+class AdoptedArena(_MemoryFile):
+    """Another process's `SharedArena` (opened through its `path`), `nbytes` bytes, kept alive
+    by this process's own descriptor: its memory outlives its owner's process until `close`
+    (or this object goes). Raises OSError when the owner is gone."""
+
+    def __init__(self, path: str, nbytes: int):
+        self.fd, self.nbytes = os.open(path, os.O_RDWR | os.O_CLOEXEC), nbytes
+        self.ino = os.fstat(self.fd).st_ino
+
+    def is_file(self, path: str) -> bool:
+        """Whether `path` opens this same memory file."""
+        try:
+            return os.stat(path).st_ino == self.ino
+        except OSError:
+            return False
 
 
 def attach_shared(path: str, nbytes: int) -> torch.Tensor:

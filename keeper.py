@@ -12,6 +12,18 @@ arena's previous send (that of step k-2) has not ended, i.e. when sends are slow
 The keeper has step k's shard about one send time after step k ends; a rank lost inside that
 window is restored from the newest checkpoint instead (the shard of another step would not match
 the peer's parameters).
+
+The local keeper, at dp = 1 (no DP peer holds any part of a rank's state): each rank copies its
+whole training state into the same two arenas, and instead of a courier sending the bytes, the
+`SnapshotHolder` of its own node adopts each arena (`SnapshotHolder.adopt`: it opens the memory
+file once and keeps its descriptor, so the memory outlives the rank's process). The rank seals
+an arena with the step once its copy is complete and retires it before overwriting it
+(`host_memory.SharedArena.seal`, `retire`: a write into the shared memory, no call), so the
+holder serves only complete steps. A replacement on the same node maps the arena through the
+holder's descriptor and loads it (`load_local`, source `local`): zero bytes through Ray. A rank
+lost inside the copy window of step k is restored to step k-1 (every rank position to the
+newest step all of them hold) and re-runs one step; a replacement on another node (a node
+lost) falls back to the next source.
 """
 from __future__ import annotations
 
@@ -24,13 +36,14 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from courier import ShardCourier, regions
-from host_memory import SharedArena, share_in_background
+from courier import ShardCourier, from_regions, regions
+from host_memory import SEAL_BYTES, SharedArena, attach_shared, share_in_background
 from snapshots import PART_BYTES
 
 log = logging.getLogger(__name__)
 
 SHARD = "shard"  # first element of a kept shard's holder key (full snapshots have none)
+LOCAL = "local"  # first element of a locally kept state's holder key
 
 
 def keeps_shards(distributed_optimizer: bool, shard_keeper: bool, dp: int) -> bool:
@@ -40,9 +53,37 @@ def keeps_shards(distributed_optimizer: bool, shard_keeper: bool, dp: int) -> bo
     return distributed_optimizer and shard_keeper and dp >= 2
 
 
+def keeps_locally(shard_keeper: bool, dp: int, spares: int) -> bool:
+    """Whether ranks keep their whole training state with their own node's holder (the local
+    keeper): `fault_tolerance.shard_keeper` on at dp = 1, where no DP peer holds any of it, and
+    `cluster.num_spares` > 0 (without a spare no replacement would load it)."""
+    return shard_keeper and dp == 1 and spares > 0
+
+
 def shard_key(layout: str, rank: int) -> tuple:
     """The holder key of `rank`'s kept shard in `layout` (`str(ParallelDims)`)."""
     return SHARD, layout, rank
+
+
+def local_key(layout: str, rank: int, node: str) -> tuple:
+    """The holder key of `rank`'s state in `layout` kept by the local keeper of Ray node `node`
+    (only a process of that node can map it)."""
+    return LOCAL, layout, rank, node
+
+
+def load_local(engine, holder, key: tuple, step: int) -> bool:
+    """Load the state of `step` that `holder` (this node's `SnapshotHolder`) keeps under `key`
+    (`local_key`) into `engine` (`Engine.load_state`), mapping the arena through the holder's
+    descriptor: no bytes through Ray. False when the holder has no complete copy of that step,
+    or when the arena was retired while it was read (the engine's state is then to be
+    restored from another source)."""
+    found = ray.get(holder.local.remote(key, step))
+    if found is None:
+        return False
+    path, nbytes, layout = found
+    arena = attach_shared(path, nbytes)
+    engine.load_state(from_regions(layout, arena))
+    return int(arena[:8].view(torch.int64)) == step
 
 
 def keeper_node(node: str, nodes: list[str]) -> str:
@@ -61,6 +102,9 @@ class ShardSender:
     shared host arenas (`Engine.start_shard_copy`, asynchronous on GPU) and return; a thread of
     the rank waits for the copy and hands the send to the rank's `courier.ShardCourier` (a
     process of its own on this node), so the training thread neither serialises nor sends.
+    `local` (the local keeper, `connect`): the whole state is copied, the holder (of this
+    node) adopts the arena instead of a courier sending it, and the thread seals the arena
+    once the copy is complete; nothing is sent.
     Double-buffered: step k+1 copies into the other arena while step k's is being sent; a rank
     waits (counted in `waits`, `wait_s`) only when a send is slower than a step, so no step's
     shard is skipped. A copy whose arena is still being allocated (pinned after a join) is
@@ -74,18 +118,21 @@ class ShardSender:
         self.part_bytes = part_bytes
         self.sent = self.skipped = self.failed = self.waits = self.couriers = 0
         self.wait_s = 0.0
-        self.courier = None
+        self.courier, self.local = None, False
         self._attached: dict[int, object] = {}  # arena index -> the SharedArena the courier maps there
         self._arenas: list[concurrent.futures.Future | None] = [None] * self.BUFFERS
         self._sends: list[concurrent.futures.Future | None] = [None] * self.BUFFERS
         self._next = 0
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-send")
 
-    def connect(self, holder) -> None:
+    def connect(self, holder, local: bool = False) -> None:
         """Start the courier and make the first calls to it and to `holder` in the background:
         an actor's start and a first call take seconds on a busy machine, which the first
-        steps' sends would otherwise wait for."""
-        self._thread.submit(lambda: ray.get([self._courier().node_id.remote(), holder.node_id.remote()]))
+        steps' sends would otherwise wait for. `local`: keep the whole state with `holder`,
+        this node's (no courier; see the class)."""
+        self.local = local
+        self._thread.submit(lambda: ray.get([holder.node_id.remote()] + ([] if local else [
+            self._courier().node_id.remote()])))
 
     def _courier(self):
         """This rank's courier, started on this node when there is none (send thread only)."""
@@ -99,8 +146,8 @@ class ShardSender:
     def arena(self, engine, index: int):
         """Arena `index` (a `SharedArena` of at least the shard's bytes), or None while it is
         being allocated (pinned in the background on GPU; at once on CPU, where nothing is
-        pinned). Call only when no send reads it."""
-        need, future = engine.shard_nbytes(), self._arenas[index]
+        pinned), its first `SEAL_BYTES` bytes for the seal. Call only when no send reads it."""
+        need, future = engine.shard_nbytes(self.local) + SEAL_BYTES, self._arenas[index]
         if future is None or future.done() and (future.exception() or future.result().nbytes < need):
             name = f"shard-keeper-{os.getpid()}-{index}"
             if torch.cuda.is_available():
@@ -132,10 +179,11 @@ class ShardSender:
         arena = self.arena(engine, index)
         if arena is None:
             self.skipped += 1
-            log.warning("optimizer shard of step %d skipped: its host buffers are still being allocated "
-                        "(%d skipped, %d sent so far)", step, self.skipped, self.sent)
+            log.warning("%s of step %d skipped: its host buffers are still being allocated "
+                        "(%d skipped, %d sent so far)", self._what(), step, self.skipped, self.sent)
             return self.counts()
-        copy = engine.start_shard_copy(arena.tensor)
+        arena.retire()  # before a byte changes: the holder serves it no more
+        copy = engine.start_shard_copy(arena.tensor[SEAL_BYTES:], self.local)
         layout = regions(copy.state, arena.tensor)
         self._sends[index] = self._thread.submit(self._send, holder, key, step, index, arena, copy, layout,
                                                  generation)
@@ -144,8 +192,16 @@ class ShardSender:
 
     def _send(self, holder, key, step, index, arena, copy, layout, generation) -> None:
         """Send thread: wait for the copy, then have the courier send it (a new courier, once,
-        if it died); counts the outcome."""
+        if it died), or with `local` have the holder adopt the arena and seal it; counts the
+        outcome."""
         try:
+            if self.local:  # adopted while the copy runs, served once sealed
+                ray.get(holder.adopt.remote(key, os.getpid(), index, arena.path, arena.nbytes, step, layout,
+                                            generation))
+                copy.wait()
+                arena.seal(step)
+                self.sent += 1
+                return
             copy.wait()
             for attempt in range(2):
                 courier = self._courier()
@@ -163,7 +219,11 @@ class ShardSender:
                     self.courier = None
         except Exception as exc:  # noqa: BLE001 (a lost shard is not a failure of the rank)
             self.failed += 1
-            log.warning("optimizer shard of step %d not sent: %r", step, exc)
+            log.warning("%s of step %d not kept: %r", self._what(), step, exc)
+
+    def _what(self) -> str:
+        """What the logs call a copy: the whole state (`local`) or the optimizer shard."""
+        return "training state" if self.local else "optimizer shard"
 
     def wait(self) -> None:
         """Block until every send started, and the connection (`connect`), have ended."""

@@ -29,7 +29,7 @@ from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, M
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
-from keeper import ShardSender, keeps_shards, shard_key
+from keeper import ShardSender, keeps_locally, keeps_shards, load_local, local_key, shard_key
 from lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
 from parallel_dims import ParallelDims
 from rendezvous import arrive, release, wait_formed
@@ -210,10 +210,11 @@ class MegatronActor:
         return True
 
     def join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int,
-             holder=None) -> dict[str, float]:
+             holder=None, local_holder=None) -> dict[str, float]:
         """Join process-group generation `generation` as `rank` of `dims.world_size` through the
         driver's store at host:port (prefix `gen{generation}`); `holder`: the SnapshotHolder to
-        send in-memory snapshots to (None: off). Returns seconds by part: `rendezvous_s` (until
+        send in-memory snapshots to (None: off); `local_holder`: this node's, which keeps this
+        rank's state at dp = 1 (the local keeper, keeper.py). Returns seconds by part: `rendezvous_s` (until
         every member arrived), then the engine's (`Engine.connect`: `process_group_s`, ...).
         Raises StaleGenerationError for a generation below one joined before (`run_lease`), or
         when an abort came during the join."""
@@ -221,7 +222,7 @@ class MegatronActor:
         self.joined = generation
         self.life.move(JOINING)
         try:
-            phases = self._join(generation, rank, dims, host, port, holder)
+            phases = self._join(generation, rank, dims, host, port, holder, local_holder)
         except BaseException:
             self.life.move(ABORTED)
             raise
@@ -230,7 +231,8 @@ class MegatronActor:
             raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while joining")
         return phases
 
-    def _join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int, holder) -> dict[str, float]:
+    def _join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int, holder,
+              local_holder) -> dict[str, float]:
         """The join itself (`join`): barrier, process groups, snapshot and keeper connections."""
         import torch.distributed as dist
 
@@ -259,10 +261,12 @@ class MegatronActor:
             # Before the first snapshot step, in the background.
             self.engine.prepare_host_copy()
             self._sender.connect(holder)
-        self._keeper = holder if keeps_shards(self.cfg.model.distributed_optimizer,
-                                              self.cfg.fault_tolerance.shard_keeper, dims.dp) else None
+        local = local_holder is not None and keeps_locally(ft.shard_keeper, dims.dp,
+                                                           self.cfg.cluster.num_spares)
+        self._keeper = local_holder if local else holder if keeps_shards(
+            self.cfg.model.distributed_optimizer, ft.shard_keeper, dims.dp) else None
         if self._keeper is not None:
-            self._shards.connect(holder)
+            self._shards.connect(self._keeper, local)
         else:
             self._shards.close()  # no shard kept in this layout: its courier and arenas go
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
@@ -331,10 +335,15 @@ class MegatronActor:
                                   generation=self.generation)
             result["memory_snapshots"] = self._sender.counts()
         if self._keeper is not None:
-            result["kept_shards"] = self._shards.after_step(self.engine, self._keeper,
-                                                            shard_key(str(self.dims), self.rank), step,
+            result["kept_shards"] = self._shards.after_step(self.engine, self._keeper, self._kept_key(), step,
                                                             self.generation)
         return result
+
+    def _kept_key(self) -> tuple:
+        """The holder key of what this rank's keeper keeps (`keeper.local_key`, `shard_key`)."""
+        if self._shards.local:
+            return local_key(str(self.dims), self.rank, ray.get_runtime_context().get_node_id())
+        return shard_key(str(self.dims), self.rank)
 
     def own_batch(self, step: int):
         """This rank's rows of `step` with their loss weights (`RankRows.train_batch`: the rows
@@ -354,6 +363,13 @@ class MegatronActor:
                 (self.engine.load_shard if shard else self.engine.load_state)(from_wire(state))
                 return True
         return False
+
+    def restore_local(self, generation: int, step: int) -> bool:
+        """Load this rank's state of committed step `step` from the arena its node's holder
+        adopted (the local keeper, `keeper.load_local`): False when that holder has no complete
+        copy of it (or this rank keeps none locally)."""
+        self._check(generation)
+        return self._shards.local and load_local(self.engine, self._keeper, self._kept_key(), step)
 
     def generate(self, generation: int, step: int, prompts, stop_ids: tuple[int, ...], pad_id: int) -> dict:
         """RL rollout of step `step`: sample completions of this DP replica's prompt rows (a

@@ -791,18 +791,20 @@ class MegatronEngine:
         state = self._train_state()
         return {"optimizer": state["optimizer"], "sched_steps": state["sched_steps"], "step": state["step"]}
 
-    def shard_nbytes(self) -> int:
-        """Bytes of an arena that `start_shard_copy` copies the shard into (`carve`'s size)."""
-        return state_nbytes(self._shard_state())
+    def shard_nbytes(self, whole: bool = False) -> int:
+        """Bytes of an arena that `start_shard_copy` copies the shard (`whole`: the whole
+        training state) into (`carve`'s size)."""
+        return state_nbytes(self._train_state() if whole else self._shard_state())
 
-    def start_shard_copy(self, arena: torch.Tensor) -> HostCopy | None:
-        """As `start_host_copy`, of `_shard_state` only, into buffers carved from `arena` (uint8
-        host memory of at least `shard_nbytes()` bytes, pinned for an asynchronous copy; the
-        caller is done with its previous copy). None without the distributed optimizer (every DP
-        peer holds the whole optimizer state). Raises ValueError when `arena` is too small."""
-        if not self.cfg.model.distributed_optimizer:
+    def start_shard_copy(self, arena: torch.Tensor, whole: bool = False) -> HostCopy | None:
+        """As `start_host_copy`, of `_shard_state` only or, `whole`, of the whole training state
+        (`_train_state`), into buffers carved from `arena` (uint8 host memory of at least
+        `shard_nbytes(whole)` bytes, pinned for an asynchronous copy; the caller is done with
+        its previous copy). None without the distributed optimizer (every DP peer holds the
+        whole optimizer state) and not `whole`. Raises ValueError when `arena` is too small."""
+        if not (self.cfg.model.distributed_optimizer or whole):
             return None
-        state = self._shard_state()
+        state = self._train_state() if whole else self._shard_state()
         into = self._shard_buffers.get(arena.data_ptr())
         if into is None or not same_layout(into, state):
             into = carve_shard(state, arena)

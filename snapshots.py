@@ -128,6 +128,7 @@ class SnapshotHolder:
 
         self.keep, self.snaps, self._partial, self._spare = keep, {}, {}, {}
         self._fence = 0  # parts sent in an older generation than the last rewind's are dropped
+        self._local: dict[tuple, dict[tuple[int, int], _Kept]] = {}  # key -> (owner pid, index) -> arena
 
     def node_id(self) -> str:
         """The Ray node this holder runs on."""
@@ -168,13 +169,53 @@ class SnapshotHolder:
             if k == key and s <= step:
                 del self._partial[(k, s)]
 
+    def adopt(self, key: tuple, owner: int, index: int, path: str, nbytes: int, step: int, layout,
+              generation: int = 0) -> None:
+        """The local keeper (keeper.py): process `owner` of this node is copying the state of
+        step `step` (laid out as `layout`, `courier.regions`) into its arena `index`
+        (`host_memory.SharedArena` at `path`, `nbytes` bytes) for the rank position `key`, as
+        a rank of membership `generation`. The holder adopts the arena (opens it once:
+        `AdoptedArena`; its memory then outlives the owner's process) and serves it for `step`
+        while the arena's seal says that step (`SharedArena.seal`: the owner seals it once the
+        copy is complete and retires it before overwriting it). Dropped like `put_part`'s parts
+        when `generation` is older than the last rewind's, or when the owner is gone already.
+        The owner's arenas at another key go (it holds another position now); another owner's
+        at `key` (the rank it replaced) go once this owner has a newer complete step."""
+        from host_memory import AdoptedArena
+
+        if generation < self._fence:
+            return
+        kept = self._local.setdefault(key, {})
+        old = kept.get((owner, index))
+        try:
+            arena = old.arena if old is not None and old.arena.is_file(path) else AdoptedArena(path, nbytes)
+        except OSError:  # the owner died before this call ran
+            return
+        kept[(owner, index)] = _Kept(arena, step, layout)
+        newest = max((x.step for (o, _), x in kept.items() if o == owner and x.complete()), default=-1)
+        for k, arenas in self._local.items():
+            for (o, i), x in list(arenas.items()):
+                if (o == owner and k != key) or (o != owner and k == key and x.step < newest):
+                    arenas.pop((o, i)).arena.close()
+
+    def local(self, key: tuple, step: int) -> tuple | None:
+        """(path, nbytes, layout) of the adopted arena (`adopt`) complete for (`key`, `step`):
+        another process of this node maps it through `path` (`host_memory.attach_shared`); None
+        when none is."""
+        for x in self._local.get(key, {}).values():
+            if x.step == step and x.complete():
+                return x.arena.path, x.arena.nbytes, x.layout
+        return None
+
     def get(self, key: tuple, step: int) -> dict | None:
         """The complete snapshot of (`key`, `step`) in wire form (`from_wire`), or None."""
         return self.snaps.get(key, {}).get(step)
 
     def steps(self) -> dict:
-        """(layout, rank) -> complete steps held, oldest first."""
-        return {k: sorted(v) for k, v in self.snaps.items()}
+        """key -> complete steps held, oldest first: (layout, rank) of full snapshots, the
+        keeper's keys for optimizer shards and adopted arenas (keeper.py)."""
+        local = {k: sorted({x.step for x in v.values() if x.complete()}) for k, v in self._local.items()}
+        return {**{k: sorted(v) for k, v in self.snaps.items()}, **{k: v for k, v in local.items() if v}}
 
     def drop_after(self, step: int, generation: int) -> None:
         """A rewind to committed step `step` in membership `generation`: drop every snapshot and
@@ -187,12 +228,33 @@ class SnapshotHolder:
                 del steps[s]
         for k, s in [(k, s) for k, s in self._partial if s > step]:
             del self._partial[(k, s)]
+        for arenas in self._local.values():
+            for a in [a for a, x in arenas.items() if x.step > step]:
+                arenas.pop(a).arena.close()
 
     def clear(self) -> None:
-        """Drop every snapshot, partial one and spare buffer (frees the holder's memory)."""
+        """Drop every snapshot, partial one, spare buffer and adopted arena (frees the holder's
+        memory)."""
         self.snaps.clear()
         self._partial.clear()
         self._spare.clear()
+        for arenas in self._local.values():
+            for x in arenas.values():
+                x.arena.close()
+        self._local.clear()
+
+
+class _Kept:
+    """An arena the holder adopted (`SnapshotHolder.adopt`): the state of `step` at `layout`."""
+
+    __slots__ = ("arena", "step", "layout")
+
+    def __init__(self, arena, step: int, layout):
+        self.arena, self.step, self.layout = arena, step, layout
+
+    def complete(self) -> bool:
+        """Whether the arena holds every byte of `step` now (its seal)."""
+        return self.arena.sealed() == self.step
 
 
 def _arrays(snapshot) -> dict:

@@ -550,18 +550,19 @@ class TorchEngine:
         copy's buffers (SnapshotSender sends one at a time)."""
         return self._start_copy("all", self._train_state())
 
-    def shard_nbytes(self) -> int:
-        """Bytes of an arena that `start_shard_copy` copies the shard into (`carve`'s size)."""
-        return state_nbytes(self._shard_state())
+    def shard_nbytes(self, whole: bool = False) -> int:
+        """Bytes of an arena that `start_shard_copy` copies the shard (`whole`: the whole
+        training state) into (`carve`'s size)."""
+        return state_nbytes(self._train_state() if whole else self._shard_state())
 
-    def start_shard_copy(self, arena: torch.Tensor) -> HostCopy | None:
+    def start_shard_copy(self, arena: torch.Tensor, whole: bool = False) -> HostCopy | None:
         """As `start_host_copy`, of this rank's optimizer shard only (`_shard_state`: what no DP
-        peer holds), into buffers carved from `arena` (uint8 host memory of at least
-        `shard_nbytes()` bytes); None without ZeRO (no shard). Raises ValueError when `arena`
-        is too small."""
-        if not self.zero:
+        peer holds) or, `whole`, of the whole training state, into buffers carved from `arena`
+        (uint8 host memory of at least `shard_nbytes(whole)` bytes); None without ZeRO (no
+        shard) and not `whole`. Raises ValueError when `arena` is too small."""
+        if not (self.zero or whole):
             return None
-        state = self._shard_state()
+        state = self._train_state() if whole else self._shard_state()
         return self._start_copy("shard", state, state_tensors(carve_shard(state, arena)))
 
     def _shard_state(self) -> dict:

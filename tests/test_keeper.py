@@ -4,6 +4,9 @@ copy after every step, and a replaced rank is restored from a DP peer (parameter
 keeper (shard): 0 committed steps lost, no checkpoint read, the final state bitwise equal to the
 run without failure. The shard leaves the rank through shared memory and a courier process
 (courier.py): a courier killed is replaced, and no arena outlives the run or a SIGKILLed rank.
+At dp=1 the local keeper (the defaults) keeps each rank's whole state in arenas its node's holder
+adopts: a SIGKILLed rank comes back from them with 0 steps lost, one killed inside the copy
+window of the newest step re-runs that step from the previous one (never mixed state).
 Real Ray actors, gloo groups and holders."""
 import contextlib
 import os
@@ -18,9 +21,10 @@ from conftest import reference_run, run_bench, wait_for_shards
 from config import load_config, resolve
 from actor_group import ActorGroup
 from courier import from_regions, regions
-from host_memory import SharedArena, attach_shared, carve
+from host_memory import SEAL_BYTES, SharedArena, attach_shared, carve
 from fault_tolerance import plan_restore
-from keeper import keeper_node, shard_key
+from keeper import keeper_node, local_key, shard_key
+from snapshots import SnapshotHolder
 from trainer import Trainer
 
 ZERO = "model.distributed_optimizer=true"
@@ -111,15 +115,18 @@ def test_a_shard_crosses_processes_as_regions_of_a_shared_arena():
 
 
 def arena_mappers(pid: int) -> list[int]:
-    """Pids of the processes that map or hold a shard arena of the rank with pid `pid`."""
+    """Pids of the processes that map a shard arena of the rank with pid `pid` or hold a
+    descriptor of one (a holder that adopted it)."""
     tag, out = f"memfd:shard-keeper-{pid}-", []
     for p in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{p}/maps") as f:
-                if tag in f.read():
-                    out.append(int(p))
+                held = tag in f.read()
+            held = held or any(tag in os.readlink(f"/proc/{p}/fd/{fd}") for fd in os.listdir(f"/proc/{p}/fd"))
         except OSError:  # gone, or another user's
-            pass
+            continue
+        if held:
+            out.append(int(p))
     return out
 
 
@@ -219,3 +226,215 @@ def test_a_killed_courier_is_replaced_and_a_sigkilled_rank_leaves_no_arena(refer
         assert unmapped([pids[1]])
         pids += ray.get([w.handle.__ray_call__.remote(lambda a: os.getpid()) for w in group.workers])
     assert unmapped(pids)
+
+
+# -- the local keeper (dp=1) -----------------------------------------------------------------------
+def local_cfg(tmp_path, *overrides):
+    """The defaults at dp=1 (1 worker + 1 spare; `fault_tolerance.shard_keeper` on, no sharded
+    optimizer), checkpoints only where a test saves one."""
+    return resolve(load_config("config.yaml", [
+        "cluster.num_workers=1", "cluster.num_spares=1", "checkpoint.interval=0",
+        "fault_tolerance.refill_spares=false", f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt",
+        *overrides]), num_gpus=0)
+
+
+def wait_for_local(group, step: int, timeout_s: float = 30.0) -> None:
+    """Block until every rank's node's holder keeps that rank's state of `step` complete (the
+    copy runs beside the next step: a kill right after the step could land inside it)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(step in group.held_snapshots().get(local_key(str(group.dims), r, s.node_id), ())
+                  for r, s in enumerate(group.workers)):
+        assert time.monotonic() < deadline, f"state of step {step} not kept: {group.held_snapshots()}"
+        time.sleep(0.05)
+
+
+def test_a_holder_serves_an_adopted_arena_only_while_sealed_and_drops_it_for_a_newer_owner(ray_session):
+    """`SnapshotHolder.adopt`: an arena is served for a step only once sealed with it, through
+    the holder's own descriptor (the owner's closed), with the bytes and python leaves written;
+    a replacement owner's arenas replace it once one of them holds a newer complete step; a
+    rewind drops the later steps."""
+    holder, key = SnapshotHolder.remote(), local_key("L", 0, "node")
+    state = {"model": [torch.randn(3, 5), torch.randn(4).to(torch.bfloat16)], "step": 7}
+
+    def written(step, name):
+        arena = SharedArena(4096, f"test-adopt-{name}")
+        into = carve(state, arena.tensor[SEAL_BYTES:])
+        for d, x in zip(into["model"], state["model"]):
+            d.copy_(x)
+        arena.retire()
+        return arena, regions({**into, "step": step}, arena.tensor)
+
+    a, layout = written(7, "a")
+    ray.get(holder.adopt.remote(key, 1, 0, a.path, a.nbytes, 7, layout))
+    assert ray.get(holder.steps.remote()) == {}  # not sealed: being written
+    a.seal(7)
+    assert ray.get(holder.steps.remote()) == {key: [7]} and ray.get(holder.local.remote(key, 6)) is None
+    path, nbytes, layout = ray.get(holder.local.remote(key, 7))
+    a.close()
+    got = from_regions(layout, attach_shared(path, nbytes))
+    assert got["step"] == 7 and all(torch.equal(x, y) for x, y in zip(got["model"], state["model"]))
+    b, layout_b = written(8, "b")
+    ray.get(holder.adopt.remote(key, 2, 0, b.path, b.nbytes, 8, layout_b))
+    b.seal(8)
+    assert ray.get(holder.steps.remote()) == {key: [7, 8]}  # the old owner's stays until the new one has two
+    c, layout_c = written(9, "c")
+    ray.get(holder.adopt.remote(key, 2, 1, c.path, c.nbytes, 9, layout_c))
+    assert ray.get(holder.steps.remote()) == {key: [8]}
+    c.seal(9)
+    ray.get(holder.drop_after.remote(8, 1))
+    assert ray.get(holder.steps.remote()) == {key: [8]}
+    ray.kill(holder)
+
+
+@pytest.fixture(scope="module")
+def reference1(ray_session, tmp_path_factory):
+    return reference_run(local_cfg(tmp_path_factory.mktemp("ref1")), 5)
+
+
+def test_at_dp1_a_sigkilled_rank_comes_back_from_its_nodes_holder(reference1, tmp_path):
+    """The defaults at dp=1, the rank SIGKILLed after step 3 (a checkpoint of step 1 exists):
+    restored from the arena its node's holder adopted (source `local`, no checkpoint read),
+    0 steps lost, losses and final state bitwise as the run without failure. The dead rank's
+    arenas live on in the holder until its replacement keeps a newer step, and none is left
+    anywhere after the run."""
+    group = ActorGroup(local_cfg(tmp_path))
+    try:
+        trainer = Trainer(group.cfg, group)
+        trainer.train(1)
+        trainer.save(1)
+        trainer.train(3)
+        wait_for_local(group, 3)
+        pid = ray.get(group.workers[0].handle.__ray_call__.remote(lambda a: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        trainer.train(5)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local", 0, 3)
+        assert trainer.losses == reference1[0] and not trainer.replayed
+        assert group.state_digests() == reference1[1]
+        assert unmapped([pid])
+        pids = [pid, ray.get(group.workers[0].handle.__ray_call__.remote(lambda a: os.getpid()))]
+    finally:
+        group.shutdown()
+    assert unmapped(pids)
+
+
+@pytest.mark.slow
+def test_at_dp1_a_rank_lost_inside_the_copy_window_reruns_one_step_from_its_holder(reference1, tmp_path):
+    """As above, but the arena of step 3 retired as the copy of step 3 leaves it while in
+    flight: the holder serves step 2 (source `local step 2`), step 3 is run again, and losses
+    (the re-run's too) and the final state are bitwise as the run without failure."""
+    group = ActorGroup(local_cfg(tmp_path))
+    try:
+        trainer = Trainer(group.cfg, group)
+        trainer.train(3)
+        wait_for_local(group, 3)
+        rank = group.workers[0].handle
+        ray.get(rank.__ray_call__.remote(
+            lambda a: [f.result().retire() for f in a._shards._arenas if f.result().sealed() == 3]))
+        os.kill(ray.get(rank.__ray_call__.remote(lambda a: os.getpid())), signal.SIGKILL)
+        trainer.train(5)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local step 2", 1, 2)
+        assert trainer.losses == reference1[0] and trainer.replayed == {3: [reference1[0][3]]}
+        assert group.state_digests() == reference1[1]
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_the_recovery_bench_measures_the_defaults_at_dp1_on_cpu(tmp_path):
+    """`python -m bench.recovery` as issue item 8's measurement, small: the defaults, 1 worker
+    + 1 spare (refilled between repeats), the rank killed mid-step twice: restored from its
+    node's holder, the JSON's keys, bitwise as the run without failure."""
+    import json
+
+    out = tmp_path / "recovery.json"
+    run_bench("recovery", "--repeats", "2", "--full-restarts", "0", "--set", "cluster.num_workers=1",
+              "--set", "cluster.num_spares=1", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["defaults_only"] is True and "cpu" in r["device"] and r["save_stall_s"] > 0
+    assert len(r["restore_sources"]) == 2 and all(s.startswith("local") for s in r["restore_sources"])
+    assert r["steps_lost"] <= 1 and r["recovery_s"] > 0  # 1: a kill inside the copy window of the newest step
+    assert r["matches_reference"] == {"losses": True, "state": True}
+
+
+def _local_keeper_rank(proc: int, world: int, store, tp: int) -> dict:
+    """Rank `proc` of a Megatron engine at tp=`tp`, dp=1 on gloo: trains steps 1-2, copies its
+    whole state into a shared arena as the local keeper does (`start_shard_copy(whole=True)`,
+    sealed), records the uninterrupted steps 3-4, then a fresh engine in a new generation (every
+    rank position replaced) loads the arena through another mapping and trains steps 3-4."""
+    import torch.distributed as dist
+
+    from megatron_engine import MegatronEngine
+    from parallel_dims import ParallelDims
+    from test_megatron_peer_restore import _cfg, _train
+
+    torch.set_num_threads(1)
+    cfg = _cfg(1, tp)
+    dims = ParallelDims.from_config(cfg)
+
+    def joined(gen):
+        engine = MegatronEngine(cfg)
+        engine.connect(dist.PrefixStore(f"gen{gen}", store), dims, proc)
+        return engine
+
+    e = joined(1)
+    _train(e, cfg, dims, proc, (1, 2))
+    arena = SharedArena(e.shard_nbytes(True) + SEAL_BYTES, "shard-keeper-test-megatron")
+    arena.retire()
+    copy = e.start_shard_copy(arena.tensor[SEAL_BYTES:], True)
+    layout = regions(copy.state, arena.tensor)
+    reference = _train(e, cfg, dims, proc, (3, 4))
+    copy.wait()
+    arena.seal(2)
+    e = None
+    dist.destroy_process_group()
+    e = joined(2)
+    e.load_state(from_regions(layout, attach_shared(arena.path, arena.nbytes)))
+    out = {"step": e.step, "reference": reference, "resumed": _train(e, cfg, dims, proc, (3, 4))}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow
+def test_megatron_at_tp2_dp1_resumes_bitwise_from_its_whole_state_in_an_arena():
+    """The Megatron engine's side of the local keeper (CPU, gloo, fp32, no distributed optimizer:
+    Megatron-Core's refuses CPU tensors): both rank positions of tp=2 at dp=1 replaced and loaded
+    from their arenas train steps 3-4 exactly as the uninterrupted run."""
+    from ranks import spawn_ranks
+
+    for r in spawn_ranks(_local_keeper_rank, 2, 2, timeout_s=300):
+        assert r["step"] == 2 and r["resumed"] == r["reference"]
+
+
+@pytest.mark.slow
+def test_megatron_actors_at_tp2_dp1_restore_a_sigkilled_rank_from_its_nodes_holder(ray_session, tmp_path):
+    """The protocol with `MegatronActor`s running the Megatron engine on CPU (gloo; the config is
+    resolved as for a GPU and set to the CPU after, as test_megatron_checkpoint.py does), tp=2,
+    dp=1, 2 workers + 1 spare: rank 1 SIGKILLed after step 3 comes back from its node's holder
+    (`local`, 0 steps lost; rank 0 rolled back locally), losses and final states bitwise as the
+    run without failure."""
+    import dataclasses
+
+    sets = ["cluster.num_workers=2", "cluster.num_spares=1", "parallel.tp=2", "model.distributed_optimizer=false",
+            "model.dtype=float32", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+            "model.ffn_hidden_size=128", "model.vocab_size=128", "model.max_seq_len=16", "train.seq_len=16",
+            "train.global_batch_size=4", "train.mini_batch_size=4", "train.micro_batch_size=1", "train.steps=5",
+            "checkpoint.interval=0", "checkpoint.async_save=false", "fault_tolerance.refill_spares=false",
+            f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt"]
+    cfg = resolve(load_config("config.yaml", sets), num_gpus=1)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0))
+    assert cfg.model.engine == "megatron"
+    ref_losses, ref_digests = reference_run(cfg, 5)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(3)
+        wait_for_local(group, 3)
+        os.kill(ray.get(group.workers[1].handle.__ray_call__.remote(lambda a: os.getpid())), signal.SIGKILL)
+        trainer.train(5)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local", 0, 3)
+        assert trainer.losses == ref_losses and group.state_digests() == ref_digests
+    finally:
+        group.shutdown()

@@ -578,14 +578,8 @@ def test_the_dp_size_does_not_change_the_training():
     assert mean == pytest.approx(one, rel=LOSS_RTOL), (one, two)
 
 
-def _keeper_ranks(rank, world, store) -> dict:
-    """The engine's side of the shard keeper (keeper.py) with the distributed optimizer: the
-    `start_shard_copy` of step 1 into a shared arena (pinned: asynchronous), overlapped with step
-    2, holds step 1's shard; a rank put back
-    at step 1 without its shard (world 1: the params from a host copy, the shard zeroed; world
-    2: rank 1 reset to step 0 as a fresh spare, the params broadcast from rank 0, which rolled
-    back) gets it back with `load_shard`: bitwise step 1's state, and step 2 trains the same."""
-    from host_memory import SharedArena, state_tensors
+def _trained_step_1(rank, world, store):
+    """(cfg, dims, engine): a Megatron engine of `_cfg(world=world)` joined as `rank` that trained step 1."""
     from megatron_engine import MegatronEngine
 
     cfg = _cfg(world=world)
@@ -594,6 +588,19 @@ def _keeper_ranks(rank, world, store) -> dict:
     _join(e, store, 1, rank, dims)
     e.snapshot()
     e.train_step(_batch(cfg, 1, dims, rank), 1)
+    return cfg, dims, e
+
+
+def _keeper_ranks(rank, world, store) -> dict:
+    """The engine's side of the shard keeper (keeper.py) with the distributed optimizer: the
+    `start_shard_copy` of step 1 into a shared arena (pinned: asynchronous), overlapped with step
+    2, holds step 1's shard; a rank put back
+    at step 1 without its shard (world 1: the params from a host copy, the shard zeroed; world
+    2: rank 1 reset to step 0 as a fresh spare, the params broadcast from rank 0, which rolled
+    back) gets it back with `load_shard`: bitwise step 1's state, and step 2 trains the same."""
+    from host_memory import SharedArena, state_tensors
+
+    cfg, dims, e = _trained_step_1(rank, world, store)
     step1, full = _digest(e), e._host_copy(e._train_state(), pin=False)
     copy = e.start_shard_copy(SharedArena(e.shard_nbytes()).tensor)  # as keeper.ShardSender's, pinned
     e.snapshot()
@@ -623,6 +630,43 @@ def test_a_kept_shard_restores_a_rank_of_the_distributed_optimizer(world):
         pytest.skip(f"needs {world} CUDA GPU(s)")
     for res in spawn_ranks(_keeper_ranks, world):
         assert res == {"pinned": True, "rollback": True, "restored": True, "same_step_2": True}, res
+
+
+def _local_keeper_ranks(rank, world, store) -> dict:
+    """The engine's side of the local keeper (keeper.py, dp = 1) with the distributed
+    optimizer: `start_shard_copy(whole=True)` of step 1 into a pinned shared arena (after its
+    seal), overlapped with step 2, holds step 1's whole state; with every live tensor zeroed, the
+    state loaded through another mapping of the arena (`load_state`, as a replacement maps the
+    holder's) is bitwise step 1's, and step 2 trains the same again."""
+    from courier import from_regions, regions
+    from host_memory import SEAL_BYTES, SharedArena, attach_shared, state_tensors
+
+    cfg, dims, e = _trained_step_1(rank, world, store)
+    step1 = _digest(e)
+    arena = SharedArena(e.shard_nbytes(True) + SEAL_BYTES)
+    arena.retire()
+    copy = e.start_shard_copy(arena.tensor[SEAL_BYTES:], True)
+    layout = regions(copy.state, arena.tensor)
+    e.snapshot()
+    second = e.train_step(_batch(cfg, 2, dims, rank), 2)
+    copy.wait()
+    arena.seal(1)
+    out = {"pinned": copy.state["model"][0].is_pinned()}
+    for x in state_tensors(e._train_state()):
+        x.zero_()
+    e.load_state(from_regions(layout, attach_shared(arena.path, arena.nbytes)))
+    out["restored"] = _digest(e) == step1 and e.step == 1
+    again = e.train_step(_batch(cfg, 2, dims, rank), 2)
+    out["same_step_2"] = (second["loss"], second["grad_norm"]) == (again["loss"], again["grad_norm"])
+    return out
+
+
+@pytest.mark.gpu
+def test_the_local_keeper_restores_a_rank_of_the_distributed_optimizer_at_dp1():
+    if NGPU < 1:
+        pytest.skip("needs a CUDA GPU")
+    (res,) = spawn_ranks(_local_keeper_ranks, 1)
+    assert res == {"pinned": True, "restored": True, "same_step_2": True}, res
 
 
 def _generations_ranks(rank, world, store) -> dict:

@@ -103,6 +103,32 @@ def test_restore_source_is_the_cheapest_the_mode_allows(mode, survivors, clean, 
     assert (plan.source, plan.step) == (source, step)
 
 
+DP1 = ParallelDims(tp=1, pp=1, cp=1, dp=1).group_ranks("dp")       # [[0]]
+TP2_DP1 = ParallelDims(tp=2, pp=1, cp=1, dp=1).group_ranks("dp")   # [[0], [1]]
+
+
+@pytest.mark.parametrize("groups, survivors, clean, local, floor, held, source, step, ranks", [
+    # dp=1, the rank lost once its node's holder kept the committed step: that step, no step lost
+    (DP1, set(), set(), [{4, 5}], 2, _never, "local", 5, [0]),
+    # killed inside the copy window of step 5: step 4 (one step re-run), not the checkpoint
+    (DP1, set(), set(), [{3, 4}], 2, _never, "local", 4, [0]),
+    # ... unless the newest checkpoint is newer than every kept step
+    (DP1, set(), set(), [{3, 4}], 5, lambda: [set()], "checkpoint", None, []),
+    # the replacement runs on another node than the holder that keeps the state: none there
+    (DP1, set(), set(), [set()], 2, lambda: [{5}], "memory", 5, [0]),
+    # tp=2 dp=1, rank 0 lost, rank 1 rolled back locally: rank 0 alone loads the committed step
+    (TP2_DP1, {1}, {1}, [{4, 5}, set()], 2, _never, "local", 5, [0]),
+    # ... the survivor could not roll back (Megatron's distributed optimizer) and rank 0's copy
+    # of step 5 was in flight: both positions load step 4, the newest both have (never mixed)
+    (TP2_DP1, {1}, set(), [{3, 4}, {4, 5}], 2, _never, "local", 4, [0, 1]),
+])
+def test_at_dp1_the_local_keeper_serves_before_snapshots_and_checkpoints(groups, survivors, clean, local, floor,
+                                                                        held, source, step, ranks):
+    plan = plan_restore("auto", 5, groups, survivors, clean, held, lambda: floor, local=lambda: local)
+    assert (plan.source, plan.step, plan.ranks) == (source, step, ranks)
+    assert "peer restore impossible" in plan.notes  # no DP peer at dp=1
+
+
 @pytest.mark.parametrize("mode, held, match", [
     ("peer", None, "restore=peer"),
     ("memory", lambda: [set()] * 4, "restore=memory"),
