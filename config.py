@@ -263,7 +263,8 @@ class CheckpointConfig:
     uri: str = "runs/demo/checkpoints"
     """Local path, file://, s3://bucket/prefix or gs://bucket/prefix."""
     interval: int = 2
-    """Save every N committed steps (0: never); >= 0."""
+    """Save every N committed steps (0: never); >= 0. An async save due while the previous one is
+    still being written is made at the first step after that write commits (no stall)."""
     keep_last: int = 2
     """Committed checkpoints kept; older ones are deleted after a newer commit; >= 1."""
     async_save: bool | str = "auto"

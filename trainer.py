@@ -89,6 +89,8 @@ class Trainer:
         self._steady_times: list[float] = []  # step times, without the first and the first after a recovery
         self.save_stalls: list[float] = []   # seconds training waited for each save
         self._pending_save: tuple[int, float] | None = None  # (step, start) of an async save
+        self._save_due = False               # a due save postponed (`_postpone`)
+        self.postponed_saves: list[int] = []  # steps whose due save waited for the previous one's write
         self._chaos_fired: set[int] = set()
         self.fence = lambda: None
 
@@ -174,6 +176,8 @@ class Trainer:
         while True:
             try:
                 if self.committed_step >= until_step:
+                    if self._save_due:  # a postponed save: the last step is saved, as without postponing
+                        self.save(self.committed_step)
                     self.finish_save()
                     if self.failed_saves and not self.checkpoints:
                         log.warning("%s", self.no_commit_line())
@@ -183,8 +187,11 @@ class Trainer:
                 self._commit_step(step, loss)
                 self.finish_save(wait=False)
                 interval = self.cfg.checkpoint.interval
-                if interval and step % interval == 0:
-                    self.save(step)
+                if interval and step % interval == 0 or self._save_due:
+                    if self._pending_save is not None:  # still being written: no wait, save later
+                        self._postpone(step)
+                    else:
+                        self.save(step)
             except WorkerFailure as failure:
                 self.handle_failure(failure)
                 continue
@@ -249,11 +256,25 @@ class Trainer:
             self._resume_t = None
         self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool), reward, self._digest)
 
+    def _postpone(self, step: int) -> None:
+        """A save is due at `step` while the previous async save is still being written: rather
+        than stall training until that write ends (a checkpoint of tens of GB per rank takes
+        longer than a few steps to write), save at the first step after its commit (`train`).
+        Saves then come as often as storage can take them; warned once per run."""
+        if not self.postponed_saves:
+            log.warning("checkpoint of step %d postponed: the save of step %d is still being written; saves "
+                        "now come as often as storage takes them (raise checkpoint.interval to save less often)",
+                        step, self._pending_save[0])
+        self._save_due = True
+        self.postponed_saves.append(step)
+
     def save(self, step: int) -> None:
         """Every rank writes its shards; the driver commits the manifest last. With
         `checkpoint.async_save` the ranks only snapshot to host memory here and write in the
         background; the commit follows once every rank's write has ended (`finish_save`). At
-        most one async save is in flight: a save waits for the previous one first."""
+        most one async save is in flight: this waits for the previous one first (`train`
+        postpones a due save instead, `_postpone`)."""
+        self._save_due = False
         self.finish_save()
         t0 = time.perf_counter()
         if self.cfg.checkpoint.async_save:

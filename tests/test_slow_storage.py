@@ -116,3 +116,25 @@ def test_a_run_whose_saves_never_commit_says_so(ray_session, tmp_path, s3_server
     messages = [r.getMessage() for r in caplog.records if r.name == "trainer"]
     assert sum("NOT committed" in m for m in messages) == 2
     assert any(m.startswith("no checkpoint was committed in this run") for m in messages), messages
+
+
+def test_async_saves_due_while_one_is_written_are_postponed_not_waited_for(reference, tmp_path, s3_server, caplog):
+    """`checkpoint.interval=1`, async: on the slow link a save takes about the step deadline,
+    several steps. The saves due meanwhile are postponed (one warning), not waited for;
+    the first step after the write's commit saves; the run's last step is saved at its end;
+    training equals the run without checkpoints slowed down."""
+    cfg = make_cfg(tmp_path, s3_server, "checkpoint.async_save=true", "checkpoint.interval=1")
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(1)
+        rate = 3 * _link_rate(trainer, 1)  # a save takes ~STEP_TIMEOUT_S: several steps
+        with caplog.at_level(logging.WARNING, logger="trainer"), throttled(s3_server, rate):
+            trainer.train(4)
+        digests = group.state_digests()
+    finally:
+        group.shutdown()
+    assert trainer.checkpoints[:2] == [1, 2] and trainer.checkpoints[-1] == 4 and not trainer.failed_saves
+    assert 3 in trainer.postponed_saves and set(trainer.checkpoints) | set(trainer.postponed_saves) == {1, 2, 3, 4}
+    assert sum("postponed" in r.message for r in caplog.records) == 1 and not trainer.recoveries
+    assert trainer.losses == reference[0] and digests == reference[1]
