@@ -65,68 +65,12 @@ def copy_state(dst: dict, src: dict) -> None:
     current stream (host <-> device; the caller synchronizes). Raises ValueError when the two
     hold different numbers of tensors. One `torch._foreach_copy_` call: the per-tensor launches
     run in C++ with the GIL released (a state has ~1,000 tensors; a python loop over them costs
-    the training thread milliseconds per step), device-local pairs as multi-tensor kernels.
-    Host-to-device copies from pageable memory (e.g. `attach_shared`'s mapping of another
-    process's arena) of at least `STAGED_MIN_BYTES` go through `copy_to_device` instead and are
-    done when this returns."""
+    the training thread milliseconds per step), device-local pairs as multi-tensor kernels."""
     dst, src = state_tensors(dst), state_tensors(src)
     if len(dst) != len(src):
         raise ValueError(f"copy_state: {len(dst)} destination tensors for {len(src)} source tensors")
-    staged = [(d, s) for d, s in zip(dst, src)
-              if d.is_cuda and not s.is_cuda and d.is_contiguous() and not s.is_pinned()]
-    if sum(d.numel() * d.element_size() for d, _ in staged) < STAGED_MIN_BYTES:
-        staged = []
-    if staged:
-        torch.cuda.current_stream().synchronize()  # nothing queued still reads what is overwritten
-        copy_to_device([d for d, _ in staged], [s for _, s in staged])
-        ids = {id(d) for d, _ in staged}
-        rest = [(d, s) for d, s in zip(dst, src) if id(d) not in ids]
-        dst, src = [d for d, _ in rest], [s for _, s in rest]
     if dst:
         torch._foreach_copy_(dst, src, non_blocking=True)
-
-
-STAGED_MIN_BYTES = 256 << 20
-
-
-def copy_to_device(dst: list[torch.Tensor], src: list[torch.Tensor], threads: int = 8,
-                   chunk_bytes: int = 64 << 20) -> None:
-    """Copy host tensors `src` (any host memory) into the contiguous same-shaped, same-dtype
-    tensors `dst` (on one CUDA device, or on the host) in pieces of `chunk_bytes`, by `threads`
-    threads, each through a page-locked staging buffer of its own and a stream of its own;
-    returns when every byte is there. Why: a copy from pageable memory is staged by the CUDA
-    driver on the calling thread, one piece at a time (~5 GB/s for a 19 GB state mapped from
-    another process, first-touch page faults included), while several threads read the source
-    (and fault its pages in) at once and the DMA of one piece overlaps the reads of others.
-    Raises ValueError when the two lists differ in length or a pair in bytes."""
-    if len(dst) != len(src):
-        raise ValueError(f"copy_to_device: {len(dst)} destination tensors for {len(src)} source tensors")
-    pieces = []
-    for d, s in zip(dst, src):
-        db, sb = d.view(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)
-        if db.numel() != sb.numel():
-            raise ValueError(f"copy_to_device: a {tuple(s.shape)} {s.dtype} source for a {tuple(d.shape)} {d.dtype} destination")
-        pieces += [(db[a:a + chunk_bytes], sb[a:a + chunk_bytes]) for a in range(0, db.numel(), chunk_bytes)]
-    cuda = any(d.is_cuda for d in dst)
-    device = next((d.device for d in dst if d.is_cuda), None)
-    workers = max(1, min(threads, len(pieces)))
-
-    def work(first: int) -> None:
-        staging = pinned_empty(chunk_bytes, device.index) if cuda else torch.empty(chunk_bytes, dtype=torch.uint8)
-        stream = torch.cuda.Stream(device) if cuda else None
-        with torch.cuda.device(device) if cuda else contextlib.nullcontext(), \
-                torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-            for d, s in pieces[first::workers]:
-                if stream is not None:
-                    stream.synchronize()  # the staging buffer's previous piece has left it
-                n = s.numel()
-                staging[:n].copy_(s)
-                d.copy_(staging[:n], non_blocking=True)
-            if stream is not None:
-                stream.synchronize()
-
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="to-device") as ex:
-        list(ex.map(work, range(workers)))
 
 
 def state_nbytes(state) -> int:

@@ -211,37 +211,3 @@ def test_a_holder_reuses_the_dropped_snapshots_buffers_and_never_those_it_holds(
     assert all(_equal(ray.get(holder.get.remote(key, s)), states[s]) for s in (3, 4))
     assert _equal(got1, states[1])
     ray.kill(holder)
-
-
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                        reason="needs a CUDA GPU")])
-
-
-@pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("threads, chunk", [(1, 1 << 20), (3, 1000), (8, 64)])
-def test_copy_to_device_moves_every_byte_in_pieces_by_threads(threads, chunk, device):
-    """`host_memory.copy_to_device` (the staged path of a load from another process's arena):
-    pieces of `chunk` bytes split across tensors of every dtype the states hold, the empty one
-    included, land bitwise (on the host here: the CUDA path differs only in its staging
-    buffers and streams); a pair of other sizes is refused naming both. On GPU also through
-    `copy_state`, above its staging threshold, from a shared mapping."""
-    from host_memory import copy_to_device
-
-    g = torch.Generator().manual_seed(0)
-    src = [torch.randn(1000, generator=g), torch.randint(0, 100, (37, 5), generator=g),
-           torch.randn(3, 3, generator=g).bfloat16(), torch.empty(0), torch.randn(5000, generator=g).double()]
-    dst = [torch.empty_like(x, device=device) for x in src]
-    copy_to_device(dst, src, threads=threads, chunk_bytes=chunk)
-    assert all(torch.equal(d.cpu().view(torch.uint8), s.view(torch.uint8)) for d, s in zip(dst, src))
-    if device == "cuda":
-        from host_memory import STAGED_MIN_BYTES, SharedArena, attach_shared, copy_state
-
-        n = STAGED_MIN_BYTES // 4 + 1000
-        arena = SharedArena(4 * n + 64)
-        arena.tensor.view(-1)[:4 * n].view(torch.float32).copy_(torch.randn(n, generator=g))
-        mapped = attach_shared(arena.path, arena.nbytes)[:4 * n].view(torch.float32)  # pageable here
-        live = {"x": [torch.zeros(n, device="cuda")], "step": 3}
-        copy_state(live, {"x": [mapped], "step": 3})
-        assert torch.equal(live["x"][0].cpu(), mapped)
-    with pytest.raises(ValueError, match=r"\(4,\).*\(3,\)"):
-        copy_to_device([torch.empty(3)], [torch.empty(4)])
