@@ -97,6 +97,20 @@ class Beat:
     dead: str = ""                # Ray said its actor died (the error), else ""
     ref: object = None            # the ping in flight
     sent: float = 0.0
+    moved: float = -1.0           # when an answer's work counter (`work`) last rose over the one before
+
+    def answered(self, info: dict, now: float) -> None:
+        """Record `info`, the answer that arrived at `now`, as its newest; `moved` = `now` when
+        its work counter rose."""
+        if (new := work(info)) is not None and (old := work(self.info)) is not None and new > old:
+            self.moved = now
+        self.info = info
+
+
+def work(info: dict) -> int | None:
+    """The work counter of a ping's answer: its `progress` plus its checkpoint I/O's
+    (`io_progress`: a slow save, verify or load is not a hang); None when it has no `progress`."""
+    return info["progress"] + info.get("io_progress", 0) if "progress" in info else None
 
 
 def hang_culprits(counts: dict[int, dict[str, int]]) -> set[int]:
@@ -283,7 +297,8 @@ class Heartbeats:
                 if b is None:
                     continue
                 if info is not None and at >= b.seen_sent:
-                    b.seen, b.seen_wall, b.seen_sent, b.info = now, wall, at, info
+                    b.seen, b.seen_wall, b.seen_sent = now, wall, at
+                    b.answered(info, now)
                 if dead:
                     b.dead = dead
 
@@ -296,7 +311,8 @@ class Heartbeats:
             if b is None:
                 return
             if info is not None:
-                b.seen, b.seen_wall, b.seen_sent, b.info = time.monotonic(), time.time(), b.sent, info
+                b.seen, b.seen_wall, b.seen_sent = time.monotonic(), time.time(), b.sent
+                b.answered(info, b.seen)
             b.dead, b.ref = dead, None
 
     def beat(self, handle) -> Beat | None:
@@ -402,7 +418,7 @@ class HealthMonitor:
         rank_of = list(ranks) if ranks is not None else list(range(calls.size))
         results: list = [None] * calls.size
         pending, deadline = calls.waitables(), time.monotonic() + timeout
-        progress, moved_at = self.work_done(), time.time()
+        looked, moved_at = time.monotonic(), time.time()
         next_look = time.monotonic() + ft.health_interval_s
         while pending:
             # Batched: every call that ends within BATCH_S is taken in one wait and judged in
@@ -465,10 +481,10 @@ class HealthMonitor:
                 if lost:
                     raise self._failure(silent | lost, "crash", "node(s) lost: raylet refuses connections")
                 raise self._failure(silent, "unreachable", self._silence_detail(silent))
-            now = self.work_done()
-            if any(c > progress[r] for r, c in now.items() if r in progress):  # moved since the last look
+            look = time.monotonic()
+            if self._moved_since(looked):  # no O(ranks) snapshot per call: the beats time each rise
                 deadline, moved_at = max(deadline, time.monotonic() + timeout), time.time()
-            progress.update(now)
+            looked = look
             if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({rank_of[i] for i in calls.indices(pending)}, timeout, moved_at)
@@ -514,9 +530,15 @@ class HealthMonitor:
 
     def work_done(self) -> dict[int, int]:
         """rank -> its `progress` plus its checkpoint I/O's (`io_progress`: bytes moved, and
-        ticks while an I/O operation is within its own deadline; `checkpoint.IOProgress`)."""
-        io = self._progress("io_progress")
-        return {r: c + io.get(r, 0) for r, c in self._progress().items()}
+        ticks while an I/O operation is within its own deadline; `checkpoint.IOProgress`), from
+        its last answer (`work`); ranks that never answered are left out."""
+        return {r: w for r, s in enumerate(self._workers())
+                if (b := self.beats.beat(s.handle)) is not None and (w := work(b.info)) is not None}
+
+    def _moved_since(self, t: float) -> bool:
+        """Whether some rank's work counter (`work_done`) rose in an answer that arrived after
+        `t` (monotonic)."""
+        return any((b := self.beats.beat(s.handle)) is not None and b.moved > t for s in self._workers())
 
     def _hang_failure(self, pending: set[int], timeout: float, moved_at: float) -> WorkerFailure:
         """Name the hung ranks of a call that made no progress since `moved_at` (wall clock).
