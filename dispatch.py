@@ -11,10 +11,11 @@ Ray is not imported here: `put` and `.remote` are given by the caller.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from parallel_dims import ParallelDims, RankCoords
+from parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,10 @@ class Dispatch:
     @classmethod
     def collect(cls, dims: ParallelDims, results: list) -> list:
         """Per-rank results (index = rank) -> the output returned to the caller: the results
-        of the ranks `collects` reads, in rank order. Results of other ranks are not read
-        (they may be None: `node_agent.NodeAgent.call` does not return them)."""
+        of the ranks `collects` reads, in rank order (`collected_ranks`). Results of other
+        ranks are not read (they may be None: `node_agent.NodeAgent.call` does not return them)."""
         _check_len(dims, results)
-        return [results[r] for r in range(dims.world_size) if cls.collects(dims, r)]
+        return [results[r] for r in collected_ranks(cls, dims)]
 
 
 class PassThroughDispatch(Dispatch):
@@ -139,13 +140,13 @@ class MeshDispatch(Dispatch):
         c = dims.coords(rank)
         return c.tp == 0 and c.cp == 0 and c.pp == dims.pp - 1
 
-    @classmethod
-    def collect(cls, dims: ParallelDims, results: list) -> list:
-        _check_len(dims, results)
-        return [
-            results[dims.rank_of(RankCoords(tp=0, cp=0, dp=d, pp=dims.pp - 1))]
-            for d in range(dims.dp)
-        ]
+
+@functools.lru_cache(maxsize=64)
+def collected_ranks(cls: type[Dispatch], dims: ParallelDims) -> tuple[int, ...]:
+    """The ranks whose results `cls.collect` reads, in rank order (for `MeshDispatch` that is dp
+    order: dp is the slower coordinate); computed once per layout, so that a step's collect
+    costs one lookup per result read."""
+    return tuple(r for r in range(dims.world_size) if cls.collects(dims, r))
 
 
 def _check_len(dims: ParallelDims, results: list) -> None:

@@ -319,6 +319,19 @@ class Heartbeats:
         with self._lock:
             return self._beats.get(actor_key(handle))
 
+    def look(self, keys: list[str], since: float, timeout_s: float) -> tuple[set[int], bool]:
+        """One pass over the actors of `keys` (`actor_key`), under one lock: (the indices of
+        those silent for `timeout_s` or longer (`silence_s`), whether the work counter of any
+        of them rose in an answer that arrived after `since`, monotonic: `Beat.moved`)."""
+        now, silent, moved = time.monotonic(), set(), False
+        with self._lock:
+            for i, key in enumerate(keys):
+                if (b := self._beats.get(key)) is not None:
+                    if now - b.seen >= timeout_s:
+                        silent.add(i)
+                    moved = moved or b.moved > since
+        return silent, moved
+
     def silence_s(self, handle) -> float:
         """Seconds since `handle` last answered (since tracking started, before any answer)."""
         b = self.beat(handle)
@@ -391,11 +404,6 @@ class HealthMonitor:
     def _failure(self, ranks: set[int], kind: str, detail: str, **kw) -> WorkerFailure:
         return WorkerFailure(ranks, kind, detail, last_seen=kw.pop("last_seen", None) or self.last_seen(ranks), **kw)
 
-    def _silent(self, ranks) -> set[int]:
-        """Those of `ranks` whose heartbeats have been silent `health_timeout_s`."""
-        workers = self._workers()
-        return {r for r in ranks if self.beats.silence_s(workers[r].handle) >= self.ft.health_timeout_s}
-
     def wait(self, refs: list | Calls, timeout: float, ranks: list[int] | None = None) -> list:
         """Results of `refs` (ObjectRefs or `Calls`: one call per rank, or one per rank of
         `ranks`), or WorkerFailure naming the failed ranks.
@@ -418,7 +426,7 @@ class HealthMonitor:
         rank_of = list(ranks) if ranks is not None else list(range(calls.size))
         results: list = [None] * calls.size
         pending, deadline = calls.waitables(), time.monotonic() + timeout
-        looked, moved_at = time.monotonic(), time.time()
+        looked, moved_at, keys = time.monotonic(), time.time(), None
         next_look = time.monotonic() + ft.health_interval_s
         while pending:
             # Batched: every call that ends within BATCH_S is taken in one wait and judged in
@@ -475,14 +483,15 @@ class HealthMonitor:
             if not pending or time.monotonic() < min(next_look, deadline):
                 continue
             next_look = time.monotonic() + ft.health_interval_s
-            silent = self._silent(range(len(workers)))
+            keys = keys or [actor_key(s.handle) for s in workers]  # at the first look: a short call needs none
+            look = time.monotonic()
+            silent, moved = self.beats.look(keys, looked, ft.health_timeout_s)
             if silent:  # a silent rank whose raylet refuses connections lost its node: a crash
                 lost = self.lost_ranks({workers[r].node_id for r in silent})
                 if lost:
                     raise self._failure(silent | lost, "crash", "node(s) lost: raylet refuses connections")
                 raise self._failure(silent, "unreachable", self._silence_detail(silent))
-            look = time.monotonic()
-            if self._moved_since(looked):  # no O(ranks) snapshot per call: the beats time each rise
+            if moved:  # no O(ranks) snapshot per call: the beats time each rise
                 deadline, moved_at = max(deadline, time.monotonic() + timeout), time.time()
             looked = look
             if time.monotonic() < deadline:
@@ -534,11 +543,6 @@ class HealthMonitor:
         its last answer (`work`); ranks that never answered are left out."""
         return {r: w for r, s in enumerate(self._workers())
                 if (b := self.beats.beat(s.handle)) is not None and (w := work(b.info)) is not None}
-
-    def _moved_since(self, t: float) -> bool:
-        """Whether some rank's work counter (`work_done`) rose in an answer that arrived after
-        `t` (monotonic)."""
-        return any((b := self.beats.beat(s.handle)) is not None and b.moved > t for s in self._workers())
 
     def _hang_failure(self, pending: set[int], timeout: float, moved_at: float) -> WorkerFailure:
         """Name the hung ranks of a call that made no progress since `moved_at` (wall clock).
