@@ -6,3 +6,5 @@ python -m bench.control_plane --sizes 32 64 128 --steps 20 --idle-s 3 --no-store
 python -m bench.control_plane --sizes 32 64 128 --steps 20 --idle-s 3 --no-store --phase-timeout-s 400 --profile --out bench/results/control_plane_cpu_node_args.json
 # after, tp=8 (one replica per logical node of 8 ranks: one result per node per step):
 python -m bench.control_plane --tp 8 --sizes 32 64 128 --steps 20 --idle-s 3 --no-store --phase-timeout-s 400 --profile --out bench/results/control_plane_cpu_node_args_tp8.json
+# final: branch nodeargs at f940dc8 (also: the wait's look in one pass under one lock, collect's cached ranks, the agent's message as one argument), tp=1, N = 32 and 64, load average ~30-45:
+python -m bench.control_plane --sizes 32 64 --steps 20 --idle-s 3 --no-store --phase-timeout-s 400 --profile --out bench/results/control_plane_cpu_node_args_final.json
