@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actor_slot import ActorSlot
 from config import Config, require
 from driver_failover import PLACEMENT_GROUP, CannotReattach, new_name
-from dispatch import dispatch_args, get_dispatch_type
+from dispatch import get_dispatch_type
 from failures import ClusterError, slowest
 from health import HealthMonitor
 from keeper import keeper_node, keeps_locally, keeps_shards
@@ -481,13 +481,13 @@ class ActorGroup:
         return [getattr(self.workers[r].handle, method).remote(self.generation, *args) for r in ranks]
 
     def call(self, method: str, *args, dispatch: str = "pass_through", timeout: float | None = None):
-        """Call `method(generation, *args)` on every worker as the named dispatch splits it (each
-        distinct non-scalar argument put into Ray's object store once: `dispatch_args`), sent as
-        one call per node agent (`NodeCalls`; directly to a rank whose node has no live agent),
-        wait with a deadline, and return the dispatch's collected results. Raises WorkerFailure."""
+        """Call `method(generation, *args)` on every worker as the named dispatch splits it, sent
+        as one call per node agent with the call's arguments cut once (`NodeCalls`: each agent
+        derives its ranks' arguments, `Dispatch.for_rank`; directly to a rank whose node has no
+        live agent), wait with a deadline, and return the dispatch's collected results. Raises
+        WorkerFailure."""
         kind = get_dispatch_type(dispatch)
-        per_rank = dispatch_args(self.dims, kind, self.generation, *args, put=ray.put)
-        results = self.wait(self.node_calls.start(self.workers, method, per_rank),
+        results = self.wait(self.node_calls.start(self.workers, method, self.dims, kind, (self.generation, *args)),
                             timeout or self.cfg.fault_tolerance.step_timeout_s)
         return kind.collect(self.dims, results)
 

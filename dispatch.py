@@ -1,35 +1,99 @@
 """How one logical call on an actor group is fanned out to its ranks and gathered back.
 
-A `Dispatch` turns the driver's (args, kwargs) into one (args, kwargs) per global rank
-(`split`) and the per-rank results into what the caller sees (`collect`). Ray is not
-imported here: `dispatch_remote` only calls `.remote` on the handles it is given (`dispatch_args`
-gives the per-rank arguments alone, for calls sent through node agents: `node_agent.NodeCalls`).
+A `Dispatch` says which part of each argument a global rank gets (`part_key`, `cut`: a pure
+function of the layout, the rank and the call's arguments, `for_rank`), which ranks' results
+the caller reads (`collects`) and what the caller sees (`collect`). The driver can split a call
+into every rank's arguments (`split`, `dispatch_args`, `dispatch_remote`), or cut each argument
+once (`call_args`) and let each node's agent derive its own ranks' arguments with `for_rank`
+(`node_agent.NodeCalls`: the driver's work per call then grows with the nodes, not the ranks).
+Ray is not imported here: `put` and `.remote` are given by the caller.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from dataclasses import dataclass
+from typing import Callable, Hashable
 
-from parallel_dims import ParallelDims, RankCoords
-from training_batch import TrainingBatch
+from parallel_dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class Cut:
+    """An argument already cut by a dispatch: part key (`Dispatch.part_key`) -> that part.
+    May hold only the parts some ranks need (`only`)."""
+    parts: dict
+
+    def only(self, keys) -> Cut:
+        """The parts of `keys` alone (a node's agent gets the parts of its own ranks)."""
+        return Cut({k: self.parts[k] for k in keys if k in self.parts})
 
 
 class Dispatch:
-    """Base class: fan-out and gather rules for one call on a group of `dims.world_size` ranks."""
+    """Base class: fan-out and gather rules for one call on a group of `dims.world_size` ranks.
+
+    A subclass defines `part_key`, `cut` and `collects`; `for_rank`, `split` and `collect`
+    follow from them (a subclass may define them directly, keeping them consistent)."""
+
+    @classmethod
+    def part_key(cls, dims: ParallelDims, rank: int) -> Hashable:
+        """Which part of a cut argument global rank `rank` gets; ranks with the same key get
+        the same arguments."""
+        raise NotImplementedError
+
+    @classmethod
+    def cut(cls, dims: ParallelDims, value) -> Cut | None:
+        """`value` cut into its parts (every key `part_key` gives), or None when every rank
+        gets it whole. Raises ValueError when `value` cannot be cut for `dims`."""
+        raise NotImplementedError
+
+    @classmethod
+    def collects(cls, dims: ParallelDims, rank: int) -> bool:
+        """Whether `collect` reads the result of global rank `rank`."""
+        raise NotImplementedError
+
+    @classmethod
+    def for_rank(cls, dims: ParallelDims, rank: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """(args, kwargs) of global rank `rank`'s call, from the call's arguments as `call_args`
+        gives them: each `Cut` value replaced by the rank's part (`part_key`), every other value
+        as it is. A pure function: `for_rank(dims, r, *call_args(dims, cls, *a, **kw))` is
+        `split(dims, a, kw)[r]`. Cuts nothing itself, so a node agent deriving its ranks'
+        arguments imports no batch type (no torch)."""
+        key = cls.part_key(dims, rank)
+
+        def mine(value):
+            return value.parts[key] if isinstance(value, Cut) else value
+        return tuple(mine(v) for v in args), {k: mine(v) for k, v in kwargs.items()}
 
     @classmethod
     def split(cls, dims: ParallelDims, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-        """(args, kwargs) for each global rank; index = rank."""
-        raise NotImplementedError
+        """(args, kwargs) for each global rank; index = rank. Ranks with the same part key
+        share one (args, kwargs) object, and each value is cut once."""
+        return _per_rank(cls, dims, *call_args(dims, cls, *args, **kwargs))
 
     @classmethod
     def collect(cls, dims: ParallelDims, results: list) -> list:
-        """Per-rank results (index = rank) -> the output returned to the caller."""
-        raise NotImplementedError
+        """Per-rank results (index = rank) -> the output returned to the caller: the results
+        of the ranks `collects` reads, in rank order (`collected_ranks`). Results of other
+        ranks are not read (they may be None: `node_agent.NodeAgent.call` does not return them)."""
+        _check_len(dims, results)
+        return [results[r] for r in collected_ranks(cls, dims)]
 
 
 class PassThroughDispatch(Dispatch):
     """Every rank gets the same arguments; every rank's result is returned, in rank order."""
+
+    @classmethod
+    def part_key(cls, dims: ParallelDims, rank: int) -> Hashable:
+        return None
+
+    @classmethod
+    def cut(cls, dims: ParallelDims, value) -> Cut | None:
+        return None
+
+    @classmethod
+    def collects(cls, dims: ParallelDims, rank: int) -> bool:
+        return True
 
     @classmethod
     def split(cls, dims: ParallelDims, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
@@ -46,41 +110,43 @@ class MeshDispatch(Dispatch):
 
     split: every `TrainingBatch` argument (positional or keyword) is cut into dims.dp
     interleaved parts along B: every rank of DP replica d (all its tp, cp, pp ranks) gets rows
-    d, d+dp, d+2dp, ... Interleaved, not contiguous, so that mini-batch k cut from each rank's
-    local rows in order is global rows [k*m, (k+1)*m) (m = mini-batch size) at any dp: the
-    optimizer updates do not depend on the DP size (shrinking DP, resharding a checkpoint).
-    Other arguments go to every rank unchanged.
+    d, d+dp, d+2dp, ... (part key: the rank's dp coordinate). Interleaved, not contiguous, so
+    that mini-batch k cut from each rank's local rows in order is global rows [k*m, (k+1)*m)
+    (m = mini-batch size) at any dp: the optimizer updates do not depend on the DP size
+    (shrinking DP, resharding a checkpoint). Other arguments go to every rank unchanged.
     collect: one result per DP replica, in dp order, taken from the rank with tp=0, cp=0 on
     the last pipeline stage (where the loss is computed).
     """
 
     @classmethod
-    def split(cls, dims: ParallelDims, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-        def chunks(value):
-            if not isinstance(value, TrainingBatch):
-                return [value] * dims.dp
-            if len(value) % dims.dp != 0:
-                raise ValueError(
-                    f"batch of {len(value)} sequences cannot be split evenly over dp={dims.dp} "
-                    f"data-parallel replicas; use a batch size that is a multiple of {dims.dp}"
-                )
-            return [value.strided(d, dims.dp) for d in range(dims.dp)]
-
-        per_arg = [chunks(a) for a in args]
-        per_kwarg = {k: chunks(v) for k, v in kwargs.items()}
-        per_replica = [
-            (tuple(c[d] for c in per_arg), {k: c[d] for k, c in per_kwarg.items()})
-            for d in range(dims.dp)
-        ]
-        return [per_replica[dims.coords(r).dp] for r in range(dims.world_size)]
+    def part_key(cls, dims: ParallelDims, rank: int) -> Hashable:
+        return dims.coords(rank).dp
 
     @classmethod
-    def collect(cls, dims: ParallelDims, results: list) -> list:
-        _check_len(dims, results)
-        return [
-            results[dims.rank_of(RankCoords(tp=0, cp=0, dp=d, pp=dims.pp - 1))]
-            for d in range(dims.dp)
-        ]
+    def cut(cls, dims: ParallelDims, value) -> Cut | None:
+        from training_batch import TrainingBatch  # here: `for_rank` (a node agent) needs no torch
+
+        if not isinstance(value, TrainingBatch):
+            return None
+        if len(value) % dims.dp != 0:
+            raise ValueError(
+                f"batch of {len(value)} sequences cannot be split evenly over dp={dims.dp} "
+                f"data-parallel replicas; use a batch size that is a multiple of {dims.dp}"
+            )
+        return Cut({d: value.strided(d, dims.dp) for d in range(dims.dp)})
+
+    @classmethod
+    def collects(cls, dims: ParallelDims, rank: int) -> bool:
+        c = dims.coords(rank)
+        return c.tp == 0 and c.cp == 0 and c.pp == dims.pp - 1
+
+
+@functools.lru_cache(maxsize=64)
+def collected_ranks(cls: type[Dispatch], dims: ParallelDims) -> tuple[int, ...]:
+    """The ranks whose results `cls.collect` reads, in rank order (for `MeshDispatch` that is dp
+    order: dp is the slower coordinate); computed once per layout, so that a step's collect
+    costs one lookup per result read."""
+    return tuple(r for r in range(dims.world_size) if cls.collects(dims, r))
 
 
 def _check_len(dims: ParallelDims, results: list) -> None:
@@ -116,6 +182,31 @@ register_dispatch_type("mesh", MeshDispatch)
 register_dispatch_type("pass_through", PassThroughDispatch)
 
 
+def call_args(dims: ParallelDims, dispatch: str | type[Dispatch], *args, put: Callable | None = None,
+              **kwargs) -> tuple[tuple, dict]:
+    """The call's (args, kwargs) cut once for every rank: each value the dispatch cuts replaced
+    by its `Cut`, each of its parts and each other value but a scalar (int, float, bool, str,
+    None) passed through `put` once (e.g. `ray.put`; None: values as they are). Each rank's
+    arguments are then `for_rank(dims, rank, *call_args(...))`: what `node_agent.NodeAgent`
+    derives for its ranks, and what `dispatch_args` gives. Raises ValueError when a value
+    cannot be cut (`Dispatch.cut`)."""
+    cls = get_dispatch_type(dispatch) if isinstance(dispatch, str) else dispatch
+
+    stored: dict[int, object] = {}  # id(value) -> put(value): a value given twice is put once
+
+    def once(v):
+        if put is None or v is None or isinstance(v, (int, float, bool, str)):
+            return v
+        if id(v) not in stored:
+            stored[id(v)] = put(v)
+        return stored[id(v)]
+
+    def form(v):
+        whole = cls.cut(dims, v)
+        return once(v) if whole is None else Cut({k: once(part) for k, part in whole.parts.items()})
+    return tuple(form(v) for v in args), {k: form(v) for k, v in kwargs.items()}
+
+
 def dispatch_args(dims: ParallelDims, dispatch: str | type[Dispatch], *args, put: Callable | None = None,
                   **kwargs) -> list[tuple[tuple, dict]]:
     """(args, kwargs) of each global rank's call (index = rank), as the dispatch splits them.
@@ -125,29 +216,25 @@ def dispatch_args(dims: ParallelDims, dispatch: str | type[Dispatch], *args, put
         put: e.g. `ray.put`: each distinct argument value other than a scalar (int, float,
             bool, str, None) is passed through it once and its result given to every rank
             that gets the value, so a replica's batch is serialized once, not once per rank
-            of the replica. None: values are given as they are.
+            of the replica (`call_args`). None: values are given as they are.
     """
     cls = get_dispatch_type(dispatch) if isinstance(dispatch, str) else dispatch
-    per_rank = cls.split(dims, args, kwargs)
     if put is None:
-        return per_rank
-    stored: dict[int, object] = {}  # id(value) -> put(value); the values live in per_rank
-    converted: dict[int, tuple] = {}  # id((args, kwargs)) -> its put form: ranks that share one share it
+        return cls.split(dims, args, kwargs)
+    return _per_rank(cls, dims, *call_args(dims, cls, *args, put=put, **kwargs))
 
-    def once(v):
-        if v is None or isinstance(v, (int, float, bool, str)):
-            return v
-        if id(v) not in stored:
-            stored[id(v)] = put(v)
-        return stored[id(v)]
 
-    def put_form(pair: tuple) -> tuple:
-        if id(pair) not in converted:
-            a, kw = pair
-            converted[id(pair)] = (tuple(once(v) for v in a), {k: once(v) for k, v in kw.items()})
-        return converted[id(pair)]
-
-    return [put_form(pair) for pair in per_rank]
+def _per_rank(cls: type[Dispatch], dims: ParallelDims, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    """`for_rank` of every global rank over arguments cut once (`Cut` values); ranks with the
+    same part key share one (args, kwargs) object."""
+    shared: dict = {}
+    out = []
+    for rank in range(dims.world_size):
+        key = cls.part_key(dims, rank)
+        if key not in shared:
+            shared[key] = cls.for_rank(dims, rank, args, kwargs)
+        out.append(shared[key])
+    return out
 
 
 def dispatch_remote(

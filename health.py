@@ -97,6 +97,20 @@ class Beat:
     dead: str = ""                # Ray said its actor died (the error), else ""
     ref: object = None            # the ping in flight
     sent: float = 0.0
+    moved: float = -1.0           # when an answer's work counter (`work`) last rose over the one before
+
+    def answered(self, info: dict, now: float) -> None:
+        """Record `info`, the answer that arrived at `now`, as its newest; `moved` = `now` when
+        its work counter rose."""
+        if (new := work(info)) is not None and (old := work(self.info)) is not None and new > old:
+            self.moved = now
+        self.info = info
+
+
+def work(info: dict) -> int | None:
+    """The work counter of a ping's answer: its `progress` plus its checkpoint I/O's
+    (`io_progress`: a slow save, verify or load is not a hang); None when it has no `progress`."""
+    return info["progress"] + info.get("io_progress", 0) if "progress" in info else None
 
 
 def hang_culprits(counts: dict[int, dict[str, int]]) -> set[int]:
@@ -283,7 +297,8 @@ class Heartbeats:
                 if b is None:
                     continue
                 if info is not None and at >= b.seen_sent:
-                    b.seen, b.seen_wall, b.seen_sent, b.info = now, wall, at, info
+                    b.seen, b.seen_wall, b.seen_sent = now, wall, at
+                    b.answered(info, now)
                 if dead:
                     b.dead = dead
 
@@ -296,12 +311,26 @@ class Heartbeats:
             if b is None:
                 return
             if info is not None:
-                b.seen, b.seen_wall, b.seen_sent, b.info = time.monotonic(), time.time(), b.sent, info
+                b.seen, b.seen_wall, b.seen_sent = time.monotonic(), time.time(), b.sent
+                b.answered(info, b.seen)
             b.dead, b.ref = dead, None
 
     def beat(self, handle) -> Beat | None:
         with self._lock:
             return self._beats.get(actor_key(handle))
+
+    def look(self, keys: list[str], since: float, timeout_s: float) -> tuple[set[int], bool]:
+        """One pass over the actors of `keys` (`actor_key`), under one lock: (the indices of
+        those silent for `timeout_s` or longer (`silence_s`), whether the work counter of any
+        of them rose in an answer that arrived after `since`, monotonic: `Beat.moved`)."""
+        now, silent, moved = time.monotonic(), set(), False
+        with self._lock:
+            for i, key in enumerate(keys):
+                if (b := self._beats.get(key)) is not None:
+                    if now - b.seen >= timeout_s:
+                        silent.add(i)
+                    moved = moved or b.moved > since
+        return silent, moved
 
     def silence_s(self, handle) -> float:
         """Seconds since `handle` last answered (since tracking started, before any answer)."""
@@ -375,11 +404,6 @@ class HealthMonitor:
     def _failure(self, ranks: set[int], kind: str, detail: str, **kw) -> WorkerFailure:
         return WorkerFailure(ranks, kind, detail, last_seen=kw.pop("last_seen", None) or self.last_seen(ranks), **kw)
 
-    def _silent(self, ranks) -> set[int]:
-        """Those of `ranks` whose heartbeats have been silent `health_timeout_s`."""
-        workers = self._workers()
-        return {r for r in ranks if self.beats.silence_s(workers[r].handle) >= self.ft.health_timeout_s}
-
     def wait(self, refs: list | Calls, timeout: float, ranks: list[int] | None = None) -> list:
         """Results of `refs` (ObjectRefs or `Calls`: one call per rank, or one per rank of
         `ranks`), or WorkerFailure naming the failed ranks.
@@ -402,7 +426,7 @@ class HealthMonitor:
         rank_of = list(ranks) if ranks is not None else list(range(calls.size))
         results: list = [None] * calls.size
         pending, deadline = calls.waitables(), time.monotonic() + timeout
-        progress, moved_at = self.work_done(), time.time()
+        looked, moved_at, keys = time.monotonic(), time.time(), None
         next_look = time.monotonic() + ft.health_interval_s
         while pending:
             # Batched: every call that ends within BATCH_S is taken in one wait and judged in
@@ -459,16 +483,17 @@ class HealthMonitor:
             if not pending or time.monotonic() < min(next_look, deadline):
                 continue
             next_look = time.monotonic() + ft.health_interval_s
-            silent = self._silent(range(len(workers)))
+            keys = keys or [actor_key(s.handle) for s in workers]  # at the first look: a short call needs none
+            look = time.monotonic()
+            silent, moved = self.beats.look(keys, looked, ft.health_timeout_s)
             if silent:  # a silent rank whose raylet refuses connections lost its node: a crash
                 lost = self.lost_ranks({workers[r].node_id for r in silent})
                 if lost:
                     raise self._failure(silent | lost, "crash", "node(s) lost: raylet refuses connections")
                 raise self._failure(silent, "unreachable", self._silence_detail(silent))
-            now = self.work_done()
-            if any(c > progress[r] for r, c in now.items() if r in progress):  # moved since the last look
+            if moved:  # no O(ranks) snapshot per call: the beats time each rise
                 deadline, moved_at = max(deadline, time.monotonic() + timeout), time.time()
-            progress.update(now)
+            looked = look
             if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({rank_of[i] for i in calls.indices(pending)}, timeout, moved_at)
@@ -514,9 +539,10 @@ class HealthMonitor:
 
     def work_done(self) -> dict[int, int]:
         """rank -> its `progress` plus its checkpoint I/O's (`io_progress`: bytes moved, and
-        ticks while an I/O operation is within its own deadline; `checkpoint.IOProgress`)."""
-        io = self._progress("io_progress")
-        return {r: c + io.get(r, 0) for r, c in self._progress().items()}
+        ticks while an I/O operation is within its own deadline; `checkpoint.IOProgress`), from
+        its last answer (`work`); ranks that never answered are left out."""
+        return {r: w for r, s in enumerate(self._workers())
+                if (b := self.beats.beat(s.handle)) is not None and (w := work(b.info)) is not None}
 
     def _hang_failure(self, pending: set[int], timeout: float, moved_at: float) -> WorkerFailure:
         """Name the hung ranks of a call that made no progress since `moved_at` (wall clock).

@@ -8,12 +8,18 @@ pings), waits for its pings a bounded time each round, and reports each answer w
 driver's time of the round that sent the ping, so that the driver's "answered a ping sent
 after t" keeps its meaning across processes. It judges nothing: the driver does.
 
-A step's calls: the driver sends each agent one `call` with its ranks' arguments (ObjectRefs
-put once by the driver pass through unresolved, so each rank fetches the batch itself); the
-agent calls its ranks and answers with every rank's result or error (an actor's death, its
-call's exception, each as Ray raised it), or, as soon as one of them failed, with those ended
-so far; `more` then brings the rest. The driver judges each rank's outcome as if it had called
-the rank itself (`health.HealthMonitor.wait`).
+A step's calls: the driver sends each agent one `call` per step: the method, the dispatch, the
+call's arguments cut once for all ranks (`dispatch.call_args`: scalars such as the step and
+generation as they are, other values put once, a value cut per DP replica as only the parts
+this node's ranks need), and the layout (dims, its ranks) only when it changed. The agent
+derives each of its ranks' arguments itself with the dispatch's pure function
+(`Dispatch.for_rank`, the same the driver's `dispatch_args` uses), calls its ranks and answers
+with one summary: the results of the ranks whose results the caller reads
+(`Dispatch.collects`: one per DP replica for `MeshDispatch`), every failed rank's error (its
+actor's death, its call's exception, each as Ray raised it) and the ranks still out; at once
+when one of them failed (`more` then brings the rest). The driver judges each failed rank's
+outcome as if it had called the rank itself (`health.HealthMonitor.wait`); a rank that ended
+well costs it nothing, so its work per step grows with the nodes, not the ranks.
 """
 from __future__ import annotations
 
@@ -22,7 +28,9 @@ from typing import Callable
 
 import ray
 
+from dispatch import Cut, Dispatch, call_args, get_dispatch_type
 from health import CallLost, Calls, actor_key, ping_result
+from parallel_dims import ParallelDims
 
 CALLS = "calls"
 STALE_CHECK_S = 0.5
@@ -43,8 +51,8 @@ class NodeAgent:
         self.wait_s = wait_s
         self._actors: dict[str, object] = {}
         self._in_flight: dict = {}   # ping ObjectRef -> (actor key, driver time of its round)
-        self._callees: dict[str, object] = {}     # actor key -> handle, of the actors `call` reaches
-        self._calls: dict[int, dict] = {}         # call id -> {ObjectRef of a rank's call: its index}
+        self._layout: tuple = (None, [])          # (dims, [(global rank, handle)] of this node's ranks)
+        self._calls: dict[int, tuple] = {}        # call id -> ({ObjectRef of a rank's call: its rank}, ranks read)
         self._latest = 0                           # the id of the newest call
 
     def node_id(self) -> str:
@@ -75,42 +83,59 @@ class NodeAgent:
         return out
 
     @ray.method(concurrency_group=CALLS)
-    def call(self, call_id: int, method: str, calls: list[tuple[int, str, tuple, dict]],
-             actors: list | None = None) -> dict[int, tuple[bool, object]]:
-        """Call `method` on the ranks of this node. `call_id`: increasing per driver call;
-        `calls`: (index, actor key, args, kwargs) per rank; `actors`: the handles to reach
-        from now on (None: the same as before). Returns {index: (True, result) or (False, the
-        exception its `ray.get` raised)} for every call once all ended, or for those ended
-        when the first one failed (`more(call_id)` brings the rest)."""
-        if actors is not None:
-            self._callees = {actor_key(h): h for h in actors}
+    def call(self, call_id: int, message: tuple) -> dict:
+        """Call `method` on the ranks of this node, each with its own arguments:
+        `dispatch.for_rank(dims, rank, args, kwargs)`. `call_id`: increasing per driver call;
+        `message`: (method, dispatch (a `Dispatch` class), args, kwargs, layout), one argument
+        (Ray serializes each argument apart: one costs the driver ~20% less per agent than
+        five); `args`, `kwargs`: the call's, cut once (`dispatch.call_args`); `layout`: (dims,
+        [(global rank, handle)] of this node's ranks) from now on (None: the same as before).
+
+        Returns the summary of the calls ended, once all ended or as soon as one failed
+        (`more(call_id)` brings the rest): {"results": {rank: result} of the ended ranks whose
+        result the dispatch collects (`Dispatch.collects`), "errors": {rank: the exception its
+        `ray.get` raised}, "left": the ranks still out, sorted (None: unknown, the call was
+        replaced before), "replaced": a newer call replaced this one (the driver gave it up)}.
+        A rank that ended well and is not collected is in none of them."""
+        method, dispatch, args, kwargs, layout = message
+        if layout is not None:
+            self._layout = layout
+        dims, ranks = self._layout
         self._latest = call_id  # the driver gave up any older call (a new driver counts from 1)
-        self._calls = {call_id: {getattr(self._callees[key], method).remote(*args, **kwargs): i
-                                for i, key, args, kwargs in calls}}
+        calls = {}
+        for rank, handle in ranks:
+            a, kw = dispatch.for_rank(dims, rank, args, kwargs)
+            calls[getattr(handle, method).remote(*a, **kw)] = rank
+        self._calls = {call_id: (calls, {r for r, _ in ranks if dispatch.collects(dims, r)})}
         return self._gather(call_id)
 
     @ray.method(concurrency_group=CALLS)
-    def more(self, call_id: int) -> dict[int, tuple[bool, object]]:
-        """The calls of `call_id` still out when it (or the last `more`) answered, as `call`;
-        {} once a newer call replaced it."""
+    def more(self, call_id: int) -> dict:
+        """The calls of `call_id` still out when it (or the last `more`) answered, as `call`."""
         return self._gather(call_id)
 
-    def _gather(self, call_id: int) -> dict[int, tuple[bool, object]]:
-        waiting = self._calls.get(call_id, {})
-        out: dict[int, tuple[bool, object]] = {}
-        while waiting and call_id == self._latest and all(ok for ok, _ in out.values()):
+    def _gather(self, call_id: int) -> dict:
+        if call_id not in self._calls:  # a newer call replaced it
+            return {"results": {}, "errors": {}, "left": None, "replaced": True}
+        waiting, collected = self._calls[call_id]
+        results, errors = {}, {}
+        while waiting and call_id == self._latest and not errors:
             ready, _ = ray.wait(list(waiting), num_returns=1, timeout=STALE_CHECK_S)
             if ready:  # and every other call that ended meanwhile
                 ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
             for ref in ready:
-                i = waiting.pop(ref)
+                rank = waiting.pop(ref)
                 try:
-                    out[i] = (True, ray.get(ref))
+                    result = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - the rank's outcome, judged by the driver
-                    out[i] = (False, e)
+                    errors[rank] = e
+                    continue
+                if rank in collected:
+                    results[rank] = result
         if not waiting:
             self._calls.pop(call_id, None)
-        return out
+        return {"results": results, "errors": errors, "left": sorted(waiting.values()),
+                "replaced": call_id != self._latest}
 
 
 class AgentCalls(Calls):
@@ -129,6 +154,8 @@ class AgentCalls(Calls):
         return [*self._index, *self._agents]
 
     def ended(self, ref) -> tuple[list[tuple[int, Callable]], list]:
+        """Only the ranks collected or failed (a `NodeAgent.call` summary): a rank that ended
+        well and is not collected costs nothing here (its result stays None)."""
         if ref in self._index:
             return super().ended(ref)
         agent, indices = self._agents.pop(ref)
@@ -138,19 +165,25 @@ class AgentCalls(Calls):
             self._on_agent_error(agent, e)
             lost = CallLost(f"node agent failed: {str(e)[:200]}")
             return [(i, _raiser(lost)) for i in indices], []
-        out = [(i, (lambda v=v: v) if ok else _raiser(v)) for i, (ok, v) in summary.items()]
-        rest = indices - summary.keys()
-        if not summary:  # a newer call replaced this one at the agent (another driver's)
+        out = [(i, (lambda v=v: v)) for i, v in summary["results"].items()]
+        out += [(i, _raiser(e)) for i, e in summary["errors"].items()]
+        left = summary["left"]
+        if summary["replaced"]:  # at the agent, by a newer call (another driver's)
             lost = CallLost("node agent took a newer call")
-            return [(i, _raiser(lost)) for i in rest], []
-        if not rest:
+            return out + [(i, _raiser(lost)) for i in (indices if left is None else left)], []
+        if not left:
             return out, []
         more = agent.more.remote(self._call_id)
-        self._agents[more] = (agent, rest)
+        self._agents[more] = (agent, set(left))
         return out, [more]
 
     def indices(self, waiting: list) -> set[int]:
         return {i for ref in waiting for i in ([self._index[ref]] if ref in self._index else self._agents[ref][1])}
+
+
+def _put(value):
+    """`value` in Ray's object store: its ObjectRef (an ObjectRef given is one already)."""
+    return value if isinstance(value, ray.ObjectRef) else ray.put(value)
 
 
 def _raiser(error: BaseException) -> Callable:
@@ -161,48 +194,74 @@ def _raiser(error: BaseException) -> Callable:
 
 class NodeCalls:
     """The driver's side of `NodeAgent.call`: sends a call on many ranks as one call per node
-    agent, each agent's roster (the handles it reaches) sent only when it changed. The ranks'
-    grouping by node is kept while the slots are the same objects (held here, so that no new
-    slot can take a held one's id)."""
+    agent, with the call's arguments cut once (`dispatch.call_args`; of a value cut per DP
+    replica, only the parts of the agent's ranks) and the agent's layout (dims, its ranks) only
+    when it changed. The ranks' grouping by node is kept while the slots are the same objects
+    (held here, so that no new slot can take a held one's id)."""
 
     def __init__(self, node_of: Callable, live_agent: Callable, on_agent_error: Callable):
         """`node_of(slot)`: a slot's node; `live_agent(node)`: that node's live agent, or None
         (then its ranks are called from here: `Heartbeats.live_agent`); `on_agent_error(agent,
         error)`: told when an agent's call failed."""
         self._node_of, self._live_agent, self._on_agent_error = node_of, live_agent, on_agent_error
-        self._rosters: dict[str, frozenset] = {}   # agent key -> the actor keys it was last sent
+        self._sent: dict[str, tuple] = {}         # agent key -> the (dims, roster) it was last sent
         self._layout: tuple = ([], (), {})         # (the slots, their ids, node -> its ranks: `_by_node`)
+        self._keys: dict[tuple, set] = {}          # (node, dispatch, dims) -> the part keys of its ranks
         self._next = 0
 
-    def _by_node(self, slots: list) -> dict[str, tuple[list, frozenset, frozenset]]:
-        """node -> ([(index, actor key, handle)] of its slots, their actor keys, their indices)."""
+    def _by_node(self, slots: list) -> dict[str, tuple[list, tuple, frozenset]]:
+        """node -> ([(index, handle)] of its slots, its roster ((index, actor key) of each), their
+        indices)."""
         ids = tuple(map(id, slots))
         if ids != self._layout[1]:
             ranks: dict[str, list] = {}
             for i, slot in enumerate(slots):
-                ranks.setdefault(self._node_of(slot), []).append((i, actor_key(slot.handle), slot.handle))
-            by_node = {node: (r, frozenset(k for _, k, _ in r), frozenset(i for i, _, _ in r))
+                ranks.setdefault(self._node_of(slot), []).append((i, slot.handle))
+            by_node = {node: (r, tuple((i, actor_key(h)) for i, h in r), frozenset(i for i, _ in r))
                        for node, r in ranks.items()}
-            self._layout = (list(slots), ids, by_node)
+            self._layout, self._keys = (list(slots), ids, by_node), {}
         return self._layout[2]
 
-    def start(self, slots: list, method: str, per_rank: list[tuple[tuple, dict]]) -> AgentCalls:
-        """Start `method(*args, **kwargs)` of `per_rank[i]` on `slots[i]`; returns the calls in
-        flight, for `HealthMonitor.wait` (results by index i)."""
+    def start(self, slots: list, method: str, dims: ParallelDims, dispatch: str | type[Dispatch],
+              args: tuple, kwargs: dict | None = None) -> AgentCalls:
+        """Start `method` on every `slots[r]` (global rank r of `dims`) with the arguments
+        `dispatch` gives rank r of `(args, kwargs)` (`Dispatch.for_rank`; each value but a
+        scalar put into Ray's object store once, an ObjectRef passed as it is); returns the calls in flight, for
+        `HealthMonitor.wait` (results by rank; of a rank not collected by the dispatch that
+        ended well: None). Raises ValueError when len(slots) != dims.world_size or an argument
+        cannot be cut (`Dispatch.cut`)."""
+        if len(slots) != dims.world_size:
+            raise ValueError(f"got {len(slots)} ranks for a group of {dims.world_size}")
+        cls = get_dispatch_type(dispatch) if isinstance(dispatch, str) else dispatch
+        args, kwargs = call_args(dims, cls, *args, put=_put, **(kwargs or {}))
+        cut = any(isinstance(v, Cut) for v in (*args, *kwargs.values()))
         self._next += 1
         direct, refs = {}, {}
         for node, (ranks, roster, indices) in self._by_node(slots).items():
             agent = self._live_agent(node)
             if agent is None:
-                direct.update({getattr(h, method).remote(*per_rank[i][0], **per_rank[i][1]): i for i, _, h in ranks})
+                for i, h in ranks:
+                    a, kw = cls.for_rank(dims, i, args, kwargs)
+                    direct[getattr(h, method).remote(*a, **kw)] = i
                 continue
             akey = actor_key(agent)
-            send = None if self._rosters.get(akey) == roster else [h for _, _, h in ranks]
-            self._rosters[akey] = roster
-            calls = [(i, key, *per_rank[i]) for i, key, _ in ranks]
-            refs[agent.call.remote(self._next, method, calls, send)] = (agent, indices)
+            send = None if self._sent.get(akey) == (dims, roster) else (dims, ranks)
+            self._sent[akey] = (dims, roster)
+            a, kw = (args, kwargs) if not cut else self._only(node, cls, dims, indices, args, kwargs)
+            refs[agent.call.remote(self._next, (method, cls, a, kw, send))] = (agent, indices)
         return AgentCalls(len(slots), direct, refs, self._next, self._agent_error)
 
+    def _only(self, node: str, cls: type[Dispatch], dims: ParallelDims, indices: frozenset, args: tuple,
+              kwargs: dict) -> tuple[tuple, dict]:
+        """`args`, `kwargs` with each `Cut` holding only the parts of `node`'s ranks."""
+        keys = self._keys.get((node, cls, dims))
+        if keys is None:
+            keys = self._keys[(node, cls, dims)] = {cls.part_key(dims, i) for i in indices}
+
+        def mine(v):
+            return v.only(keys) if isinstance(v, Cut) else v
+        return tuple(map(mine, args)), {k: mine(v) for k, v in kwargs.items()}
+
     def _agent_error(self, agent, error: BaseException) -> None:
-        self._rosters.pop(actor_key(agent), None)  # resent with its next call
+        self._sent.pop(actor_key(agent), None)  # resent with its next call
         self._on_agent_error(agent, error)

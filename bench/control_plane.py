@@ -3,8 +3,10 @@
 The rank actors' engine does no math (`bench.control_rank.ControlRank`): this measures the
 control plane only. The actors keep the real paths the driver uses: heartbeats (`ping`,
 through one `node_agent.NodeAgent` per logical node of `--ranks-per-node` ranks), step calls
-sent as one call per node agent (`node_agent.NodeCalls`, as `ActorGroup.call` sends them) and
-waited on by `health.HealthMonitor.wait` (batch put once: `dispatch.dispatch_args`), the
+sent as one call per node agent (`node_agent.NodeCalls`, as `ActorGroup.call` sends them: the
+call's arguments cut once, each agent deriving its ranks' own with `MeshDispatch.for_rank` over
+dims of tp=`--tp`, dp=N/tp, and answering with the one result per DP replica the driver
+collects) and waited on by `health.HealthMonitor.wait` (batch put once), the
 join barrier through the driver's TCPStore (`rendezvous`; no process group is made), the
 abort round (`HealthMonitor.abort_survivors`) and the restore plan (the survivors' rollback
 round, then `fault_tolerance.plan_restore`). Logical nodes: every actor runs on this Ray node
@@ -40,7 +42,7 @@ size's failure (`failures` in the JSON) and the next size runs. Actors start in 
 `--start-batch`, one line per batch.
 
 Usage (repository root): python -m bench.control_plane [--sizes 64 256 1024] [--ranks-per-node 8]
-    [--steps 20] [--idle-s 5] [--health-timeout-s 3] [--no-store] [--phase-timeout-s 180]
+    [--tp 1] [--steps 20] [--idle-s 5] [--health-timeout-s 3] [--no-store] [--phase-timeout-s 180]
     [--start-batch 128] [--profile] [--out FILE]
 Prints a table and writes bench/results/control_plane_cpu.json (top level: sizes (those
 measured to the end), driver_cpu_per_step_s, step_wall_s, driver_cpu_per_step_direct_s,
@@ -70,7 +72,7 @@ from bench import actor_env, write_json
 from bench.control_rank import ControlRank
 from bench.scale import loglog_slope, mem_available_gb, pss_mb
 from config import load_config
-from dispatch import dispatch_args, dispatch_remote
+from dispatch import dispatch_remote
 from failures import WorkerFailure
 from fault_tolerance import plan_restore
 from health import HealthMonitor
@@ -172,15 +174,15 @@ class Run:
         return time.monotonic() - t0
 
     def step(self, step: int, batch, hold_s: float = 0.0, direct: bool = False):
-        """Start a step on every worker (batch put once), as `ActorGroup.call` does: one call per
-        node agent (`NodeCalls`), or with `direct` one call per rank from the driver (as before
-        the agents carried calls). Returns what `HealthMonitor.wait` takes."""
-        dims = ParallelDims(tp=1, pp=1, cp=1, dp=self.n)
+        """Start a step on every worker (batch put once; `MeshDispatch` over tp=`--tp`), as
+        `ActorGroup.call` does: one call per node agent (`NodeCalls`), or with `direct` one call
+        per rank from the driver (as before the agents carried calls). Returns what
+        `HealthMonitor.wait` takes."""
+        dims = ParallelDims(tp=self.args.tp, pp=1, cp=1, dp=self.n // self.args.tp)
         args = (self.generation, step, batch, hold_s)
         if direct:
-            return dispatch_remote([s.handle for s in self.workers], "train_step", dims, "pass_through", *args,
-                                   put=ray.put)
-        return self.calls.start(self.workers, "train_step", dispatch_args(dims, "pass_through", *args, put=ray.put))
+            return dispatch_remote([s.handle for s in self.workers], "train_step", dims, "mesh", *args, put=ray.put)
+        return self.calls.start(self.workers, "train_step", dims, "mesh", args)
 
     def steps(self, first: int, count: int, direct: bool = False) -> dict[str, float]:
         """`count` steps waited on by the health monitor (`direct`: see `step`): driver CPU
@@ -376,7 +378,7 @@ def summary(rows: list[dict], args) -> dict:
             "growth_exponent_driver_thread_cpu_direct": slope("driver_thread_cpu_per_step_direct_s"),
             "failures": [r for r in rows if "failed" in r],
             "device": f"cpu: {os.cpu_count()} cores ({platform.node()})",
-            "settings": {"ranks_per_node": args.ranks_per_node, "steps": args.steps, "idle_s": args.idle_s,
+            "settings": {"ranks_per_node": args.ranks_per_node, "tp": args.tp, "steps": args.steps, "idle_s": args.idle_s,
                          "health_timeout_s": args.health_timeout_s, "health_interval_s": args.health_interval_s,
                          "join_through_store": not args.no_store, "phase_timeout_s": args.phase_timeout_s}}
 
@@ -385,6 +387,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size of the step's layout (dp = N / tp): the driver collects one result per DP "
+                        "replica; 1 (every rank a replica) is the most results per step")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--idle-s", type=float, default=5.0)
     p.add_argument("--health-timeout-s", type=float, default=3.0)
@@ -396,6 +401,8 @@ def main(argv=None) -> dict:
     p.add_argument("--profile", action="store_true", help="print the top functions of each steps phase (cProfile)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "control_plane_cpu.json"))
     args = p.parse_args(argv)
+    if bad := [n for n in args.sizes if n % args.tp]:
+        p.error(f"--sizes {bad} not a multiple of --tp={args.tp}: give sizes that tp divides")
     ft = load_config(str(ROOT / "config.yaml"), [
         f"fault_tolerance.health_timeout_s={args.health_timeout_s}",
         f"fault_tolerance.health_interval_s={args.health_interval_s}",

@@ -176,3 +176,73 @@ def test_dispatch_remote_puts_each_replicas_batch_once_not_once_per_rank():
         assert generation == 3 and kw == {"step": 7} and extra_ref == f"ref{extra}"
         rows = stored[int(batch_ref[3:])].input_ids[:, 0].tolist()
         assert rows == ([0, 2] if dims.coords(r).dp == 0 else [1, 3])
+
+
+# -- each rank's arguments derived where its node agent runs (`Dispatch.for_rank`) ------------
+
+def _rows(pair):
+    """A rank's (args, kwargs) with each TrainingBatch as its rows' first input ids."""
+    def show(v):
+        return ("rows", v.input_ids[:, 0].tolist()) if isinstance(v, TrainingBatch) else v
+    args, kwargs = pair
+    return tuple(map(show, args)), {k: show(v) for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=str)
+@pytest.mark.parametrize("kind", ["mesh", "pass_through"])
+def test_for_rank_over_call_args_gives_each_rank_what_split_gives_it(dims, kind):
+    """The agent-side derivation (`for_rank` over the call's arguments cut once, `call_args`)
+    gives every rank of dp 1/2/4 with tp/cp/pp the same arguments as the driver-side split,
+    with values as they are and with each put once (`put`: a store that numbers what it holds)."""
+    cls = get_dispatch_type(kind)
+    args, kwargs = (5, numbered_batch(8), "s"), {"other": numbered_batch(8), "lr": 0.5, "cfg": {"a": 1}}
+    split = cls.split(dims, args, kwargs)
+    shared = dispatch.call_args(dims, kind, *args, **kwargs)
+    assert [_rows(cls.for_rank(dims, r, *shared)) for r in range(dims.world_size)] == list(map(_rows, split))
+    for_driver, for_agents = Store(), Store()
+    by_driver = dispatch.dispatch_args(dims, kind, *args, put=for_driver.put, **kwargs)
+    shared = dispatch.call_args(dims, kind, *args, put=for_agents.put, **kwargs)
+    by_agents = [cls.for_rank(dims, r, *shared) for r in range(dims.world_size)]
+    assert [_rows(for_agents.resolve(p)) for p in by_agents] == [_rows(for_driver.resolve(p)) for p in by_driver]
+    # each put once: one part per replica of each cut batch (mesh), else each value whole
+    assert len(for_agents.values) == len(for_driver.values) == (2 * dims.dp + 1 if kind == "mesh" else 3)
+
+
+class Store:
+    """A store as `put` sees one: each value put gets the next "refN"; `resolve` reads back."""
+
+    def __init__(self):
+        self.values = []
+
+    def put(self, value) -> str:
+        self.values.append(value)
+        return f"ref{len(self.values) - 1}"
+
+    def resolve(self, pair):
+        def get(v):
+            return self.values[int(v[3:])] if isinstance(v, str) and v.startswith("ref") else v
+        args, kwargs = pair
+        return tuple(map(get, args)), {k: get(v) for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=str)
+def test_a_node_given_only_its_ranks_parts_derives_the_same_arguments(dims):
+    """A node agent gets only the parts of a cut batch that its own ranks need (`Cut.only`,
+    nodes of 2 ranks here) and still derives every one of its ranks' arguments."""
+    cls, batch = MeshDispatch, numbered_batch(8)
+    split = cls.split(dims, (batch,), {})
+    (cut,), _ = dispatch.call_args(dims, cls, batch)
+    for first in range(0, dims.world_size, 2):
+        ranks = range(first, min(first + 2, dims.world_size))
+        mine = cut.only({cls.part_key(dims, r) for r in ranks})
+        assert len(mine.parts) == len({dims.coords(r).dp for r in ranks})
+        for r in ranks:
+            assert _rows(cls.for_rank(dims, r, (mine,), {})) == _rows(split[r])
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=str)
+def test_collects_names_exactly_the_ranks_collect_reads(dims):
+    """`collects` (what a node agent sends back) is the set of ranks `collect` reads."""
+    for cls in (MeshDispatch, PassThroughDispatch):
+        read = cls.collect(dims, list(range(dims.world_size)))
+        assert sorted(read) == [r for r in range(dims.world_size) if cls.collects(dims, r)]

@@ -26,7 +26,7 @@ class Rank:
     raises `ActorUnavailableError`; later calls return "done"."""
 
     def __init__(self, marker: str = "", broken_ping: bool = False):
-        self.marker, self.broken_ping = marker, broken_ping
+        self.marker, self.broken_ping, self.broken_echo = marker, broken_ping, False
 
     def ping(self) -> dict:
         if self.broken_ping:
@@ -50,10 +50,20 @@ class Rank:
         return True
 
     def echo(self, value, batch) -> tuple:
-        """(value, batch); raises ValueError when value is "raise"."""
-        if value == "raise":
+        """(value, batch); raises ValueError once `fail_next` was called."""
+        if self.broken_echo:
+            self.broken_echo = False
             raise ValueError("bad value")
         return value, batch
+
+    def rows(self, batch, other) -> tuple:
+        """(the first input id of each row of the TrainingBatch `batch`, other): plain lists,
+        so that the node agent reading the result needs no torch."""
+        return batch.input_ids[:, 0].tolist(), other
+
+    def fail_next(self) -> None:
+        """The next `echo` raises."""
+        self.broken_echo = True
 
     def pid(self) -> int:
         return os.getpid()
@@ -297,12 +307,16 @@ def test_node_agents_carry_heartbeats_one_call_per_node(ray_session):
 
 def test_node_agents_carry_step_calls_one_call_per_node(ray_session):
     """A call on every rank goes out as one `NodeAgent.call` per node (two logical nodes of two
-    ranks here), per-rank arguments and an ObjectRef put once passing through; the results come
-    back in rank order. A rank whose call raises is that rank's 'exception', a killed rank that
-    rank's 'crash'; a spare in its place is reached (the agent's roster resent); a dead agent
-    replaces nobody (its calls are lost, its node's raylet answers) and later calls reach its
-    node's ranks from the driver."""
+    ranks here), with the call's arguments cut once: each agent derives its ranks' own (each DP
+    replica its rows of a TrainingBatch, an ObjectRef put once passing through), and the results
+    the dispatch collects come back in rank order, as from one call per rank. A rank whose call
+    raises is that rank's 'exception', a killed rank that rank's 'crash'; a spare in its place
+    is reached (the agent's layout resent); a dead agent replaces nobody (its calls are lost,
+    its node's raylet answers) and later calls reach its node's ranks from the driver."""
+    from dispatch import MeshDispatch, dispatch_args
     from node_agent import NodeAgent, NodeCalls
+    from parallel_dims import ParallelDims
+    from test_dispatch import numbered_batch
 
     slots = _slots([Rank.remote() for _ in range(4)])
     agents = {"n0": NodeAgent.remote(0.05), "n1": NodeAgent.remote(0.05)}
@@ -310,30 +324,42 @@ def test_node_agents_carry_step_calls_one_call_per_node(ray_session):
                            node_of=lambda s: f"n{s.bundle_index // 2}")
     calls = NodeCalls(health.beats.node_of, health.beats.live_agent, health.agent_failed)
     batch = ray.put([1, 2, 3])
-    ray.get([*(s.handle.noop.remote() for s in slots), *(a.node_id.remote() for a in agents.values())])
+    # A rank's first TrainingBatch imports torch there (seconds of silence on a loaded host): before the heartbeats.
+    ray.get([*(s.handle.rows.remote(numbered_batch(1), 0) for s in slots), *(a.node_id.remote() for a in agents.values())])
+    pass_through = ParallelDims(tp=1, pp=1, cp=1, dp=4)
 
-    def call(values):
-        sent = calls.start(slots, "echo", [((v, batch), {}) for v in values])
+    def call(value, dims=pass_through, dispatch="pass_through", method="echo"):
+        sent = calls.start(slots, method, dims, dispatch, (value, batch))
         return len(sent.waitables()), health.wait(sent, timeout=30)
 
     health.start()
     try:
-        assert call(range(4)) == (2, [(r, [1, 2, 3]) for r in range(4)])
+        assert call("v") == (2, [("v", [1, 2, 3])] * 4)
+        # tp=2, dp=2 (ranks 0, 1 on node n0 are replica 0): each replica gets its rows, as the
+        # driver-side split gives them, and only one result per replica comes back
+        mesh = ParallelDims(tp=2, pp=1, cp=1, dp=2)
+        split = [a[0].input_ids[:, 0].tolist() for a, _ in dispatch_args(mesh, "mesh", numbered_batch(4))]
+        assert split == [[0, 2], [0, 2], [1, 3], [1, 3]]
+        assert call(numbered_batch(4), mesh, "mesh", "rows") == (2, [(split[0], [1, 2, 3]), None,
+                                                                      (split[2], [1, 2, 3]), None])
+        ray.get(slots[2].handle.fail_next.remote())
         with pytest.raises(WorkerFailure) as failure:
-            call([0, 1, "raise", 3])
+            call("v")
         assert (failure.value.ranks, failure.value.kind) == ({2}, "exception"), failure.value
         ray.kill(slots[3].handle)
         with pytest.raises(WorkerFailure) as failure:
-            call(range(4))
+            call("v")
         assert (failure.value.ranks, failure.value.kind) == ({3}, "crash"), failure.value
         slots[3] = _slots([Rank.remote()] * 4)[3]
         ray.get(slots[3].handle.noop.remote())
-        assert call(range(4)) == (2, [(r, [1, 2, 3]) for r in range(4)])
+        assert call("v") == (2, [("v", [1, 2, 3])] * 4)
         ray.kill(agents["n0"])
         with pytest.raises(WorkerFailure) as failure:
-            call(range(4))
+            call("v")
         assert (failure.value.ranks, failure.value.kind) == (set(), "exception"), failure.value
-        assert call(range(4)) == (3, [(r, [1, 2, 3]) for r in range(4)])   # ranks 0, 1 from the driver
+        assert call("v") == (3, [("v", [1, 2, 3])] * 4)   # ranks 0, 1 from the driver
+        n, results = call(numbered_batch(4), mesh, "mesh", "rows")   # derived there
+        assert n == 3 and MeshDispatch.collect(mesh, results) == [(split[0], [1, 2, 3]), (split[2], [1, 2, 3])]
     finally:
         health.stop()
         for a in [*agents.values(), *(s.handle for s in slots)]:

@@ -62,12 +62,20 @@ def _model_ids(group) -> list[int]:
     return ray.get([s.handle.__ray_call__.remote(lambda actor: id(actor.engine.module)) for s in group.workers])
 
 
+def _agent_calls(group) -> list[int]:
+    """The newest call id each node agent took (`NodeAgent.call`): the driver's step calls it carried."""
+    return ray.get([a.__ray_call__.remote(lambda agent: agent._latest) for a in group.agents.values()])
+
+
 def test_peer_restore_matches_bitwise(reference, tmp_path):
+    """A rank killed after step 2: the steps, sent through the node's agent (which derives each
+    rank's arguments and answers with one summary), end bitwise equal to the run without."""
     ids = {}
     trainer, digests, spares = run(make_cfg(tmp_path, spares=2), kill_rank=1,
                                    after_step_2=lambda t: ids.setdefault("before", _model_ids(t.group)),
-                                   at_end=lambda t: ids.setdefault("after", _model_ids(t.group)))
+                                   at_end=lambda t: ids.update(after=_model_ids(t.group), calls=_agent_calls(t.group)))
     assert trainer.losses == reference[0]
+    assert ids["calls"] and min(ids["calls"]) >= 4  # every step (4, one re-run after the kill) through the agent
     assert ids["before"][0] == ids["after"][0]  # the survivor kept its model object
     assert digests == reference[1]  # final weights identical on every rank
     (tl,) = trainer.recoveries
