@@ -123,7 +123,8 @@ def test_async_saves_due_while_one_is_written_are_postponed_not_waited_for(refer
     the first step after the write's commit saves; the run's last step is saved at its end;
     training equals the run without checkpoints slowed down."""
     cfg = make_cfg(tmp_path, s3_server, "checkpoint.async_save=true", "checkpoint.interval=1",
-                   "fault_tolerance.min_step_timeout_s=20", "fault_tolerance.step_timeout_s=20")  # deadlines: not this test's point
+                   "fault_tolerance.min_step_timeout_s=20", "fault_tolerance.step_timeout_s=20",  # not this test's point
+                   "cluster.num_spares=0")
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
