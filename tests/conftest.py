@@ -174,3 +174,23 @@ def stdlib_corpus(tmp_path_factory):
 
     tok, prefix = make(tmp_path_factory.mktemp("stdlib"), max_files=40)
     return str(tok), prefix
+
+
+TINY_MEGATRON = ["model.distributed_optimizer=false", "model.dtype=float32", "model.num_layers=2",
+                 "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=128", "model.vocab_size=128",
+                 "model.max_seq_len=16", "train.seq_len=16", "train.global_batch_size=4", "train.mini_batch_size=4",
+                 "train.micro_batch_size=1", "checkpoint.interval=0", "checkpoint.async_save=false"]
+
+
+def megatron_cpu_cfg(tmp_path, *sets: str):
+    """A config of MegatronActors on CPU (gloo) with a tiny float32 model (`TINY_MEGATRON`, then
+    `sets`): resolved as for one GPU so the engine is Megatron, then the cluster set to CPU."""
+    import dataclasses
+
+    from config import load_config, resolve
+
+    cfg = resolve(load_config("config.yaml", [*TINY_MEGATRON, *sets, f"run_dir={tmp_path}",
+                                              f"checkpoint.uri={tmp_path}/ckpt"]), num_gpus=1)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0))
+    assert cfg.model.engine == "megatron"
+    return cfg

@@ -17,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from conftest import reference_run, run_bench, wait_for_shards
+from conftest import megatron_cpu_cfg, reference_run, run_bench, wait_for_shards
 from config import load_config, resolve
 from actor_group import ActorGroup
 from courier import from_regions, regions
@@ -411,21 +411,12 @@ def test_megatron_at_tp2_dp1_resumes_bitwise_from_its_whole_state_in_an_arena():
 @pytest.mark.slow
 def test_megatron_actors_at_tp2_dp1_restore_a_sigkilled_rank_from_its_nodes_holder(ray_session, tmp_path):
     """The protocol with `MegatronActor`s running the Megatron engine on CPU (gloo; the config is
-    resolved as for a GPU and set to the CPU after, as test_megatron_checkpoint.py does), tp=2,
+    resolved as for a GPU and set to the CPU after: `conftest.megatron_cpu_cfg`), tp=2,
     dp=1, 2 workers + 1 spare: rank 1 SIGKILLed after step 3 comes back from its node's holder
     (`local`, 0 steps lost; rank 0 rolled back locally), losses and final states bitwise as the
     run without failure."""
-    import dataclasses
-
-    sets = ["cluster.num_workers=2", "cluster.num_spares=1", "parallel.tp=2", "model.distributed_optimizer=false",
-            "model.dtype=float32", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
-            "model.ffn_hidden_size=128", "model.vocab_size=128", "model.max_seq_len=16", "train.seq_len=16",
-            "train.global_batch_size=4", "train.mini_batch_size=4", "train.micro_batch_size=1", "train.steps=5",
-            "checkpoint.interval=0", "checkpoint.async_save=false", "fault_tolerance.refill_spares=false",
-            f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt"]
-    cfg = resolve(load_config("config.yaml", sets), num_gpus=1)
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0))
-    assert cfg.model.engine == "megatron"
+    cfg = megatron_cpu_cfg(tmp_path, "cluster.num_workers=2", "cluster.num_spares=1", "parallel.tp=2",
+                           "train.steps=5", "fault_tolerance.refill_spares=false")
     ref_losses, ref_digests = reference_run(cfg, 5)
     group = ActorGroup(cfg)
     try:

@@ -423,25 +423,16 @@ def test_megatron_recovery_falls_back_past_a_checkpoint_whose_bytes_changed(ray_
     one rank, moves onto the dp = 2 groups). The same fallback load again
     (`fault_tolerance.restore_checkpoint`) leaves every rank with the state it had after step 1,
     bitwise."""
-    import dataclasses
-
     import ray
 
     from actor_group import ActorGroup
     from checkpoint import check_compatible
-    from config import load_config, resolve
+    from conftest import megatron_cpu_cfg
     from fault_tolerance import restore_checkpoint
     from trainer import Trainer
 
-    sets = ["cluster.num_workers=2", "cluster.num_spares=1", "model.distributed_optimizer=false",
-            "model.dtype=float32", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
-            "model.ffn_hidden_size=128", "model.vocab_size=128", "model.max_seq_len=16", "train.seq_len=16",
-            "train.global_batch_size=4", "train.mini_batch_size=4", "train.micro_batch_size=1", "train.steps=3",
-            "checkpoint.interval=0", "checkpoint.async_save=false", "fault_tolerance.restore=checkpoint",
-            f"run_dir={tmp_path}", f"checkpoint.uri={tmp_path}/ckpt"]
-    cfg = resolve(load_config("config.yaml", sets), num_gpus=1)
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0))
-    assert cfg.model.engine == "megatron"
+    cfg = megatron_cpu_cfg(tmp_path, "cluster.num_workers=2", "cluster.num_spares=1", "train.steps=3",
+                           "fault_tolerance.restore=checkpoint")
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
