@@ -66,8 +66,8 @@ def trained(ray_session, tmp_path_factory):
 
 
 # CI: dp=2 against dp=1 (the rows split over replicas and over micro-batches); slow: dp=4 too.
-@pytest.mark.parametrize("mode, sizes", [pytest.param("token-mean", (4, 2, 1), marks=pytest.mark.slow),
-                                         ("seq-mean-token-mean", (2, 1))])
+@pytest.mark.parametrize("mode, sizes", [pytest.param("token-mean", (4, 2, 1), marks=pytest.mark.slow, id="token-mean"),
+                                         pytest.param("seq-mean-token-mean", (2, 1), id="seq-mean-token-mean")])
 def test_runs_at_other_dp_sizes_train_the_same(trained, mode, sizes):
     runs = {n: trained(n, f"ppo.loss_agg_mode={mode}")[0] for n in sizes}
     first = runs[sizes[0]]
