@@ -101,8 +101,10 @@ def test_a_lost_node_is_found_at_once_with_all_its_actors(cluster, tmp_path):
 
 
 def test_node_removed_mid_run_recovers_on_other_node(cluster, reference, tmp_path):
+    # One spare, no refills: 3 actors, one per node (SPREAD), so the spare is on neither rank's
+    # node (each actor start is seconds of CPU; the refills are the slow tests' subject).
     c, nodes = cluster[0], three_live_nodes(cluster)
-    cfg = make_cfg(tmp_path / "run", 4)
+    cfg = make_cfg(tmp_path / "run", 1, "fault_tolerance.refill_spares=false")
     group = ActorGroup(cfg)
     try:
         assert len({s.node_id for s in group.workers + group.pool.spares}) == 3  # SPREAD
