@@ -285,8 +285,10 @@ def _engine_stuck_rank(rank: int, world: int, store, cfg) -> dict:
     if rank == 0:
         out.update(still_stuck_after_next_step=not work.is_completed(), retired=len(engine._retired), loss=loss)
         store.set("checked", "1")
+        store.wait(["seen"], datetime.timedelta(seconds=60))  # rank 0 hosts the store: stay until rank 1 read it
     else:
         store.wait(["checked"], datetime.timedelta(seconds=60))
+        store.set("seen", "1")
     del hung_group
     return out
 
