@@ -394,10 +394,14 @@ class ActorGroup:
     def _prepare(self, spares: list) -> None:
         """Spares, in the background: connect to the driver's store, reserve the rollback
         snapshot's host memory (the largest rank's size) and warm up
-        (`MegatronActor.prepare_spare`), so none of these slows a recovery or its first steps."""
+        (`MegatronActor.prepare_spare`), so none of these slows a recovery or its first steps;
+        with the local keeper, each keeps its node holder's arenas mapped (`keeper.LocalMaps`)."""
+        ft = self.cfg.fault_tolerance
+        local = keeps_locally(ft.shard_keeper, self.dims.dp, self.cfg.cluster.num_spares)
         for s in spares:
-            self._warming[id(s)] = s.handle.prepare_spare.remote(self.snapshot_nbytes, self.store_host,
-                                                                 self.store_port)
+            self._warming[id(s)] = s.handle.prepare_spare.remote(
+                self.snapshot_nbytes, self.store_host, self.store_port,
+                self.holders.get(s.node_id) if local else None)
 
     def wait_spares_warm(self, timeout: float) -> float:
         """Wait until every spare of the pool has finished warming (`_prepare`), at most

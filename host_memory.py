@@ -114,8 +114,8 @@ def carve_shard(state, arena: torch.Tensor):
 
 
 class _PinnedMap(mmap.mmap):
-    """Anonymous host memory (pages faulted in on first touch, no memset) page-locked with
-    cudaHostRegister for as long as any tensor views it: `torch.frombuffer` keeps this object
+    """Mapped host memory (anonymous: pages faulted in on first touch, no memset; or a memory
+    file's), page-locked with cudaHostRegister once `register`ed, for as long as any tensor views it: `torch.frombuffer` keeps this object
     alive until the last view's storage is freed, and its finalizer unregisters the pages
     before the memory is unmapped."""
 
@@ -236,12 +236,19 @@ class AdoptedArena(_MemoryFile):
             return False
 
 
-def attach_shared(path: str, nbytes: int) -> torch.Tensor:
+def attach_shared(path: str, nbytes: int, pin: bool = False) -> torch.Tensor:
     """uint8 [nbytes] view of another process's `SharedArena` at `path` (`SharedArena.path`),
-    mapped shared: the owner's writes are seen here. Raises OSError when the owner is gone."""
+    mapped shared: the owner's writes are seen here. `pin`: every page mapped now
+    (MAP_POPULATE) and, where CUDA exists, page-locked by this thread's device (cudaHostRegister,
+    undone when the last view goes), so host-to-device copies from it run at full bus speed
+    rather than faulting in and staging tens of GB at the time of the copy. Raises OSError when
+    the owner is gone, RuntimeError when CUDA cannot register the memory."""
     with open(path, "r+b") as f:
-        memory = mmap.mmap(f.fileno(), max(nbytes, 1), flags=mmap.MAP_SHARED)
-    return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes]
+        memory = _PinnedMap(f.fileno(), max(nbytes, 1), flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if pin else 0))
+    view = torch.frombuffer(memory, dtype=torch.uint8)[:nbytes]
+    if pin and nbytes and torch.cuda.is_available():
+        memory.register(view.data_ptr())
+    return view
 
 
 def share_in_background(nbytes: int, name: str) -> concurrent.futures.Future:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 
 import ray
@@ -71,19 +72,98 @@ def local_key(layout: str, rank: int, node: str) -> tuple:
     return LOCAL, layout, rank, node
 
 
-def load_local(engine, holder, key: tuple, step: int) -> bool:
+def load_local(engine, holder, key: tuple, step: int, maps: LocalMaps | None = None) -> bool:
     """Load the state of `step` that `holder` (this node's `SnapshotHolder`) keeps under `key`
     (`local_key`) into `engine` (`Engine.load_state`), mapping the arena through the holder's
-    descriptor: no bytes through Ray. False when the holder has no complete copy of that step,
-    or when the arena was retired while it was read (the engine's state is then to be
-    restored from another source)."""
+    descriptor (or taking `maps`' mapping of it, made ahead): no bytes through Ray. False when
+    the holder has no complete copy of that step, or when the arena was retired while it was
+    read (the engine's state is then to be restored from another source)."""
     found = ray.get(holder.local.remote(key, step))
     if found is None:
         return False
     path, nbytes, layout = found
-    arena = attach_shared(path, nbytes)
+    arena = maps.view(path) if maps is not None else None
+    if arena is None:
+        arena = attach_shared(path, nbytes)
     engine.load_state(from_regions(layout, arena))
     return int(arena[:8].view(torch.int64)) == step
+
+
+class LocalMaps:
+    """A spare's mappings of the arenas its node's holder adopted (the local keeper), made while
+    it waits: `start` maps each arena the holder lists (`SnapshotHolder.arenas`) every
+    `PERIOD_S` seconds, page-locked (`attach_shared(pin=True)`), and unmaps those it no longer
+    lists. Why: a replacement that maps a dead rank's arena at restore time first faults in
+    every page of a fresh mapping and copies from pageable memory (a few GB/s: seconds for tens
+    of GB); from these mappings the copy to the device runs at full bus speed. `stop` (at the
+    spare's join) keeps the mappings for its restore; `close` unmaps them (they would keep a
+    replaced rank's memory alive). `used` counts the loads served from them."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self):
+        self.used = 0
+        self._maps: dict[int, torch.Tensor] = {}  # memory file inode -> its mapping
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, holder) -> None:
+        """Keep mapping what `holder` (this node's `SnapshotHolder`) adopts, in a thread of
+        this process, until `stop`."""
+        self.stop()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, args=(holder,), name="local-maps", daemon=True)
+        self._thread.start()
+
+    def _run(self, holder) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh(ray.get(holder.arenas.remote()))
+            except Exception as exc:  # noqa: BLE001 (a holder gone: the restore maps at its time)
+                log.debug("local maps: %r", exc)
+            self._stop.wait(self.PERIOD_S)
+
+    def refresh(self, listed: dict[int, tuple[str, int]]) -> None:
+        """Map the arenas of `listed` (`SnapshotHolder.arenas`) not mapped yet and unmap those
+        not in it; an arena whose owner and holder let go meanwhile is skipped."""
+        with self._lock:
+            for ino in [i for i in self._maps if i not in listed]:
+                del self._maps[ino]
+            for ino, (path, nbytes) in listed.items():
+                if ino not in self._maps and not self._stop.is_set():
+                    try:
+                        self._maps[ino] = attach_shared(path, nbytes, pin=True)
+                    except OSError:
+                        continue
+
+    def view(self, path: str) -> torch.Tensor | None:
+        """The mapping of the memory file at `path`, or None when there is none; counted in
+        `used`."""
+        try:
+            ino = os.stat(path).st_ino
+        except OSError:
+            return None
+        with self._lock:
+            view = self._maps.get(ino)
+        self.used += view is not None
+        return view
+
+    def stop(self) -> None:
+        """Stop mapping (the thread ends); the mappings stay."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """`stop`, and unmap every arena."""
+        self.stop()
+        with self._lock:
+            self._maps.clear()
+
+    def __len__(self) -> int:
+        return len(self._maps)
 
 
 def keeper_node(node: str, nodes: list[str]) -> str:

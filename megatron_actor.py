@@ -29,7 +29,7 @@ from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, M
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
-from keeper import ShardSender, keeps_locally, keeps_shards, load_local, local_key, shard_key
+from keeper import LocalMaps, ShardSender, keeps_locally, keeps_shards, load_local, local_key, shard_key
 from lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
 from parallel_dims import ParallelDims
 from rendezvous import arrive, release, wait_formed
@@ -63,6 +63,7 @@ class MegatronActor:
         self._sender = SnapshotSender()
         self._shards = ShardSender()      # sends this rank's optimizer shard to its keeper (keeper.py)
         self._keeper = None               # the holder keeping it (None: not kept)
+        self._local_maps = LocalMaps()    # a spare's mappings of its node's kept arenas (keeper.py)
         self.rows = None                  # rank_rows.RankRows: this rank reads its own rows (ce)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         use_node_interface(ray.util.get_node_ip_address())  # before any process group is made
@@ -182,13 +183,17 @@ class MegatronActor:
         """Bytes of this rank's rollback snapshot (0 when its engine keeps none)."""
         return self.engine.snapshot_nbytes()
 
-    def prepare_spare(self, snapshot_nbytes: int, host: str, port: int) -> None:
+    def prepare_spare(self, snapshot_nbytes: int, host: str, port: int, local_holder=None) -> None:
         """Spare, before any failure: connect to the driver's store at host:port (the first
         connect may wait on a reverse-DNS lookup), reserve host memory for the rollback
         snapshot it will keep once it joins, and pay the process's one-time first-step costs,
         so none of these slows a recovery or its first steps (`Engine.reserve_host_memory`,
-        `Engine.warm_up`, `CheckpointManager.warm_client`)."""
+        `Engine.warm_up`, `CheckpointManager.warm_client`). `local_holder`: this node's
+        holder of the local keeper's arenas, which the spare keeps mapped until it joins
+        (`keeper.LocalMaps`), so that restoring a rank from one is a copy at bus speed."""
         self.life.move(WARMING)
+        if local_holder is not None:
+            self._local_maps.start(local_holder)
         self._store_client(host, port)
         self.engine.reserve_host_memory(snapshot_nbytes)
         self.engine.warm_up()
@@ -224,6 +229,7 @@ class MegatronActor:
         try:
             phases = self._join(generation, rank, dims, host, port, holder, local_holder)
         except BaseException:
+            self._local_maps.close()
             self.life.move(ABORTED)
             raise
         if not self.life.joined(generation):
@@ -241,6 +247,7 @@ class MegatronActor:
         self.fault_point("during_recovery")
         self.engine.disconnect()
         ft = self.cfg.fault_tolerance
+        self._local_maps.stop()  # what is mapped now stays for this join's restore (`restore_local`)
         store = dist.PrefixStore(f"gen{generation}", self._store_client(host, port))
         # Abortable barrier before the rendezvous inside init_process_group (`rendezvous`).
         arrive(store, dims.world_size)
@@ -316,6 +323,7 @@ class MegatronActor:
         optimizer shard of step `step` is then sent to its keeper, and the result carries
         `kept_shards` ({"sent", "skipped", "failed"})."""
         self._check(generation)
+        self._local_maps.close()  # a spare's mappings of other ranks' arenas: no use once training
         self.engine.snapshot()
         self.fault_point("step_start")
         own = batch is None
@@ -369,7 +377,11 @@ class MegatronActor:
         adopted (the local keeper, `keeper.load_local`): False when that holder has no complete
         copy of it (or this rank keeps none locally)."""
         self._check(generation)
-        return self._shards.local and load_local(self.engine, self._keeper, self._kept_key(), step)
+        try:
+            return self._shards.local and load_local(self.engine, self._keeper, self._kept_key(), step,
+                                                     self._local_maps)
+        finally:
+            self._local_maps.close()
 
     def generate(self, generation: int, step: int, prompts, stop_ids: tuple[int, ...], pad_id: int) -> dict:
         """RL rollout of step `step`: sample completions of this DP replica's prompt rows (a

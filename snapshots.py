@@ -207,6 +207,11 @@ class SnapshotHolder:
                 return x.arena.path, x.arena.nbytes, x.layout
         return None
 
+    def arenas(self) -> dict[int, tuple[str, int]]:
+        """Every adopted arena (`adopt`), complete or not: its memory file's inode -> (path,
+        nbytes), for a spare of this node to map before it is needed (`keeper.LocalMaps`)."""
+        return {x.arena.ino: (x.arena.path, x.arena.nbytes) for arenas in self._local.values() for x in arenas.values()}
+
     def get(self, key: tuple, step: int) -> dict | None:
         """The complete snapshot of (`key`, `step`) in wire form (`from_wire`), or None."""
         return self.snaps.get(key, {}).get(step)

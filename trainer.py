@@ -88,6 +88,7 @@ class Trainer:
         self.step_times: list[float] = []
         self._steady_times: list[float] = []  # step times, without the first and the first after a recovery
         self.save_stalls: list[float] = []   # seconds training waited for each save
+        self.final_save_wait_s = 0.0         # seconds the end of `train` waited for the last writes
         self._pending_save: tuple[int, float] | None = None  # (step, start) of an async save
         self._save_due = False               # a due save postponed (`_postpone`)
         self.postponed_saves: list[int] = []  # steps whose due save waited for the previous one's write
@@ -177,8 +178,8 @@ class Trainer:
             try:
                 if self.committed_step >= until_step:
                     if self._save_due:  # a postponed save: the last step is saved, as without postponing
-                        self.save(self.committed_step)
-                    self.finish_save()
+                        self.save(self.committed_step, final=True)
+                    self.finish_save(stall=False)
                     if self.failed_saves and not self.checkpoints:
                         log.warning("%s", self.no_commit_line())
                     return
@@ -268,14 +269,15 @@ class Trainer:
         self._save_due = True
         self.postponed_saves.append(step)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, final: bool = False) -> None:
         """Every rank writes its shards; the driver commits the manifest last. With
         `checkpoint.async_save` the ranks only snapshot to host memory here and write in the
         background; the commit follows once every rank's write has ended (`finish_save`). At
         most one async save is in flight: this waits for the previous one first (`train`
-        postpones a due save instead, `_postpone`)."""
+        postpones a due save instead, `_postpone`). `final`: no step follows (the end of `train`),
+        so the wait for the previous one is no stall of training (`finish_save`)."""
         self._save_due = False
-        self.finish_save()
+        self.finish_save(stall=not final)
         t0 = time.perf_counter()
         if self.cfg.checkpoint.async_save:
             self.group.call("save_checkpoint", step, True)
@@ -286,12 +288,13 @@ class Trainer:
         if not self.cfg.checkpoint.async_save:
             self.metrics.on_save(step, self.save_stalls[-1])
 
-    def finish_save(self, wait: bool = True) -> None:
+    def finish_save(self, wait: bool = True, stall: bool = True) -> None:
         """Commit the pending async save. `wait=False` (after each step): only when every rank's
         background write has already ended (`checkpoint_written`, answered beside training), so
         training goes on while a write takes longer than a step; `wait=True` (before the next
         save, at the end of `train`): waits for the writes. The time spent here counts in that
-        save's stall (`save_stalls`, `event=checkpoint_save`)."""
+        save's stall (`save_stalls`, `event=checkpoint_save`), or with `stall=False` (the end of
+        `train`: no step waits) in `final_save_wait_s`."""
         if self._pending_save is None:
             return
         t0 = time.perf_counter()
@@ -302,7 +305,10 @@ class Trainer:
             return
         (step, started), self._pending_save = self._pending_save, None
         self._commit_save(step, self.group.call("finish_checkpoint"), started)
-        self.save_stalls[-1] += time.perf_counter() - t0
+        if stall:
+            self.save_stalls[-1] += time.perf_counter() - t0
+        else:
+            self.final_save_wait_s += time.perf_counter() - t0
         self.metrics.on_save(step, self.save_stalls[-1])
 
     def _wait_written(self) -> None:

@@ -24,7 +24,8 @@ Prints a table and writes bench/results/recovery_<device>.json:
  `timeline` is the median run's;
  `step_s`: the median step without a recovery, `Trainer.steady_step_s`, beside `first_step_s`;
  `steps_lost`: the most of any repeat; `save_stall_s`: the longest time training waited for one
- checkpoint save, `Trainer.save_stalls`; `defaults_only`: no `--set` but the cluster size, the
+ checkpoint save, `Trainer.save_stalls` (not the waits for the last writes when `train` returns,
+ `final_save_wait_s`; saves postponed while one was written: `postponed_saves`); `defaults_only`: no `--set` but the cluster size, the
  model's shape and the steps, and the default config file).
 The JSON is first written before the full restarts (without their keys), so a run cut short
 there keeps its recoveries; `--full-restarts 0` skips them.
@@ -185,6 +186,8 @@ def main(argv=None) -> dict:
         "detect_s": statistics.median(t.detect_s for t in timelines),
         "step_s": step_s,
         "save_stalls_s": save_stalls,
+        "postponed_saves": list(trainer.postponed_saves),
+        "final_save_wait_s": trainer.final_save_wait_s,
         "timeline": median_tl.to_dict(),
         "matches_reference": matches,
         "runs": {"recoveries": [t.to_dict() for t in timelines], "full_restarts": []},

@@ -23,7 +23,7 @@ from actor_group import ActorGroup
 from courier import from_regions, regions
 from host_memory import SEAL_BYTES, SharedArena, attach_shared, carve
 from fault_tolerance import plan_restore
-from keeper import keeper_node, local_key, shard_key
+from keeper import LocalMaps, keeper_node, local_key, shard_key
 from snapshots import SnapshotHolder
 from trainer import Trainer
 
@@ -274,6 +274,11 @@ def test_a_holder_serves_an_adopted_arena_only_while_sealed_and_drops_it_for_a_n
     a.close()
     got = from_regions(layout, attach_shared(path, nbytes))
     assert got["step"] == 7 and all(torch.equal(x, y) for x, y in zip(got["model"], state["model"]))
+    maps = LocalMaps()  # a spare's mappings of them, made ahead
+    maps.refresh(ray.get(holder.arenas.remote()))
+    assert len(maps) == 1 and torch.equal(maps.view(path), attach_shared(path, nbytes)) and maps.used == 1
+    maps.refresh({})
+    assert len(maps) == 0 and maps.view(path) is None
     b, layout_b = written(8, "b")
     ray.get(holder.adopt.remote(key, 2, 0, b.path, b.nbytes, 8, layout_b))
     b.seal(8)
@@ -305,11 +310,18 @@ def test_at_dp1_a_sigkilled_rank_comes_back_from_its_nodes_holder(reference1, tm
         trainer.save(1)
         trainer.train(3)
         wait_for_local(group, 3)
+        spare = group.pool.spares[0].handle
+        deadline = time.monotonic() + 30  # liveness bound: the spare maps them within a second
+        while ray.get(spare.__ray_call__.remote(lambda a: len(a._local_maps))) < 2:
+            assert time.monotonic() < deadline, "the spare did not map its node's two kept arenas"
+            time.sleep(0.2)
         pid = ray.get(group.workers[0].handle.__ray_call__.remote(lambda a: os.getpid()))
         os.kill(pid, signal.SIGKILL)
         trainer.train(5)
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local", 0, 3)
+        # loaded from the spare's own mapping of the arena, which then went
+        assert ray.get(spare.__ray_call__.remote(lambda a: (a._local_maps.used, len(a._local_maps)))) == (1, 0)
         assert trainer.losses == reference1[0] and not trainer.replayed
         assert group.state_digests() == reference1[1]
         assert unmapped([pid])

@@ -138,4 +138,5 @@ def test_async_saves_due_while_one_is_written_are_postponed_not_waited_for(refer
     assert trainer.checkpoints[:2] == [1, 2] and trainer.checkpoints[-1] == 4 and not trainer.failed_saves
     assert 3 in trainer.postponed_saves and set(trainer.checkpoints) | set(trainer.postponed_saves) == {1, 2, 3, 4}
     assert sum("postponed" in r.message for r in caplog.records) == 1 and not trainer.recoveries
+    assert trainer.final_save_wait_s > 0  # the end waited for the last write: no training stall
     assert trainer.losses == reference[0] and digests == reference[1]
