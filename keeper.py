@@ -109,20 +109,23 @@ class LocalMaps:
         self._thread: threading.Thread | None = None
 
     def start(self, holder) -> None:
-        """Keep mapping what `holder` (this node's `SnapshotHolder`) adopts, in a thread of
-        this process, until `stop`."""
+        """Map what `holder` (this node's `SnapshotHolder`) holds now, then keep mapping what
+        it adopts, in a thread of this process, until `stop`."""
         self.stop()
         self._stop.clear()
+        self._refresh_from(holder)
         self._thread = threading.Thread(target=self._run, args=(holder,), name="local-maps", daemon=True)
         self._thread.start()
 
     def _run(self, holder) -> None:
-        while not self._stop.is_set():
-            try:
-                self.refresh(ray.get(holder.arenas.remote()))
-            except Exception as exc:  # noqa: BLE001 (a holder gone: the restore maps at its time)
-                log.debug("local maps: %r", exc)
-            self._stop.wait(self.PERIOD_S)
+        while not self._stop.wait(self.PERIOD_S):
+            self._refresh_from(holder)
+
+    def _refresh_from(self, holder) -> None:
+        try:
+            self.refresh(ray.get(holder.arenas.remote()))
+        except Exception as exc:  # noqa: BLE001 (a holder gone: the restore maps at its time)
+            log.warning("local keeper: could not map the arenas of this node's holder ahead: %r", exc)
 
     def refresh(self, listed: dict[int, tuple[str, int]]) -> None:
         """Map the arenas of `listed` (`SnapshotHolder.arenas`) not mapped yet and unmap those
