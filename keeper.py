@@ -103,6 +103,7 @@ class LocalMaps:
 
     def __init__(self):
         self.used = 0
+        self._error = ""  # the last failure to map, logged once
         self._maps: dict[int, torch.Tensor] = {}  # memory file inode -> its mapping
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -125,7 +126,9 @@ class LocalMaps:
         try:
             self.refresh(ray.get(holder.arenas.remote()))
         except Exception as exc:  # noqa: BLE001 (a holder gone: the restore maps at its time)
-            log.warning("local keeper: could not map the arenas of this node's holder ahead: %r", exc)
+            if repr(exc) != self._error:  # once, not every period
+                log.warning("local keeper: could not map the arenas of this node's holder ahead: %r", exc)
+            self._error = repr(exc)
 
     def refresh(self, listed: dict[int, tuple[str, int]]) -> None:
         """Map the arenas of `listed` (`SnapshotHolder.arenas`) not mapped yet and unmap those
