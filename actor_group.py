@@ -312,7 +312,7 @@ class ActorGroup:
                 for i, node in enumerate(sorted(bundles))]
             self.holders = dict(zip(ray.get([h.node_id.remote() for h in handles]), handles))
         self.form_generation()
-        self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers]))
+        self.host_nbytes = self._host_nbytes()
         self._prepare(self.pool.spares)
 
     def _watch(self) -> None:
@@ -382,14 +382,19 @@ class ActorGroup:
                                    timeout=datetime.timedelta(seconds=cfg.fault_tolerance.step_timeout_s))
         self.store_port = self.store.port
         self.generation = max(self.generation, record["generation"])
-        self.snapshot_nbytes = max(ray.get([s.handle.snapshot_nbytes.remote() for s in self.workers
-                                            if s.handle is not None]))
+        self.host_nbytes = self._host_nbytes()
         self._prepare(self.pool.spares)
 
     @property
     def num_spares(self) -> int:
         """The configured pool size (`cluster.num_spares`)."""
         return self.cfg.cluster.num_spares
+
+    def _host_nbytes(self) -> tuple[int, int]:
+        """The largest worker's (rollback snapshot, async save copy) bytes, which spares reserve
+        (`MegatronActor.host_nbytes`)."""
+        sizes = ray.get([s.handle.host_nbytes.remote() for s in self.workers if s.handle is not None])
+        return max(s[0] for s in sizes), max(s[1] for s in sizes)
 
     def _prepare(self, spares: list) -> None:
         """Spares, in the background: connect to the driver's store, reserve the rollback
@@ -400,7 +405,7 @@ class ActorGroup:
         local = keeps_locally(ft.shard_keeper, self.dims.dp, self.cfg.cluster.num_spares)
         for s in spares:
             self._warming[id(s)] = s.handle.prepare_spare.remote(
-                self.snapshot_nbytes, self.store_host, self.store_port,
+                self.host_nbytes, self.store_host, self.store_port,
                 self.holders.get(s.node_id) if local else None)
 
     def wait_spares_warm(self, timeout: float) -> float:

@@ -188,9 +188,14 @@ class Engine(Protocol):
     def snapshot_nbytes(self) -> int:
         """Bytes of host memory this rank's rollback snapshot takes (0 when it keeps none)."""
 
-    def reserve_host_memory(self, nbytes: int) -> bool:
-        """Spare: reserve `nbytes` of host memory for the snapshot it will keep once it joins;
-        returns whether it did."""
+    def save_nbytes(self) -> int:
+        """Bytes of host memory this rank's async checkpoint saves copy its state into (0 when
+        saves are synchronous or nothing is reserved for them)."""
+
+    def reserve_host_memory(self, nbytes: int, save_nbytes: int = 0) -> bool:
+        """Spare: reserve `nbytes` of host memory for the snapshot it will keep once it joins,
+        and `save_nbytes` for its async saves' copies; returns whether it reserved the
+        snapshot's."""
 
     def warm_up(self) -> float:
         """Spare: pay the process's one-time first-step costs before any failure. Returns

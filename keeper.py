@@ -168,6 +168,11 @@ class LocalMaps:
         with self._lock:
             self._maps.clear()
 
+    def covers(self, listed: dict[int, tuple[str, int]]) -> bool:
+        """Whether every arena of `listed` (`SnapshotHolder.arenas`) is mapped here."""
+        with self._lock:
+            return all(ino in self._maps for ino in listed)
+
     def __len__(self) -> int:
         return len(self._maps)
 

@@ -179,14 +179,16 @@ class MegatronActor:
         self.life.move(SPARE)
         return time.perf_counter() - t0
 
-    def snapshot_nbytes(self) -> int:
-        """Bytes of this rank's rollback snapshot (0 when its engine keeps none)."""
-        return self.engine.snapshot_nbytes()
+    def host_nbytes(self) -> tuple[int, int]:
+        """Bytes of this rank's rollback snapshot and of its async saves' host copy (0 when its
+        engine keeps none: `Engine.snapshot_nbytes`, `Engine.save_nbytes`)."""
+        return self.engine.snapshot_nbytes(), self.engine.save_nbytes()
 
-    def prepare_spare(self, snapshot_nbytes: int, host: str, port: int, local_holder=None) -> None:
+    def prepare_spare(self, host_nbytes: tuple[int, int], host: str, port: int, local_holder=None) -> None:
         """Spare, before any failure: connect to the driver's store at host:port (the first
         connect may wait on a reverse-DNS lookup), reserve host memory for the rollback
-        snapshot it will keep once it joins, and pay the process's one-time first-step costs,
+        snapshot and the async saves' copy it will keep once it joins (`host_nbytes`, the
+        largest rank's `host_nbytes`), and pay the process's one-time first-step costs,
         so none of these slows a recovery or its first steps (`Engine.reserve_host_memory`,
         `Engine.warm_up`, `CheckpointManager.warm_client`). `local_holder`: this node's
         holder of the local keeper's arenas, which the spare keeps mapped until it joins
@@ -195,7 +197,7 @@ class MegatronActor:
         if local_holder is not None:
             self._local_maps.start(local_holder)
         self._store_client(host, port)
-        self.engine.reserve_host_memory(snapshot_nbytes)
+        self.engine.reserve_host_memory(*host_nbytes)
         self.engine.warm_up()
         self.ckpt.warm_client()
         self.life.move(WARM)

@@ -636,27 +636,37 @@ class MegatronEngine:
             else:
                 stream.wait_event(self._copy_done)
 
-    def reserve_host_memory(self, nbytes: int, headroom: float = 0.1) -> bool:
+    def reserve_host_memory(self, nbytes: int, save_nbytes: int = 0, headroom: float = 0.1) -> bool:
         """Pin `nbytes` of host memory in a background thread, for the rollback snapshot buffers
-        this rank will need after it joins (`actor_group.ActorGroup` asks pre-warmed spares to do so
-        with the largest rank's `snapshot_nbytes`; a rank that joins without them asks in
-        `connect`). Why ahead: pinning tens of GB takes seconds and slows this process's kernel
-        launches meanwhile, so it is done before training (and before any failure) instead of
-        in the first steps (after a recovery). Skipped (returns
-        False, with a warning) when the host would keep less than `headroom` of its memory
-        available: the spare then pins after it joins rather than take memory the ranks need."""
+        this rank will need after it joins, and `save_nbytes` for its async saves' copies
+        (`megatron_checkpoint.reserve_save_arena`); `actor_group.ActorGroup` asks pre-warmed
+        spares to do so with the largest rank's sizes (`snapshot_nbytes`, `save_nbytes`); a rank
+        that joins without them asks in `connect`. Why ahead: pinning tens of GB takes seconds
+        and slows this process's kernel launches meanwhile, so it is done before training (and
+        before any failure) instead of in the first steps and the first save after a recovery.
+        Each is skipped (with a warning) when the host would keep less than `headroom` of its
+        memory available: the spare then pins after it joins rather than take memory the ranks
+        need. Returns whether the snapshot's memory is reserved."""
+        if nbytes > 0 and self._arena is None and self._room(nbytes, headroom, "a rollback snapshot"):
+            self._arena = pin_in_background(nbytes)
+        if save_nbytes > 0 and self._room(save_nbytes + (nbytes if self._arena is not None else 0), headroom,
+                                          "async checkpoint saves"):
+            reserve_save_arena(save_nbytes)
+        return self._arena is not None
+
+    @staticmethod
+    def _room(nbytes: int, headroom: float, what: str) -> bool:
+        """Whether pinning `nbytes` more leaves `headroom` of the host's memory available;
+        warns when not."""
         import psutil
 
-        if nbytes <= 0 or self._arena is not None:
-            return self._arena is not None
         mem = psutil.virtual_memory()
-        if mem.available - nbytes < headroom * mem.total:
-            log.warning("not reserving %.1f GB of pinned host memory for a rollback snapshot: %.1f GB of "
-                        "%.1f GB available; this rank pins it after it joins (slower first steps)",
-                        nbytes / 1e9, mem.available / 1e9, mem.total / 1e9)
-            return False
-        self._arena = pin_in_background(nbytes)
-        return True
+        if mem.available - nbytes >= headroom * mem.total:
+            return True
+        log.warning("not reserving %.1f GB of pinned host memory for %s: %.1f GB of %.1f GB available; "
+                    "this rank pins it after it joins (slower first steps)", nbytes / 1e9, what,
+                    mem.available / 1e9, mem.total / 1e9)
+        return False
 
     def warm_up(self) -> float:
         """Pre-warmed spare, before any failure: pay the one-time costs of a process's first
@@ -737,6 +747,10 @@ class MegatronEngine:
         """Bytes of this rank's rollback snapshot (0 with the distributed optimizer and no keeper:
         none kept)."""
         return state_nbytes(self._train_state()) if self._keeps_rollback() else 0
+
+    def save_nbytes(self) -> int:
+        """Bytes of the async saves' pinned copy of this rank's state (0 with synchronous saves)."""
+        return state_nbytes(self._train_state()) if self.cfg.checkpoint.async_save else 0
 
     def _keeps_rollback(self) -> bool:
         """Whether this rank keeps a rollback snapshot: always without the distributed optimizer;

@@ -680,7 +680,10 @@ class TorchEngine:
     def snapshot_nbytes(self) -> int:
         return 0
 
-    def reserve_host_memory(self, nbytes: int) -> bool:
+    def save_nbytes(self) -> int:
+        return 0
+
+    def reserve_host_memory(self, nbytes: int, save_nbytes: int = 0) -> bool:
         return False
 
     def warm_up(self) -> float:

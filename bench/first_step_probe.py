@@ -70,7 +70,7 @@ def _variant(name: str) -> dict:
     join(e, 1)
     build_s = time.perf_counter() - t0
     if name in ("spare_reserved", "warm_up"):  # before any failure: not part of the steps timed below
-        e.reserve_host_memory(e.snapshot_nbytes())
+        e.reserve_host_memory(e.snapshot_nbytes(), e.save_nbytes())
         e._arena.result()
     e.step = 3  # a restored spare: no step-0 host copy (`reset`)
     steps, phases = [], None

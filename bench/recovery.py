@@ -87,6 +87,15 @@ def wait_for_spares(group: ActorGroup, need: int, timeout_s: float = 600.0) -> N
         time.sleep(0.5)
     # `noop` runs on a spare's compute thread once the warm-up queued there is done (GPU: `MegatronEngine.warm_up`).
     ray.get([s.handle.noop.remote() for s in group.pool.spares])
+    # With the local keeper, a spare of a long job has mapped its node's kept arenas long before
+    # a failure (`keeper.LocalMaps`, seconds for tens of GB): so here too.
+    for s in group.pool.spares:
+        holder = group.holders.get(s.node_id)
+        while holder is not None and not ray.get(s.handle.__ray_call__.remote(
+                lambda a, listed: a._local_maps.covers(listed), ray.get(holder.arenas.remote()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a spare did not map its node's kept arenas within {timeout_s:.0f} s")
+            time.sleep(0.2)
 
 
 def device_name(cfg) -> str:

@@ -523,10 +523,15 @@ def test_spare_reserves_pinned_memory_only_with_headroom():
 
     from megatron_engine import MegatronEngine
 
-    spare = types.SimpleNamespace(_arena=None)
-    assert not MegatronEngine.reserve_host_memory(spare, psutil.virtual_memory().total) and spare._arena is None
-    assert MegatronEngine.reserve_host_memory(spare, 4096)
+    import megatron_checkpoint
+
+    spare = types.SimpleNamespace(_arena=None, _room=MegatronEngine._room)
+    total, kept = psutil.virtual_memory().total, list(megatron_checkpoint._SAVE_ARENA)
+    assert not MegatronEngine.reserve_host_memory(spare, total, total) and spare._arena is None
+    assert megatron_checkpoint._SAVE_ARENA == kept  # neither reserved
+    assert MegatronEngine.reserve_host_memory(spare, 4096, 2048)
     assert spare._arena.result().numel() == 4096
+    assert megatron_checkpoint.take_save_arena(2048).numel() == 2048  # the async save's, reserved ahead
     assert MegatronEngine.reserve_host_memory(spare, 8192) and spare._arena.result().numel() == 4096  # kept
 
 
