@@ -2,7 +2,9 @@
 
 (i) Recovery: a DP replica (at dp = 1: rank 0) is killed with `ray.kill` in the middle of a
     step (`--kill-at` of a steady step after it started, one step after the pool holds a warm
-    spare again, so the keepers' copies run as in steady training); the step detects it, a
+    spare again, so the keepers' copies run as in steady training; with the local keeper also
+    once that step is kept and the spare has mapped the kept arenas, as in a long job whose
+    failures come minutes apart: `wait_for_kept`); the step detects it, a
     pre-warmed spare replaces it, groups are rebuilt, state comes from the cheapest source
     (peers, the keepers, snapshots, the checkpoint), the step runs.
     Time = detect + abort + replace + rebuild + restore + first step (RecoveryTimeline).
@@ -47,6 +49,7 @@ import ray
 
 from actor_group import ActorGroup
 from config import load_config, resolve
+from keeper import keeps_locally, local_key
 from main import losses_match, start_ray
 from parallel_dims import ParallelDims
 from trainer import Trainer
@@ -87,15 +90,26 @@ def wait_for_spares(group: ActorGroup, need: int, timeout_s: float = 600.0) -> N
         time.sleep(0.5)
     # `noop` runs on a spare's compute thread once the warm-up queued there is done (GPU: `MegatronEngine.warm_up`).
     ray.get([s.handle.noop.remote() for s in group.pool.spares])
-    # With the local keeper, a spare of a long job has mapped its node's kept arenas long before
-    # a failure (`keeper.LocalMaps`, seconds for tens of GB): so here too.
-    for s in group.pool.spares:
-        holder = group.holders.get(s.node_id)
-        while holder is not None and not ray.get(s.handle.__ray_call__.remote(
-                lambda a, listed: a._local_maps.covers(listed), ray.get(holder.arenas.remote()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"a spare did not map its node's kept arenas within {timeout_s:.0f} s")
-            time.sleep(0.2)
+
+
+def wait_for_kept(group: ActorGroup, step: int, timeout_s: float = 600.0) -> None:
+    """With the local keeper (keeper.py): block until every rank's node holder keeps that rank's
+    state of `step` (a replacement's arenas are pinned and adopted some steps after it joins)
+    and every spare has mapped its node's kept arenas (`keeper.LocalMaps`, seconds for tens of
+    GB), as in a long job whose failures come minutes apart. Raises TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+
+    def ready() -> bool:
+        held = group.held_snapshots()
+        return all(step in held.get(local_key(str(group.dims), r, w.node_id), ()) for r, w in enumerate(group.workers)) \
+            and all(ray.get(s.handle.__ray_call__.remote(lambda a, listed: a._local_maps.covers(listed),
+                                                         ray.get(group.holders[s.node_id].arenas.remote())))
+                    for s in group.pool.spares if s.node_id in group.holders)
+
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the local keeper's arenas of step {step} were not kept and mapped within {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def device_name(cfg) -> str:
@@ -171,6 +185,8 @@ def main(argv=None) -> dict:
         # step, as in steady training), then the kill in the middle of the next step.
         wait_for_spares(group, replica)
         trainer.train(trainer.committed_step + 1)
+        if keeps_locally(cfg.fault_tolerance.shard_keeper, dims.dp, cfg.cluster.num_spares):
+            wait_for_kept(group, trainer.committed_step)
         kill = kill_mid_step(trainer, dims.replica_ranks(1 + i % (dims.dp - 1) if dims.dp > 1 else 0),
                              args.kill_at * trainer.steady_step_s(), committed_at_kill)
         trainer.train(3 + 3 * (i + 1))   # detect + recover + first step, then one more
