@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quick start.  `bash run.sh`: set up .venv (if needed) and run the demo.
-#               `bash run.sh test`: same set-up, then the test suite.
+#               `bash run.sh test`: same set-up, then the test suite (two modules at a time; `-n 0`: serial).
 #               `bash run.sh train|demo [args]`: pass arguments to main.py.
 # Torch: the CUDA build where nvidia-smi sees a GPU, else the CPU build. On a CPU machine
 # without a local CPU wheel, set PIP_TORCH_INDEX=https://download.pytorch.org/whl/cpu to avoid
@@ -22,6 +22,9 @@ fi
 mode=${1:-demo}
 [ $# -gt 0 ] && shift
 if [ "$mode" = test ]; then
-  exec .venv/bin/python -m pytest tests -q --durations=15 "$@"
+  # Two xdist workers, each given whole modules (a module shares one local Ray, conftest's
+  # ray_session) in collection order (conftest: longest first); tests spend much of their time
+  # waiting on deadlines and timeouts, so two of them keep the two cores busy.
+  exec .venv/bin/python -m pytest tests -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder "$@"
 fi
 exec .venv/bin/python main.py "$mode" "$@"

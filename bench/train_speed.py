@@ -210,10 +210,14 @@ def snapshot_lag(group, step: int, timeout_s: float) -> float | None:
 
 
 def sender_counts(group) -> dict:
-    """Every rank's `SnapshotSender` counts (sent, skipped, failed) summed, then reset to 0."""
+    """Every rank's `SnapshotSender` counts (sent, skipped, failed), each read once its send in
+    flight has ended, summed, then reset to 0."""
     import ray
 
     def take(actor):
+        # A holder holds a snapshot once its last part is put, a moment before the send's thread
+        # counts it as sent: without the wait, a loaded machine reads a send not yet counted.
+        actor._sender.wait()
         counts = actor._sender.counts()
         actor._sender.sent = actor._sender.skipped = actor._sender.failed = 0
         return counts
