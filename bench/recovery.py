@@ -252,6 +252,7 @@ def main(argv=None) -> dict:
               f"{len(restarts)} restarts)")
         out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
+    shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoints (tens of GB on a large model) would fill the disk of the next run
     return result
 
 
