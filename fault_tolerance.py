@@ -34,7 +34,7 @@ import ray
 
 from checkpoint import CheckpointError, CheckpointManager, Manifest, check_compatible
 from failures import RecoveryError, RecoveryTimeline, WorkerFailure
-from keeper import keeps_locally, local_key, shard_key
+from keeper import MAPPED_NOW, keeps_locally, local_key, shard_key
 from parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -259,6 +259,8 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
             ("restore_snapshot", plan.step, list(group.holders.values()))
         ok = group.wait(group.submit(*call, ranks=plan.ranks), timeout, plan.ranks)
         if all(ok):
+            if MAPPED_NOW in ok:  # seconds slower: faulted in and copied from pageable memory
+                timeline.notes.append("a kept arena was mapped at restore time, not ahead by the spare")
             timeline.restore_source = plan.source if plan.step == committed else f"{plan.source} step {plan.step}"
             if plan.step < committed or plan.source == "local":  # local: fence off survivors' copies of later steps
                 group.drop_snapshots_after(plan.step)

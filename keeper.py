@@ -72,21 +72,25 @@ def local_key(layout: str, rank: int, node: str) -> tuple:
     return LOCAL, layout, rank, node
 
 
-def load_local(engine, holder, key: tuple, step: int, maps: LocalMaps | None = None) -> bool:
+MAPPED_AHEAD, MAPPED_NOW = "mapped ahead", "mapped now"  # how `load_local` read an arena
+
+
+def load_local(engine, holder, key: tuple, step: int, maps: LocalMaps | None = None) -> str | None:
     """Load the state of `step` that `holder` (this node's `SnapshotHolder`) keeps under `key`
     (`local_key`) into `engine` (`Engine.load_state`), mapping the arena through the holder's
-    descriptor (or taking `maps`' mapping of it, made ahead): no bytes through Ray. False when
-    the holder has no complete copy of that step, or when the arena was retired while it was
-    read (the engine's state is then to be restored from another source)."""
+    descriptor (`MAPPED_NOW`) or taking `maps`' mapping of it, made ahead (`MAPPED_AHEAD`): no
+    bytes through Ray; returns which. None when the holder has no complete copy of that step,
+    or when the arena was retired while it was read (the engine's state is then to be restored
+    from another source)."""
     found = ray.get(holder.local.remote(key, step))
     if found is None:
-        return False
+        return None
     path, nbytes, layout = found
-    arena = maps.view(path) if maps is not None else None
+    arena, how = maps.view(path) if maps is not None else None, MAPPED_AHEAD
     if arena is None:
-        arena = attach_shared(path, nbytes)
+        arena, how = attach_shared(path, nbytes), MAPPED_NOW
     engine.load_state(from_regions(layout, arena))
-    return int(arena[:8].view(torch.int64)) == step
+    return how if int(arena[:8].view(torch.int64)) == step else None
 
 
 class LocalMaps:

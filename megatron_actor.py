@@ -374,14 +374,16 @@ class MegatronActor:
                 return True
         return False
 
-    def restore_local(self, generation: int, step: int) -> bool:
+    def restore_local(self, generation: int, step: int) -> str | None:
         """Load this rank's state of committed step `step` from the arena its node's holder
-        adopted (the local keeper, `keeper.load_local`): False when that holder has no complete
-        copy of it (or this rank keeps none locally)."""
+        adopted (the local keeper, `keeper.load_local`); returns how the arena was read
+        (`keeper.MAPPED_AHEAD` by this spare, or `MAPPED_NOW`), None when that holder has no
+        complete copy of it (or this rank keeps none locally)."""
         self._check(generation)
         try:
-            return self._shards.local and load_local(self.engine, self._keeper, self._kept_key(), step,
-                                                     self._local_maps)
+            if not self._shards.local:
+                return None
+            return load_local(self.engine, self._keeper, self._kept_key(), step, self._local_maps)
         finally:
             self._local_maps.close()
 

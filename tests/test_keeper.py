@@ -322,6 +322,7 @@ def test_at_dp1_a_sigkilled_rank_comes_back_from_its_nodes_holder(reference1, tm
         trainer.train(5)
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local", 0, 3)
+        assert not any("mapped at restore time" in n for n in tl.notes)
         # loaded from the spare's own mapping of the arena, which then went
         assert ray.get(spare.__ray_call__.remote(lambda a: (a._local_maps.used, len(a._local_maps)))) == (1, 0)
         assert trainer.losses == reference1[0] and not trainer.replayed
