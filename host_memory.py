@@ -115,9 +115,9 @@ def carve_shard(state, arena: torch.Tensor):
 
 class _PinnedMap(mmap.mmap):
     """Mapped host memory (anonymous: pages faulted in on first touch, no memset; or a memory
-    file's), page-locked with cudaHostRegister once `register`ed, for as long as any tensor views it: `torch.frombuffer` keeps this object
-    alive until the last view's storage is freed, and its finalizer unregisters the pages
-    before the memory is unmapped."""
+    file's), page-locked with cudaHostRegister once `register`ed, for as long as any tensor
+    views it: `torch.frombuffer` keeps this object alive until the last view's storage is
+    freed, and its finalizer unregisters the pages before the memory is unmapped."""
 
     ptr = None
 

@@ -160,7 +160,8 @@ class LocalMaps:
         return view
 
     def stop(self) -> None:
-        """Stop mapping (the thread ends); the mappings stay."""
+        """Stop mapping (the thread ends, after the arena it may be mapping: at a join right
+        after a recovery that can take seconds); the mappings stay."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
