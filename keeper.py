@@ -114,17 +114,19 @@ class LocalMaps:
         self._thread: threading.Thread | None = None
 
     def start(self, holder) -> None:
-        """Map what `holder` (this node's `SnapshotHolder`) holds now, then keep mapping what
-        it adopts, in a thread of this process, until `stop`."""
+        """Map what `holder` (this node's `SnapshotHolder`) holds, at once and then every
+        `PERIOD_S`, in a thread of this process, until `stop`: the caller does not wait for
+        tens of GB to be mapped."""
         self.stop()
         self._stop.clear()
-        self._refresh_from(holder)
         self._thread = threading.Thread(target=self._run, args=(holder,), name="local-maps", daemon=True)
         self._thread.start()
 
     def _run(self, holder) -> None:
-        while not self._stop.wait(self.PERIOD_S):
+        while True:
             self._refresh_from(holder)
+            if self._stop.wait(self.PERIOD_S):
+                return
 
     def _refresh_from(self, holder) -> None:
         try:

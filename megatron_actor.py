@@ -194,12 +194,12 @@ class MegatronActor:
         holder of the local keeper's arenas, which the spare keeps mapped until it joins
         (`keeper.LocalMaps`), so that restoring a rank from one is a copy at bus speed."""
         self.life.move(WARMING)
-        if local_holder is not None:
-            self._local_maps.start(local_holder)
         self._store_client(host, port)
         self.engine.reserve_host_memory(*host_nbytes)
         self.engine.warm_up()
         self.ckpt.warm_client()
+        if local_holder is not None:  # last, in the background: only a faster restore waits on it
+            self._local_maps.start(local_holder)
         self.life.move(WARM)
 
     @ray.method(concurrency_group=CONTROL)
