@@ -265,6 +265,7 @@ class ActorGroup:
                 f"cluster has {ray.cluster_resources()}. Lower cluster.num_spares / cpus_per_actor / "
                 f"gpus_per_actor or add nodes")
         self._refills: dict = {}  # build ObjectRef -> (handle, bundle index, attempt) of a spare being refilled
+        self._refills_due: list[int] = []  # bundles of deferred refills (`refill(defer=True)`)
         self._warming: dict[int, object] = {}  # id(spare slot) -> its prepare_spare ObjectRef
         self.workers: list[ActorSlot] = []
         self.pool = BackupPool([])
@@ -346,7 +347,7 @@ class ActorGroup:
 
         cfg = self.cfg
         self.placement_group = get_placement_group(PLACEMENT_GROUP)
-        self._refills, self._warming = {}, {}
+        self._refills, self._refills_due, self._warming = {}, [], {}
         self.injected_at = None
         timeout = cfg.fault_tolerance.health_timeout_s
 
@@ -508,15 +509,25 @@ class ActorGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
         ).remote(self.cfg, bundle_index))
 
-    def refill(self, bundle_indices: list[int], attempt: int = 1) -> None:
+    def refill(self, bundle_indices: list[int], attempt: int = 1, defer: bool = False) -> None:
         """Start new spares on the bundles of killed actors, in the background: Ray places each
-        when its bundle is free again (on the same node, or re-placed after a node loss)."""
+        when its bundle is free again (on the same node, or re-placed after a node loss).
+        `defer` (a recovery): start them at the next `poll_refills` instead, which training
+        calls after the next committed step, so the restore and the first step after a
+        recovery run without new processes starting, building a model and mapping host memory
+        beside them on the node."""
+        if defer:
+            self._refills_due += bundle_indices
+            return
         for i in bundle_indices:
             handle = self._new_actor(i)
             self._refills[handle.build.remote(self._data_ref)] = (handle, i, attempt)
 
     def poll_refills(self) -> int:
-        """Move refilled spares whose model is built into the pool (non-blocking); returns how many."""
+        """Start the deferred refills (`refill(defer=True)`), and move refilled spares whose
+        model is built into the pool (non-blocking); returns how many were moved."""
+        due, self._refills_due = self._refills_due, []
+        self.refill(due)
         if not self._refills:
             return 0
         ready, _ = ray.wait(list(self._refills), num_returns=len(self._refills), timeout=0)

@@ -70,7 +70,7 @@ class Engine(Protocol):
     `step_start_progress` (`progress` when the current step began), `checks_while_loading`
     (whether `load_checkpoint` hashes the bytes it reads against the manifest, raising
     CheckpointMismatch after the load on a mismatch: the ranks then check only sizes before
-    it). Set by the actor:
+    it), `save_phases` (seconds by part of the last `save_checkpoint` call). Set by the actor:
     `fault_point(point)` (fault injection, called at the named points) and `delay_s` (fault
     'slow': extra seconds per micro-batch).
     """
@@ -79,6 +79,7 @@ class Engine(Protocol):
     progress: int
     step_start_progress: int
     checks_while_loading: bool
+    save_phases: dict[str, float]
     fault_point: Callable[[str], None]
     delay_s: float
 

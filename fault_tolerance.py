@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable
 import ray
 
 from checkpoint import CheckpointError, CheckpointManager, Manifest, check_compatible
-from failures import RecoveryError, RecoveryTimeline, WorkerFailure
+from failures import RecoveryError, RecoveryTimeline, WorkerFailure, slowest
 from keeper import MAPPED_NOW, keeps_locally, local_key, shard_key
 from parallel_dims import ParallelDims
 
@@ -259,8 +259,10 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
             ("restore_snapshot", plan.step, list(group.holders.values()))
         ok = group.wait(group.submit(*call, ranks=plan.ranks), timeout, plan.ranks)
         if all(ok):
-            if MAPPED_NOW in ok:  # seconds slower: faulted in and copied from pageable memory
-                timeline.notes.append("a kept arena was mapped at restore time, not ahead by the spare")
+            if plan.source == "local":
+                timeline.restore_detail = slowest([{k: v for k, v in r.items() if k.endswith("_s")} for r in ok])
+                if any(r["how"] == MAPPED_NOW for r in ok):  # seconds slower: faulted in, copied from pageable memory
+                    timeline.notes.append("a kept arena was mapped at restore time, not ahead by the spare")
             timeline.restore_source = plan.source if plan.step == committed else f"{plan.source} step {plan.step}"
             if plan.step < committed or plan.source == "local":  # local: fence off survivors' copies of later steps
                 group.drop_snapshots_after(plan.step)
@@ -430,7 +432,7 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt: CheckpointManager, 
             survivors = [s for s in survivors if not any(s is k for k in killed)]
             t1 = time.perf_counter()
             if ft.refill_spares:
-                group.refill([s.bundle_index for s in killed])
+                group.refill([s.bundle_index for s in killed], defer=True)
             _replace(group, failed, ft)
             t2 = time.perf_counter()
             tl.rebuild_detail = group.form_generation()
@@ -467,7 +469,7 @@ def reattach(trainer, committed_step: int, dead: set[int]) -> None:
         survivors = [s for r, s in enumerate(group.workers) if r not in dead]
         if dead:
             if trainer.cfg.fault_tolerance.refill_spares:
-                group.refill([group.workers[r].bundle_index for r in dead])
+                group.refill([group.workers[r].bundle_index for r in dead], defer=True)
             group.replace(dead)
         group.health.start()
         group.form_generation()

@@ -209,6 +209,17 @@ class SharedArena(_MemoryFile):
             with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
                 owner.register(self.tensor.data_ptr())
 
+    @classmethod
+    def reopen(cls, path: str, view: torch.Tensor) -> SharedArena:
+        """Another arena's memory file at `path` (a `SharedArena` of a process that is gone,
+        kept by the holder that adopted it) as this process's own arena, `view` its mapping
+        here (uint8 [nbytes], e.g. `attach_shared(path, nbytes, pin=True)`): this process's
+        descriptor keeps the memory alive, and its `path` lets others open it anew. Raises
+        OSError when no process holds the file any more."""
+        arena = cls.__new__(cls)
+        arena.fd, arena.nbytes, arena.tensor = os.open(path, os.O_RDWR | os.O_CLOEXEC), view.numel(), view
+        return arena
+
     def retire(self) -> None:
         """Mark the contents incomplete (`sealed()` -1) before they are overwritten: a reader
         that sees the seal of step k before and after reading read step k's bytes."""

@@ -75,22 +75,26 @@ def local_key(layout: str, rank: int, node: str) -> tuple:
 MAPPED_AHEAD, MAPPED_NOW = "mapped ahead", "mapped now"  # how `load_local` read an arena
 
 
-def load_local(engine, holder, key: tuple, step: int, maps: LocalMaps | None = None) -> str | None:
+def load_local(engine, holder, key: tuple, step: int, maps: LocalMaps | None = None) -> dict | None:
     """Load the state of `step` that `holder` (this node's `SnapshotHolder`) keeps under `key`
     (`local_key`) into `engine` (`Engine.load_state`), mapping the arena through the holder's
     descriptor (`MAPPED_NOW`) or taking `maps`' mapping of it, made ahead (`MAPPED_AHEAD`): no
-    bytes through Ray; returns which. None when the holder has no complete copy of that step,
-    or when the arena was retired while it was read (the engine's state is then to be restored
-    from another source)."""
+    bytes through Ray. Returns `SnapshotHolder.local`'s answer with "how" (which of the two)
+    and seconds by part: "find_s" (the holder's answer), "load_s" (mapping and loading); None
+    when the holder has no complete copy of that step, or when the arena was retired while it
+    was read (the engine's state is then to be restored from another source)."""
+    t0 = time.perf_counter()
     found = ray.get(holder.local.remote(key, step))
     if found is None:
         return None
-    path, nbytes, layout = found
-    arena, how = maps.view(path) if maps is not None else None, MAPPED_AHEAD
+    t1 = time.perf_counter()
+    arena, how = maps.view(found["path"]) if maps is not None else None, MAPPED_AHEAD
     if arena is None:
-        arena, how = attach_shared(path, nbytes), MAPPED_NOW
-    engine.load_state(from_regions(layout, arena))
-    return how if int(arena[:8].view(torch.int64)) == step else None
+        arena, how = attach_shared(found["path"], found["nbytes"]), MAPPED_NOW
+    engine.load_state(from_regions(found["layout"], arena))
+    if int(arena[:8].view(torch.int64)) != step:
+        return None
+    return {**found, "how": how, "find_s": t1 - t0, "load_s": time.perf_counter() - t1}
 
 
 class LocalMaps:
@@ -100,13 +104,13 @@ class LocalMaps:
     lists. Why: a replacement that maps a dead rank's arena at restore time first faults in
     every page of a fresh mapping and copies from pageable memory (a few GB/s: seconds for tens
     of GB); from these mappings the copy to the device runs at full bus speed. `stop` (at the
-    spare's join) keeps the mappings for its restore; `close` unmaps them (they would keep a
-    replaced rank's memory alive). `used` counts the loads served from them."""
+    spare's join) keeps the mappings for its restore, whose rank then takes them over as its
+    own arenas (`ShardSender.take_over`); `close` unmaps them (they would keep a replaced
+    rank's memory alive)."""
 
     PERIOD_S = 1.0
 
     def __init__(self):
-        self.used = 0
         self._error = ""  # the last failure to map, logged once
         self._maps: dict[int, torch.Tensor] = {}  # memory file inode -> its mapping
         self._lock = threading.Lock()
@@ -150,16 +154,13 @@ class LocalMaps:
                         continue
 
     def view(self, path: str) -> torch.Tensor | None:
-        """The mapping of the memory file at `path`, or None when there is none; counted in
-        `used`."""
+        """The mapping of the memory file at `path`, or None when there is none."""
         try:
             ino = os.stat(path).st_ino
         except OSError:
             return None
         with self._lock:
-            view = self._maps.get(ino)
-        self.used += view is not None
-        return view
+            return self._maps.get(ino)
 
     def stop(self) -> None:
         """Stop mapping (the thread ends, after the arena it may be mapping: at a join right
@@ -255,6 +256,19 @@ class ShardSender:
                 future.set_result(SharedArena(need, name))
             self._arenas[index] = future
         return future.result() if future.done() else None
+
+    def take_over(self, arenas: dict[int, SharedArena], newest: int) -> None:
+        """Use `arenas` (index -> `SharedArena.reopen` of a replaced rank's arenas, whose state
+        this rank restored) as its own instead of allocating new ones: no tens of GB zeroed and
+        page-locked beside the first steps after a recovery, and the node's spares keep their
+        mappings of the same memory. The arena of index `newest` holds the restored step and is
+        overwritten last (a loss inside the next copy window restores it again). Call before
+        the first `after_step` of this membership."""
+        for index, arena in arenas.items():
+            done = concurrent.futures.Future()
+            done.set_result(arena)
+            self._arenas[index], self._sends[index] = done, None
+        self._next = (newest + 1) % self.BUFFERS
 
     def prepare(self, engine) -> None:
         """Allocate both arenas for the engine's current shard now and wait for them (raises

@@ -29,7 +29,8 @@ from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, M
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
-from keeper import LocalMaps, ShardSender, keeps_locally, keeps_shards, load_local, local_key, shard_key
+from host_memory import SharedArena
+from keeper import MAPPED_AHEAD, LocalMaps, ShardSender, keeps_locally, keeps_shards, load_local, local_key, shard_key
 from lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
 from parallel_dims import ParallelDims
 from rendezvous import arrive, release, wait_formed
@@ -374,16 +375,27 @@ class MegatronActor:
                 return True
         return False
 
-    def restore_local(self, generation: int, step: int) -> str | None:
+    def restore_local(self, generation: int, step: int) -> dict | None:
         """Load this rank's state of committed step `step` from the arena its node's holder
-        adopted (the local keeper, `keeper.load_local`); returns how the arena was read
-        (`keeper.MAPPED_AHEAD` by this spare, or `MAPPED_NOW`), None when that holder has no
-        complete copy of it (or this rank keeps none locally)."""
+        adopted (the local keeper, `keeper.load_local`); returns {"how": `keeper.MAPPED_AHEAD`
+        (by this spare) or `MAPPED_NOW`, and seconds by part}, None when that holder has no
+        complete copy of it (or this rank keeps none locally). A spare that had every arena of
+        the replaced rank mapped ahead, whose process is gone, takes them over as its own
+        (`ShardSender.take_over`; "taken_over" says so)."""
         self._check(generation)
         try:
             if not self._shards.local:
                 return None
-            return load_local(self.engine, self._keeper, self._kept_key(), step, self._local_maps)
+            got = load_local(self.engine, self._keeper, self._kept_key(), step, self._local_maps)
+            if got is None:
+                return None
+            views = {i: self._local_maps.view(path) for i, path in got["arenas"].items()}
+            taken = got["how"] == MAPPED_AHEAD and all(v is not None for v in views.values()) and \
+                not os.path.exists(f"/proc/{got['owner']}")  # a live owner may still write into them
+            if taken:
+                self._shards.take_over({i: SharedArena.reopen(got["arenas"][i], v) for i, v in views.items()},
+                                       got["index"])
+            return {"how": got["how"], "taken_over": taken, "find_s": got["find_s"], "load_s": got["load_s"]}
         finally:
             self._local_maps.close()
 
@@ -397,13 +409,17 @@ class MegatronActor:
         dp, d = self.dims.dp, self.dims.coords(self.rank).dp
         return self.engine.generate(prompts, step, list(range(d, d + len(prompts) * dp, dp)), stop_ids, pad_id)
 
-    def save_checkpoint(self, generation: int, step: int, async_save: bool = False) -> list | str | None:
+    def save_checkpoint(self, generation: int, step: int, async_save: bool = False) -> list | str | dict:
         """Write this rank's shards of step `step`; returns the files written, or the message of
         a storage error (CheckpointError: storage down past the retry budget), which is not a
         failure of this rank. With `async_save` the state is snapshotted to host memory and
-        written in the background: returns None; `finish_checkpoint` returns the files."""
+        written in the background: returns the seconds by part of this call
+        (`Engine.save_phases`, and "end_abandoned_s": the wait for a save a recovery abandoned);
+        `finish_checkpoint` returns the files."""
         self._check(generation)
+        t0 = time.perf_counter()
         self._end_abandoned_save()
+        waited = time.perf_counter() - t0
         self.fault_point("during_save")
         try:
             if not async_save:
@@ -411,7 +427,7 @@ class MegatronActor:
             self._pending_save = self.engine.save_checkpoint(self.ckpt, step, self.dims, self.rank, True)
         except CheckpointError as e:
             return str(e)
-        return None
+        return {**self.engine.save_phases, "end_abandoned_s": waited}
 
     def _end_abandoned_save(self) -> None:
         """An async save still pending here at the next save was abandoned by a recovery (the

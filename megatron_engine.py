@@ -44,6 +44,7 @@ import datetime
 import functools
 import logging
 import os
+import tempfile
 import time
 
 import torch
@@ -51,6 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import comms
+from checkpoint import CheckpointManager
 from config import Config
 from engine import StepInterrupt, state_digest
 from keeper import keeps_shards
@@ -144,6 +146,7 @@ class MegatronEngine:
         self.step_start_progress = 0   # `progress` when the current step started
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
+        self.save_phases: dict[str, float] = {}  # seconds by part of the last save_checkpoint
         self.step = 0                  # train steps whose update this state contains
         self._dirty = False            # True while a step may have partly updated the state
         self._initial: dict | None = None   # host copy of the step-0 state (taken before step 1)
@@ -677,7 +680,10 @@ class MegatronEngine:
         group, its GPU memory) and puts the CPU and CUDA RNG states back. Why: a fresh process's
         first step is about twice as slow as the next ones (inferred causes: CUDA's lazily
         loaded kernels, cuBLAS handles and workspaces, NCCL's first initialisation; see
-        docs/recovery.md, "Replace"). With tp = pp = cp = 1 it then builds the spare's model
+        docs/recovery.md, "Replace"). With `checkpoint.async_save` it also saves that model
+        asynchronously into a temporary directory (then removed): a process's first save pays
+        for its imports and first uses of the checkpoint code, which would otherwise stall the
+        first save after a recovery. With tp = pp = cp = 1 it then builds the spare's model
         (`_prebuild`), so that joining does not build it.
         Returns seconds; 0.0 without doing anything when this process is in a process group
         or holds a model (it has trained: nothing left to warm)."""
@@ -691,7 +697,7 @@ class MegatronEngine:
         c, micro = self.cfg, self.cfg.train.micro_batch_size
         cfg = dataclasses.replace(
             c, parallel=dataclasses.replace(c.parallel, tp=1, pp=1, cp=1),
-            model=dataclasses.replace(c.model, num_layers=1, hf_path=None, distributed_optimizer=False),
+            model=dataclasses.replace(c.model, num_layers=1, hf_path=None),
             train=dataclasses.replace(c.train, global_batch_size=micro, mini_batch_size=micro),
             rl=dataclasses.replace(c.rl, enabled=False))
         rng = torch.get_rng_state(), torch.cuda.get_rng_state()
@@ -702,6 +708,10 @@ class MegatronEngine:
             engine.step = 1  # not step 0: no host copy for `reset`
             t = cfg.train
             engine.train_step(synthetic_batch(t.seed, 1, micro, t.seq_len, cfg.model.vocab_size), 2)
+            if c.checkpoint.async_save:
+                with tempfile.TemporaryDirectory(prefix="warm-up-save-") as tmp:
+                    for pending in engine.save_checkpoint(CheckpointManager(tmp), 2, engine.dims, 0, True):
+                        pending.result()
             torch.cuda.synchronize()
         finally:
             del engine
@@ -1023,9 +1033,13 @@ class MegatronEngine:
         if async_save and self._copy_stream is None and self.backend == "nccl":
             self._copy_stream = torch.cuda.Stream()
         self._copies_launched()  # its copies queue on the same stream after theirs
-        files = save_sharded(ckpt, step, rank, self._sharded_state(False, True), async_save,
+        t0 = time.perf_counter()
+        state = self._sharded_state(False, True)
+        t1 = time.perf_counter()
+        files = save_sharded(ckpt, step, rank, state, async_save,
                              after_write=lambda: self.fault_point("mid_save"), plans=self._save_plans,
                              copy_stream=self._copy_stream if async_save else None)
+        self.save_phases = {"state_s": t1 - t0, "save_s": time.perf_counter() - t1}
         if async_save:
             self._copy_done = files[0].copied  # the next update waits for the copy (`_wait_snapshot_copy`)
         return files

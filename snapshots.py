@@ -198,13 +198,17 @@ class SnapshotHolder:
                 if (o == owner and k != key) or (o != owner and k == key and x.step < newest):
                     arenas.pop((o, i)).arena.close()
 
-    def local(self, key: tuple, step: int) -> tuple | None:
-        """(path, nbytes, layout) of the adopted arena (`adopt`) complete for (`key`, `step`):
-        another process of this node maps it through `path` (`host_memory.attach_shared`); None
-        when none is."""
-        for x in self._local.get(key, {}).values():
+    def local(self, key: tuple, step: int) -> dict | None:
+        """The adopted arena (`adopt`) complete for (`key`, `step`), None when none is:
+        {"path", "nbytes", "layout"}: another process of this node maps it through `path`
+        (`host_memory.attach_shared`); "index": its index among its owner's arenas; "owner":
+        that process's pid; "arenas": index -> path of every arena of that owner at `key` (a
+        replacement may take them over: `ShardSender.take_over`)."""
+        kept = self._local.get(key, {})
+        for (owner, index), x in kept.items():
             if x.step == step and x.complete():
-                return x.arena.path, x.arena.nbytes, x.layout
+                return {"path": x.arena.path, "nbytes": x.arena.nbytes, "layout": x.layout, "index": index,
+                        "owner": owner, "arenas": {i: y.arena.path for (o, i), y in kept.items() if o == owner}}
         return None
 
     def arenas(self) -> dict[int, tuple[str, int]]:

@@ -102,6 +102,7 @@ class TorchEngine:
         self.step_start_progress = 0   # `progress` when the current step started
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
+        self.save_phases: dict[str, float] = {}  # seconds by part of the last save_checkpoint
         self._snapshot: dict | None = None
         self._host_buffers: dict[str, list[torch.Tensor]] = {}  # per copied part, reused by `_start_copy`
         self._host_copies: list[threading.Event] = []  # set when each copy in flight ends
@@ -478,6 +479,7 @@ class TorchEngine:
         `zero_dp{d}`), and every rank's RNG state (`rng_rank{r}`). Returns the FileEntry list; with
         `async_save`, a list of one Future of that list: the state is copied to host memory
         before this returns and written in the background while training goes on."""
+        t0 = time.perf_counter()
         shards = {f"rng_rank{rank}": {"torch_cpu": torch.get_rng_state()}}
         if dims.coords(rank).dp == 0:
             shards["model"] = self._train_state()
@@ -485,6 +487,7 @@ class TorchEngine:
                 del shards["model"]["optimizer"]
         if self.zero:
             shards[f"zero_dp{dims.coords(rank).dp}"] = self._shard_state()
+        self.save_phases = {"state_s": time.perf_counter() - t0}
         if async_save:
             return [ckpt.async_save_shards(step, shards)]  # one background write: the call never waits on storage
         files = []

@@ -88,6 +88,7 @@ class Trainer:
         self.step_times: list[float] = []
         self._steady_times: list[float] = []  # step times, without the first and the first after a recovery
         self.save_stalls: list[float] = []   # seconds training waited for each save
+        self.save_details: list[dict] = []   # async saves: the slowest rank's seconds by part of starting each
         self.final_save_wait_s = 0.0         # seconds the end of `train` waited for the last writes
         self._pending_save: tuple[int, float] | None = None  # (step, start) of an async save
         self._save_due = False               # a due save postponed (`_postpone`)
@@ -280,7 +281,8 @@ class Trainer:
         self.finish_save(stall=not final)
         t0 = time.perf_counter()
         if self.cfg.checkpoint.async_save:
-            self.group.call("save_checkpoint", step, True)
+            started = self.group.call("save_checkpoint", step, True)
+            self.save_details.append({"step": step, **slowest([r for r in started if isinstance(r, dict)])})
             self._pending_save = (step, t0)
         else:
             self._commit_save(step, self.group.call("save_checkpoint", step), t0)

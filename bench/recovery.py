@@ -27,7 +27,8 @@ Prints a table and writes bench/results/recovery_<device>.json:
  `step_s`: the median step without a recovery, `Trainer.steady_step_s`, beside `first_step_s`;
  `steps_lost`: the most of any repeat; `save_stall_s`: the longest time training waited for one
  checkpoint save, `Trainer.save_stalls` (not the waits for the last writes when `train` returns,
- `final_save_wait_s`; saves postponed while one was written: `postponed_saves`); `defaults_only`: no `--set` but the cluster size, the
+ `final_save_wait_s`; saves postponed while one was written: `postponed_saves`; the slowest rank's
+ seconds by part of starting each async save: `save_details`); `defaults_only`: no `--set` but the cluster size, the
  model's shape and the steps, and the default config file).
 The JSON is first written before the full restarts (without their keys), so a run cut short
 there keeps its recoveries; `--full-restarts 0` skips them.
@@ -211,6 +212,7 @@ def main(argv=None) -> dict:
         "detect_s": statistics.median(t.detect_s for t in timelines),
         "step_s": step_s,
         "save_stalls_s": save_stalls,
+        "save_details": list(trainer.save_details),
         "postponed_saves": list(trainer.postponed_saves),
         "final_save_wait_s": trainer.final_save_wait_s,
         "timeline": median_tl.to_dict(),

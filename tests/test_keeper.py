@@ -272,13 +272,15 @@ def test_a_holder_serves_an_adopted_arena_only_while_sealed_and_drops_it_for_a_n
     assert ray.get(holder.steps.remote()) == {}  # not sealed: being written
     a.seal(7)
     assert ray.get(holder.steps.remote()) == {key: [7]} and ray.get(holder.local.remote(key, 6)) is None
-    path, nbytes, layout = ray.get(holder.local.remote(key, 7))
+    found = ray.get(holder.local.remote(key, 7))
+    path, nbytes, layout = found["path"], found["nbytes"], found["layout"]
+    assert (found["owner"], found["index"], found["arenas"]) == (1, 0, {0: path})
     a.close()
     got = from_regions(layout, attach_shared(path, nbytes))
     assert got["step"] == 7 and all(torch.equal(x, y) for x, y in zip(got["model"], state["model"]))
     maps = LocalMaps()  # a spare's mappings of them, made ahead
     maps.refresh(ray.get(holder.arenas.remote()))
-    assert len(maps) == 1 and torch.equal(maps.view(path), attach_shared(path, nbytes)) and maps.used == 1
+    assert len(maps) == 1 and torch.equal(maps.view(path), attach_shared(path, nbytes))
     maps.refresh({})
     assert len(maps) == 0 and maps.view(path) is None
     b, layout_b = written(8, "b")
@@ -302,9 +304,10 @@ def reference1(ray_session, tmp_path_factory):
 def test_at_dp1_a_sigkilled_rank_comes_back_from_its_nodes_holder(reference1, tmp_path):
     """The defaults at dp=1, the rank SIGKILLed after step 3 (a checkpoint of step 1 exists):
     restored from the arena its node's holder adopted (source `local`, no checkpoint read),
-    0 steps lost, losses and final state bitwise as the run without failure. The dead rank's
-    arenas live on in the holder until its replacement keeps a newer step, and none is left
-    anywhere after the run."""
+    0 steps lost, losses and final state bitwise as the run without failure. The spare loads
+    from its own mapping of the dead rank's arena, made ahead, and then keeps the next steps in
+    the dead rank's two arenas (`ShardSender.take_over`: the holder lists the same memory
+    files); none is left anywhere after the run."""
     group = ActorGroup(local_cfg(tmp_path))
     try:
         trainer = Trainer(group.cfg, group)
@@ -317,17 +320,19 @@ def test_at_dp1_a_sigkilled_rank_comes_back_from_its_nodes_holder(reference1, tm
         while ray.get(spare.__ray_call__.remote(lambda a: len(a._local_maps))) < 2:
             assert time.monotonic() < deadline, "the spare did not map its node's two kept arenas"
             time.sleep(0.2)
+        (holder,) = group.holders.values()
+        kept = set(ray.get(holder.arenas.remote()))
         pid = ray.get(group.workers[0].handle.__ray_call__.remote(lambda a: os.getpid()))
         os.kill(pid, signal.SIGKILL)
         trainer.train(5)
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local", 0, 3)
-        assert not any("mapped at restore time" in n for n in tl.notes)
-        # loaded from the spare's own mapping of the arena, which then went
-        assert ray.get(spare.__ray_call__.remote(lambda a: (a._local_maps.used, len(a._local_maps)))) == (1, 0)
+        assert not any("mapped at restore time" in n for n in tl.notes) and set(tl.restore_detail) == {
+            "find_s", "load_s"}
+        assert ray.get(spare.__ray_call__.remote(lambda a: len(a._local_maps))) == 0  # taken over or unmapped
         assert trainer.losses == reference1[0] and not trainer.replayed
         assert group.state_digests() == reference1[1]
-        assert unmapped([pid])
+        assert set(ray.get(holder.arenas.remote())) == kept  # steps 4, 5 kept in the dead rank's arenas
         pids = [pid, ray.get(group.workers[0].handle.__ray_call__.remote(lambda a: os.getpid()))]
     finally:
         group.shutdown()

@@ -309,17 +309,18 @@ def test_a_spare_on_the_failed_device_is_taken_only_after_its_probe_passes(ray_s
 
 @pytest.mark.slow  # its outage must overlap the restore: timing-dependent on a loaded 2-core machine
 def test_a_checkpoint_restore_rides_out_a_storage_outage(reference, tmp_path, s3_server):
-    """Storage goes down as rank 1 is killed and comes back after 8 s, longer than one
-    storage operation's retries (`checkpoint.retry_budget_s=1`: one attempt, about 5 s of the
-    S3 client's own retries): the checkpoint restore is tried again until it answers; no other
-    rank is blamed, no second spare spent; the same losses and final state as the run without
+    """Storage goes down as rank 1 is killed and comes back after 5 s, longer than one
+    storage operation's retries (`checkpoint.retry_budget_s=3`; a refused connection fails
+    at once, so the operation's attempts span at most that): the checkpoint restore is tried
+    again until it answers (for up to the budget again after the first error); no other rank
+    is blamed, no second spare spent; the same losses and final state as the run without
     failure."""
-    cfg = make_cfg(tmp_path, "fault_tolerance.restore=checkpoint", "checkpoint.retry_budget_s=1",
+    cfg = make_cfg(tmp_path, "fault_tolerance.restore=checkpoint", "checkpoint.retry_budget_s=3",
                    f"checkpoint.uri={s3_server.uri(tmp_path.name)}", "fault_tolerance.refill_spares=false")
     outage = contextlib.ExitStack()
 
     def down_at_the_kill(trainer):
-        outage.enter_context(_s3_outage(s3_server, 8.0))
+        outage.enter_context(_s3_outage(s3_server, 5.0))
 
     with outage:
         trainer, digests, spares = run(cfg, kill_rank=1, after_step_2=down_at_the_kill)
