@@ -77,7 +77,7 @@ class RecoveryTimeline:
     notes: list[str] = field(default_factory=list)
     rebuild_detail: dict = field(default_factory=dict)      # slowest rank's seconds per part of its join
     first_step_detail: dict = field(default_factory=dict)   # slowest rank's seconds per part of the step
-    restore_detail: dict = field(default_factory=dict)      # slowest rank's seconds per part of its restore
+    restore_detail: dict = field(default_factory=dict)      # seconds to plan it, slowest rank's per part of its restore
 
     CONTROL = ("detect_s", "abort_s", "replace_s", "rebuild_s", "restore_s")
     PHASES = (*CONTROL, "first_step_s")

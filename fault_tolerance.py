@@ -102,17 +102,20 @@ def same_shard(before: list, before_dims: ParallelDims, after: list, after_dims:
 
 
 def plan_memory_restore(committed: int, clean: set[int], held: list[set[int]],
-                        floor: int) -> tuple[int, list[int]] | None:
+                        floor: Callable[[], int]) -> tuple[int, list[int]] | None:
     """(step, ranks to load) of an in-memory restore, or None when none fits. `held[r]`: the
     steps of rank r's snapshots some holder has. The committed step for the ranks not in
     `clean` (the others rolled back locally), or when some lack it, the newest step below it
-    that every rank's snapshot has, for every rank, not older than `floor` (the newest
-    checkpoint's step: a checkpoint of that step is as good and loses no more)."""
+    that every rank's snapshot has, for every rank, not older than `floor()` (the newest
+    checkpoint's step: a checkpoint of that step is as good and loses no more; asked only
+    then: it reads the storage, seconds at scale or beside a checkpoint being written)."""
     world = range(len(held))
     need = [r for r in world if r not in clean]
     if all(committed in held[r] for r in need):
         return committed, need
-    step = max((s for s in set.intersection(*held) if floor <= s < committed), default=None)
+    older = [s for s in set.intersection(*held) if s < committed]
+    lowest = floor() if older else committed
+    step = max((s for s in older if lowest <= s), default=None)
     return None if step is None else (step, list(world))
 
 
@@ -153,7 +156,7 @@ def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivor
     if mode in ("auto", "memory"):
         for source, steps in (("local", local), ("memory", held)):
             if steps is not None:
-                found = plan_memory_restore(committed, clean, steps(), floor())
+                found = plan_memory_restore(committed, clean, steps(), floor)
                 if found is not None:
                     return RestorePlan(source, found[0], ranks=found[1], notes=notes)
                 notes.append(f"{'local keeper' if source == 'local' else 'in-memory'} restore impossible")
@@ -204,6 +207,7 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
     """Bring every rank to one committed step (`plan_restore`); returns that step.
     `survivor_slots`: the ActorSlots that were in the last committed step and are still members;
     `run_id`: only checkpoints of this run count (None: any)."""
+    t0 = time.perf_counter()
     dims, timeout = group.dims, ft.step_timeout_s
     survivors = {r for r, s in enumerate(group.workers) if any(s is v for v in survivor_slots)}
     clean = set()  # ranks holding the committed step's state after rolling back locally
@@ -239,6 +243,7 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
                         local=local if group.holders and keeps_locally(
                             ft.shard_keeper, dims.dp, group.cfg.cluster.num_spares) else None)
     timeline.notes += plan.notes
+    timeline.restore_detail = {"plan_s": round(time.perf_counter() - t0, 4)}  # survivors' rollbacks included
     if plan.source in ("peer", "peer+keeper"):
         if committed > 0:
             refs, ranks = [], []
@@ -260,9 +265,11 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
         ok = group.wait(group.submit(*call, ranks=plan.ranks), timeout, plan.ranks)
         if all(ok):
             if plan.source == "local":
-                timeline.restore_detail = slowest([{k: v for k, v in r.items() if k.endswith("_s")} for r in ok])
+                timeline.restore_detail.update(slowest([{k: v for k, v in r.items() if k.endswith("_s")} for r in ok]))
                 if any(r["how"] == MAPPED_NOW for r in ok):  # seconds slower: faulted in, copied from pageable memory
                     timeline.notes.append("a kept arena was mapped at restore time, not ahead by the spare")
+                elif not all(r["taken_over"] for r in ok):  # new arenas pinned beside the next steps
+                    timeline.notes.append("a replacement did not take over the replaced rank's arenas")
             timeline.restore_source = plan.source if plan.step == committed else f"{plan.source} step {plan.step}"
             if plan.step < committed or plan.source == "local":  # local: fence off survivors' copies of later steps
                 group.drop_snapshots_after(plan.step)

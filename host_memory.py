@@ -247,6 +247,16 @@ class AdoptedArena(_MemoryFile):
             return False
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` of this node has ended: no such process, or a zombie (exited, its
+    memory released, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def attach_shared(path: str, nbytes: int, pin: bool = False) -> torch.Tensor:
     """uint8 [nbytes] view of another process's `SharedArena` at `path` (`SharedArena.path`),
     mapped shared: the owner's writes are seen here. `pin`: every page mapped now

@@ -29,7 +29,7 @@ from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, M
 from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
-from host_memory import SharedArena
+from host_memory import SharedArena, process_gone
 from keeper import MAPPED_AHEAD, LocalMaps, ShardSender, keeps_locally, keeps_shards, load_local, local_key, shard_key
 from lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
 from parallel_dims import ParallelDims
@@ -163,10 +163,13 @@ class MegatronActor:
 
     # -- compute -----------------------------------------------------------------------------
     def build(self, data=None) -> float:
-        """Pre-warm: imports, device context, model and optimizer built. `data`: the run's
-        `data.Data` when ranks read their own rows (`train.objective=ce`), opened here (its
-        files mapped and opened, its windows built) as Ray hands it over, spares included, so
-        a replacement's first step does not pay for it. Returns seconds."""
+        """Pre-warm: imports, device context, model and optimizer built; on GPU also the
+        process's one-time costs of a first step and a first save (`Engine.warm_up`), so that
+        neither the first steps nor the first checkpoint save of a worker or of a replacement
+        pays them. `data`: the run's `data.Data` when ranks read their own rows
+        (`train.objective=ce`), opened here (its files mapped and opened, its windows built) as
+        Ray hands it over, spares included, so a replacement's first step does not pay for it.
+        Returns seconds."""
         t0 = time.perf_counter()
         if data is not None:
             from rank_rows import RankRows
@@ -177,6 +180,8 @@ class MegatronActor:
             from torch_engine import TorchEngine as Engine
         self.engine = Engine(self.cfg)
         self.engine.fault_point = self.fault_point
+        if self.cfg.cluster.device == "cuda":
+            self.engine.warm_up()
         self.life.move(SPARE)
         return time.perf_counter() - t0
 
@@ -378,11 +383,13 @@ class MegatronActor:
     def restore_local(self, generation: int, step: int) -> dict | None:
         """Load this rank's state of committed step `step` from the arena its node's holder
         adopted (the local keeper, `keeper.load_local`); returns {"how": `keeper.MAPPED_AHEAD`
-        (by this spare) or `MAPPED_NOW`, and seconds by part}, None when that holder has no
-        complete copy of it (or this rank keeps none locally). A spare that had every arena of
-        the replaced rank mapped ahead, whose process is gone, takes them over as its own
-        (`ShardSender.take_over`; "taken_over" says so)."""
+        (by this spare) or `MAPPED_NOW`, "taken_over", and seconds by part}, None when that
+        holder has no complete copy of it (or this rank keeps none locally). A spare that had
+        every arena of the replaced rank mapped ahead, whose process is gone, takes them over
+        as its own (`ShardSender.take_over`: "taken_over" True); the other mappings go
+        ("unmap_s")."""
         self._check(generation)
+        got = None
         try:
             if not self._shards.local:
                 return None
@@ -390,14 +397,17 @@ class MegatronActor:
             if got is None:
                 return None
             views = {i: self._local_maps.view(path) for i, path in got["arenas"].items()}
-            taken = got["how"] == MAPPED_AHEAD and all(v is not None for v in views.values()) and \
-                not os.path.exists(f"/proc/{got['owner']}")  # a live owner may still write into them
-            if taken:
+            got["taken_over"] = got["how"] == MAPPED_AHEAD and all(v is not None for v in views.values()) and \
+                process_gone(got["owner"])  # a live owner may still write into them
+            if got["taken_over"]:
                 self._shards.take_over({i: SharedArena.reopen(got["arenas"][i], v) for i, v in views.items()},
                                        got["index"])
-            return {"how": got["how"], "taken_over": taken, "find_s": got["find_s"], "load_s": got["load_s"]}
         finally:
+            t0 = time.perf_counter()
             self._local_maps.close()
+            if got is not None:
+                got["unmap_s"] = time.perf_counter() - t0
+        return {k: got[k] for k in ("how", "taken_over", "find_s", "load_s", "unmap_s")}
 
     def generate(self, generation: int, step: int, prompts, stop_ids: tuple[int, ...], pad_id: int) -> dict:
         """RL rollout of step `step`: sample completions of this DP replica's prompt rows (a

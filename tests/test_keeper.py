@@ -328,7 +328,8 @@ def test_at_dp1_a_sigkilled_rank_comes_back_from_its_nodes_holder(reference1, tm
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local", 0, 3)
         assert not any("mapped at restore time" in n for n in tl.notes) and set(tl.restore_detail) == {
-            "find_s", "load_s"}
+            "plan_s", "find_s", "load_s", "unmap_s"}
+        assert not any("did not take over" in n for n in tl.notes)
         assert ray.get(spare.__ray_call__.remote(lambda a: len(a._local_maps))) == 0  # taken over or unmapped
         assert trainer.losses == reference1[0] and not trainer.replayed
         assert group.state_digests() == reference1[1]

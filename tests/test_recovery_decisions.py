@@ -82,7 +82,13 @@ def test_survivors_are_the_ranks_that_kept_their_shard(before, before_dims, afte
     (4, {0, 1}, [set(), set()], 0, (4, [])),
 ])
 def test_memory_restore_plan(committed, clean, held, floor, expected):
-    assert plan_memory_restore(committed, clean, held, floor) == expected
+    assert plan_memory_restore(committed, clean, held, lambda: floor) == expected
+
+
+def test_a_memory_restore_of_the_committed_step_reads_no_checkpoint_list():
+    """The newest checkpoint's step is asked for (a storage read) only when the snapshots lack
+    the committed step."""
+    assert plan_memory_restore(4, {0}, [{4}, {4}], _never) == (4, [1])
 
 
 def _never():
