@@ -170,12 +170,6 @@ def holder_copy(holder, wrap) -> None:
     ray.get(holder.__ray_call__.remote(patch))
 
 
-def never_copied(original, h):
-    def copy(state):
-        raise AssertionError("the holder copied an adopted shard: a restore on its node maps it")
-    return copy
-
-
 @pytest.mark.parametrize("dp", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_lost_zero_rank_comes_back_from_a_peer_and_the_keeper_of_its_node(dp, reference, tmp_path):
     """dp=2 (and 3, slow), ZeRO-1, one node: each rank's keeper is its own node's holder, which
@@ -194,6 +188,11 @@ def test_a_lost_zero_rank_comes_back_from_a_peer_and_the_keeper_of_its_node(dp, 
                                                                   a._shards.couriers)) for w in group.workers])
         assert counts == [({"sent": 2, "skipped": 0, "failed": 0}, True, 0)] * dp
         assert ray.get(holder.steps.remote()) == {k: [1, 2] for k in keys}
+        def never_copied(original, h):  # nested: pickled by value into the holder's process
+            def copy(state):
+                raise AssertionError("the holder copied an adopted shard: a restore on its node maps it")
+            return copy
+
         holder_copy(holder, never_copied)
         ray.kill(group.workers[1].handle, no_restart=True)
         trainer.train(4)
