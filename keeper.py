@@ -39,8 +39,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from courier import ShardCourier, from_regions, regions
-from host_memory import SEAL_BYTES, SharedArena, attach_shared, share_in_background
+from courier import ShardCourier
+from host_memory import SEAL_BYTES, SharedArena, attach_shared, from_regions, regions, share_in_background
 from snapshots import PART_BYTES
 
 log = logging.getLogger(__name__)

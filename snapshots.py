@@ -172,7 +172,7 @@ class SnapshotHolder:
     def adopt(self, key: tuple, owner: int, index: int, path: str, nbytes: int, step: int, layout,
               generation: int = 0) -> None:
         """The local keeper (keeper.py): process `owner` of this node is copying the state of
-        step `step` (laid out as `layout`, `courier.regions`) into its arena `index`
+        step `step` (laid out as `layout`, `host_memory.regions`) into its arena `index`
         (`host_memory.SharedArena` at `path`, `nbytes` bytes) for the rank position `key`, as
         a rank of membership `generation`. The holder adopts the arena (opens it once:
         `AdoptedArena`; its memory then outlives the owner's process) and serves it for `step`
@@ -226,8 +226,7 @@ class SnapshotHolder:
         sent = self.snaps.get(key, {}).get(step)
         if sent is not None:
             return sent
-        from courier import from_regions
-        from host_memory import attach_shared
+        from host_memory import attach_shared, from_regions
 
         for x in self._local.get(key, {}).values():
             if x.step == step and x.complete():

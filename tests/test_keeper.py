@@ -24,8 +24,7 @@ from ray.cluster_utils import Cluster
 from conftest import megatron_cpu_cfg, own_ray, reference_run, run_bench, wait_for_shards
 from config import load_config, resolve
 from actor_group import ActorGroup
-from courier import from_regions, regions
-from host_memory import SEAL_BYTES, SharedArena, attach_shared, carve
+from host_memory import SEAL_BYTES, SharedArena, attach_shared, carve, from_regions, regions
 from fault_tolerance import plan_restore
 from keeper import LocalMaps, adopts, keeper_node, local_key, shard_key
 from snapshots import SnapshotHolder, from_wire, wire_parts
