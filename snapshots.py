@@ -171,10 +171,10 @@ class SnapshotHolder:
 
     def adopt(self, key: tuple, owner: int, index: int, path: str, nbytes: int, step: int, layout,
               generation: int = 0) -> None:
-        """The local keeper (keeper.py): process `owner` of this node is copying the state of
-        step `step` (laid out as `layout`, `host_memory.regions`) into its arena `index`
-        (`host_memory.SharedArena` at `path`, `nbytes` bytes) for the rank position `key`, as
-        a rank of membership `generation`. The holder adopts the arena (opens it once:
+        """The local keeper, or a shard keeper on its rank's node (keeper.py): process `owner` of
+        this node is copying the state (or optimizer shard) of step `step` (laid out as `layout`,
+        `host_memory.regions`) into its arena `index` (`host_memory.SharedArena` at `path`,
+        `nbytes` bytes) for the rank position `key`, as a rank of membership `generation`. The holder adopts the arena (opens it once:
         `AdoptedArena`; its memory then outlives the owner's process) and serves it for `step`
         while the arena's seal says that step (`SharedArena.seal`: the owner seals it once the
         copy is complete and retires it before overwriting it). Dropped like `put_part`'s parts
