@@ -6,8 +6,9 @@ thread for the GIL and for memory bandwidth while it launches kernels (docs/reco
 
 The rank copies its shard into a `host_memory.SharedArena` (shared, pinned host memory); once
 the copy is complete it tells the courier "step k is in buffer b" with the buffer's layout
-(`regions`: offsets, shapes and dtypes, no bytes); the courier maps the arena (`attach`), cuts
-the state into parts (`snapshots.wire_parts`) and puts them to the keeper's `SnapshotHolder`.
+(`host_memory.regions`: offsets, shapes and dtypes, no bytes); the courier maps the arena
+(`attach`), cuts the state into parts (`snapshots.wire_parts`) and puts them to the keeper's
+`SnapshotHolder`.
 The courier is owned by the rank, so Ray ends it when the rank's process ends; the arenas are
 memory files without a name, freed by the kernel once neither process maps them.
 """
@@ -16,50 +17,8 @@ from __future__ import annotations
 import ray
 import torch
 
-from host_memory import attach_shared
+from host_memory import attach_shared, from_regions
 from snapshots import PART_BYTES, wire_parts
-
-
-class _Region:
-    """Where a tensor of a state lies in an arena: byte offset, shape and dtype."""
-
-    __slots__ = ("offset", "shape", "dtype")
-
-    def __init__(self, offset: int, shape: tuple, dtype: torch.dtype):
-        self.offset, self.shape, self.dtype = offset, shape, dtype
-
-
-def regions(state, arena: torch.Tensor):
-    """`state` (host tensors inside `arena`, e.g. `carve`d from it) with every tensor replaced by
-    its `_Region` in `arena`; other leaves kept. Raises ValueError for a tensor outside `arena`."""
-    base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
-
-    def region(x):
-        if not isinstance(x, torch.Tensor):
-            return x
-        n = x.numel() * x.element_size()
-        if n and not base <= x.data_ptr() <= x.data_ptr() + n <= end:
-            raise ValueError("regions: a tensor of the state is not in the arena (copy the shard into it)")
-        return _Region(x.data_ptr() - base if n else 0, tuple(x.shape), x.dtype)
-
-    return torch.utils._pytree.tree_map(region, state)
-
-
-def from_regions(layout, arena: torch.Tensor):
-    """Inverse of `regions`: the state with tensors over the bytes of `arena` (no copy), each
-    with a storage of its own bytes only (as `host_memory.carve`'s: a deepcopy of one copies
-    its bytes, not the arena's)."""
-    memory = arena.numpy()
-
-    def tensor(x):
-        if not isinstance(x, _Region):
-            return x
-        n = torch.Size(x.shape).numel()
-        if n == 0:  # frombuffer refuses count 0
-            return torch.empty(x.shape, dtype=x.dtype)
-        return torch.frombuffer(memory, dtype=x.dtype, count=n, offset=x.offset).view(x.shape)
-
-    return torch.utils._pytree.tree_map(tensor, layout, is_leaf=lambda x: isinstance(x, _Region))
 
 
 @ray.remote(num_cpus=0)
@@ -84,12 +43,13 @@ class ShardCourier:
 
     def send(self, holder, key: tuple, step: int, index: int, layout, generation: int,
              part_bytes: int = PART_BYTES) -> None:
-        """Put the state at `layout` (`regions`) of arena `index`, complete when called, to
-        `holder` (a `SnapshotHolder`) under (`key`, `step`) as a rank of membership `generation`,
-        in parts of about `part_bytes` (`SnapshotHolder.put_part`), at most `IN_FLIGHT` of them
-        at once: this process serialises the next part while the holder copies the previous one
-        out of the object store, which bounds the store's share to that many parts. Raises what a
-        holder call raises (the holder gone: the snapshot is then incomplete there, not shown)."""
+        """Put the state at `layout` (`host_memory.regions`) of arena `index`, complete when
+        called, to `holder` (a `SnapshotHolder`) under (`key`, `step`) as a rank of membership
+        `generation`, in parts of about `part_bytes` (`SnapshotHolder.put_part`), at most
+        `IN_FLIGHT` of them at once: this process serialises the next part while the holder
+        copies the previous one out of the object store, which bounds the store's share to that
+        many parts. Raises what a holder call raises (the holder gone: the snapshot is then
+        incomplete there, not shown)."""
         meta, parts = wire_parts(from_regions(layout, self._arenas[index]), part_bytes)
         pending = []
         for i, part in enumerate(parts):

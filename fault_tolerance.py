@@ -257,6 +257,8 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
                 group.submit("restore_snapshot", committed, list(group.holders.values()), True, ranks=plan.ranks),
                 timeout, plan.ranks)):
             timeline.restore_source = plan.source
+            if plan.source == "peer+keeper":  # fence off survivors' shards of the abandoned steps
+                group.drop_snapshots_after(committed)
             return committed
         timeline.notes.append("a keeper lost the optimizer shard it held")  # on to the checkpoint
     if plan.source in ("local", "memory"):

@@ -160,6 +160,50 @@ def pin_in_background(nbytes: int) -> concurrent.futures.Future:
     return _ALLOCATOR.submit(pinned_empty, nbytes, device)
 
 
+class _Region:
+    """Where a tensor of a state lies in an arena: byte offset, shape and dtype."""
+
+    __slots__ = ("offset", "shape", "dtype")
+
+    def __init__(self, offset: int, shape: tuple, dtype: torch.dtype):
+        self.offset, self.shape, self.dtype = offset, shape, dtype
+
+
+def regions(state, arena: torch.Tensor):
+    """`state` (host tensors inside `arena`, e.g. `carve`d from it) with every tensor replaced by
+    its `_Region` in `arena`; other leaves kept: the layout another process that maps the arena
+    (a courier, a holder, a replacement) rebuilds the state from (`from_regions`), no bytes.
+    Raises ValueError for a tensor outside `arena`."""
+    base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+
+    def region(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        n = x.numel() * x.element_size()
+        if n and not base <= x.data_ptr() <= x.data_ptr() + n <= end:
+            raise ValueError("regions: a tensor of the state is not in the arena (copy the shard into it)")
+        return _Region(x.data_ptr() - base if n else 0, tuple(x.shape), x.dtype)
+
+    return torch.utils._pytree.tree_map(region, state)
+
+
+def from_regions(layout, arena: torch.Tensor):
+    """Inverse of `regions`: the state with tensors over the bytes of `arena` (no copy), each
+    with a storage of its own bytes only (as `carve`'s: a deepcopy of one copies
+    its bytes, not the arena's)."""
+    memory = arena.numpy()
+
+    def tensor(x):
+        if not isinstance(x, _Region):
+            return x
+        n = torch.Size(x.shape).numel()
+        if n == 0:  # frombuffer refuses count 0
+            return torch.empty(x.shape, dtype=x.dtype)
+        return torch.frombuffer(memory, dtype=x.dtype, count=n, offset=x.offset).view(x.shape)
+
+    return torch.utils._pytree.tree_map(tensor, layout, is_leaf=lambda x: isinstance(x, _Region))
+
+
 SEAL_BYTES = 64  # the head of a keeper's arena: the step its contents are complete for (`seal`)
 
 

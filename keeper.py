@@ -1,29 +1,31 @@
 """The shard keeper: with a sharded optimizer (`model.distributed_optimizer`: Megatron's distributed
 optimizer, the torch engine's ZeRO-1) each DP rank holds an optimizer shard that no DP peer has.
-After every step each rank copies its shard to host memory (overlapped with the next step) and
-sends it in the background to its keeper: the `snapshots.SnapshotHolder` of another node
-(`keeper_node`), so the copy outlives the rank's process and its node. A recovery then gives a
-replaced rank the parameters from a DP peer (a broadcast) and its shard from its keeper
+After every step each rank copies its shard to host memory (overlapped with the next step) for
+its keeper: the `snapshots.SnapshotHolder` of the next node (`keeper_node`), so the copy outlives
+the rank's process and, with two or more nodes, its node. A recovery then gives a replaced rank
+the parameters from a DP peer (a broadcast) and its shard from its keeper
 (`fault_tolerance.plan_restore`, source `peer+keeper`): no committed step lost, no checkpoint read.
 
-Every step's shard is kept: the rank copies it into one of two shared host arenas and a courier
-process on its node (courier.py) sends it while the next steps run; a rank waits only when its
-arena's previous send (that of step k-2) has not ended, i.e. when sends are slower than steps.
-The keeper has step k's shard about one send time after step k ends; a rank lost inside that
-window is restored from the newest checkpoint instead (the shard of another step would not match
-the peer's parameters).
+Every step's shard is kept: the rank copies it into one of two shared host arenas. A keeper on
+another node gets it from a courier process on the rank's node (courier.py), which sends it while
+the next steps run; a rank waits only when its arena's previous send (that of step k-2) has not
+ended, i.e. when sends are slower than steps. A keeper on the rank's own node (a one-node job:
+the ring has one node) adopts the arenas instead, as the local keeper below does (`adopts`): no
+courier, no bytes through Ray. The keeper has step k's shard about one send (or one copy) after
+step k ends; a rank lost inside that window is restored from the newest checkpoint instead (the
+shard of another step would not match the peer's parameters).
 
 The local keeper, at dp = 1 (no DP peer holds any part of a rank's state): each rank copies its
-whole training state into the same two arenas, and instead of a courier sending the bytes, the
-`SnapshotHolder` of its own node adopts each arena (`SnapshotHolder.adopt`: it opens the memory
-file once and keeps its descriptor, so the memory outlives the rank's process). The rank seals
-an arena with the step once its copy is complete and retires it before overwriting it
-(`host_memory.SharedArena.seal`, `retire`: a write into the shared memory, no call), so the
-holder serves only complete steps. A replacement on the same node maps the arena through the
-holder's descriptor and loads it (`load_local`, source `local`): zero bytes through Ray. A rank
-lost inside the copy window of step k is restored to step k-1 (every rank position to the
-newest step all of them hold) and re-runs one step; a replacement on another node (a node
-lost) falls back to the next source.
+whole training state into the same two arenas, which the `SnapshotHolder` of its own node adopts
+(`SnapshotHolder.adopt`: it opens the memory file once and keeps its descriptor, so the memory
+outlives the rank's process). The rank seals an arena with the step once its copy is complete
+and retires it before overwriting it (`host_memory.SharedArena.seal`, `retire`: a write into the
+shared memory, no call), so the holder serves only complete steps. A replacement on the same
+node maps the arena through the holder's descriptor and loads it (`load_local`, source `local`;
+an adopted shard: `load_adopted_shard`): zero bytes through Ray. A rank lost inside the copy
+window of step k is restored to step k-1 (every rank position to the newest step all of them
+hold) and re-runs one step; a replacement on another node (a node lost) falls back to the next
+source (an adopted shard is copied to it: `SnapshotHolder.get`).
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from courier import ShardCourier, from_regions, regions
-from host_memory import SEAL_BYTES, SharedArena, attach_shared, share_in_background
+from courier import ShardCourier
+from host_memory import SEAL_BYTES, SharedArena, attach_shared, from_regions, regions, share_in_background
 from snapshots import PART_BYTES
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,19 @@ def load_local(engine, holder, key: tuple, step: int, maps: LocalMaps | None = N
     and seconds by part: "find_s" (the holder's answer), "load_s" (mapping and loading); None
     when the holder has no complete copy of that step, or when the arena was retired while it
     was read (the engine's state is then to be restored from another source)."""
+    return _load_adopted(engine.load_state, holder, key, step, maps)
+
+
+def load_adopted_shard(engine, holder, key: tuple, step: int) -> dict | None:
+    """`load_local` of an optimizer shard: the shard of `step` that `holder` (this node's
+    `SnapshotHolder`) adopted under `key` (`shard_key`) loaded into `engine`, whose other state
+    is at `step` already (`Engine.load_shard`), through a mapping of the arena. Returns as
+    `load_local` (None: no complete copy, or retired while read)."""
+    return _load_adopted(engine.load_shard, holder, key, step)
+
+
+def _load_adopted(load, holder, key: tuple, step: int, maps: LocalMaps | None = None) -> dict | None:
+    """`load_local` with `load` (an engine's `load_state` or `load_shard`) taking the state."""
     t0 = time.perf_counter()
     found = ray.get(holder.local.remote(key, step))
     if found is None:
@@ -91,7 +106,7 @@ def load_local(engine, holder, key: tuple, step: int, maps: LocalMaps | None = N
     arena, how = maps.view(found["path"]) if maps is not None else None, MAPPED_AHEAD
     if arena is None:
         arena, how = attach_shared(found["path"], found["nbytes"]), MAPPED_NOW
-    engine.load_state(from_regions(found["layout"], arena))
+    load(from_regions(found["layout"], arena))
     if int(arena[:8].view(torch.int64)) != step:
         return None
     return {**found, "how": how, "find_s": t1 - t0, "load_s": time.perf_counter() - t1}
@@ -196,14 +211,23 @@ def keeper_node(node: str, nodes: list[str]) -> str:
     return ring[(ring.index(node) + 1) % len(ring)] if node in ring else ring[0]
 
 
+def adopts(holder_node: str, node: str) -> bool:
+    """Whether the keeper holder on Ray node `holder_node` adopts the arenas of a rank on `node`
+    (`SnapshotHolder.adopt`) rather than the rank's courier sending their bytes through Ray: when
+    both are the same node, where the holder can open the rank's memory files (a one-node job,
+    whose ring has one node; the local keeper, whose holder is its node's). A holder on another
+    node can only receive the bytes."""
+    return holder_node == node
+
+
 class ShardSender:
-    """A rank's side of the keeper: after each step, copy the optimizer shard into one of two
-    shared host arenas (`Engine.start_shard_copy`, asynchronous on GPU) and return; a thread of
-    the rank waits for the copy and hands the send to the rank's `courier.ShardCourier` (a
-    process of its own on this node), so the training thread neither serialises nor sends.
-    `local` (the local keeper, `connect`): the whole state is copied, the holder (of this
-    node) adopts the arena instead of a courier sending it, and the thread seals the arena
-    once the copy is complete; nothing is sent.
+    """A rank's side of the keeper: after each step, copy the optimizer shard (`whole`: the whole
+    training state, for the local keeper) into one of two shared host arenas
+    (`Engine.start_shard_copy`, asynchronous on GPU) and return; a thread of the rank waits for
+    the copy and then either hands the send to the rank's `courier.ShardCourier` (a process of its
+    own on this node), so the training thread neither serialises nor sends, or, with `adopt` (the
+    holder runs on this node, `adopts`), has the holder adopt the arena (`SnapshotHolder.adopt`,
+    while the copy runs) and seals it once the copy is complete: nothing is sent, no courier runs.
     Double-buffered: step k+1 copies into the other arena while step k's is being sent; a rank
     waits (counted in `waits`, `wait_s`) only when a send is slower than a step, so no step's
     shard is skipped. A copy whose arena is still being allocated (pinned after a join) is
@@ -217,21 +241,33 @@ class ShardSender:
         self.part_bytes = part_bytes
         self.sent = self.skipped = self.failed = self.waits = self.couriers = 0
         self.wait_s = 0.0
-        self.courier, self.local = None, False
+        self.courier, self.whole, self.adopt = None, False, False
         self._attached: dict[int, object] = {}  # arena index -> the SharedArena the courier maps there
         self._arenas: list[concurrent.futures.Future | None] = [None] * self.BUFFERS
         self._sends: list[concurrent.futures.Future | None] = [None] * self.BUFFERS
         self._next = 0
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-send")
 
-    def connect(self, holder, local: bool = False) -> None:
-        """Start the courier and make the first calls to it and to `holder` in the background:
-        an actor's start and a first call take seconds on a busy machine, which the first
-        steps' sends would otherwise wait for. `local`: keep the whole state with `holder`,
-        this node's (no courier; see the class)."""
-        self.local = local
-        self._thread.submit(lambda: ray.get([holder.node_id.remote()] + ([] if local else [
-            self._courier().node_id.remote()])))
+    def connect(self, holder, whole: bool = False, adopt: bool | None = None) -> None:
+        """Keep what `after_step` copies with `holder` from now on: the optimizer shard, or with
+        `whole` the whole training state (the local keeper; `holder` is this node's). `adopt`:
+        whether `holder` adopts the arenas (no courier); None: when it runs on this node
+        (`adopts`). The decision, the courier's start and the first calls to it and to `holder`
+        run in the background (the send thread, before any send): an actor's start and a first
+        call take seconds on a busy machine, which the first steps' sends would otherwise wait
+        for."""
+        self.whole = whole
+        self._thread.submit(self._connect, holder, adopt)
+
+    def _connect(self, holder, adopt: bool | None) -> None:
+        """Send thread: `connect`'s decision and first calls; a courier no longer needed ends."""
+        node = ray.get(holder.node_id.remote())
+        self.adopt = adopts(node, ray.get_runtime_context().get_node_id()) if adopt is None else adopt
+        if not self.adopt:
+            ray.get(self._courier().node_id.remote())
+        elif self.courier is not None:  # e.g. the holder of the other node gone: this node's keeps
+            ray.kill(self.courier)
+            self.courier, self._attached = None, {}
 
     def _courier(self):
         """This rank's courier, started on this node when there is none (send thread only)."""
@@ -246,7 +282,7 @@ class ShardSender:
         """Arena `index` (a `SharedArena` of at least the shard's bytes), or None while it is
         being allocated (pinned in the background on GPU; at once on CPU, where nothing is
         pinned), its first `SEAL_BYTES` bytes for the seal. Call only when no send reads it."""
-        need, future = engine.shard_nbytes(self.local) + SEAL_BYTES, self._arenas[index]
+        need, future = engine.shard_nbytes(self.whole) + SEAL_BYTES, self._arenas[index]
         if future is None or future.done() and (future.exception() or future.result().nbytes < need):
             name = f"shard-keeper-{os.getpid()}-{index}"
             if torch.cuda.is_available():
@@ -295,7 +331,7 @@ class ShardSender:
                         "(%d skipped, %d sent so far)", self._what(), step, self.skipped, self.sent)
             return self.counts()
         arena.retire()  # before a byte changes: the holder serves it no more
-        copy = engine.start_shard_copy(arena.tensor[SEAL_BYTES:], self.local)
+        copy = engine.start_shard_copy(arena.tensor[SEAL_BYTES:], self.whole)
         layout = regions(copy.state, arena.tensor)
         self._sends[index] = self._thread.submit(self._send, holder, key, step, index, arena, copy, layout,
                                                  generation)
@@ -303,11 +339,11 @@ class ShardSender:
         return self.counts()
 
     def _send(self, holder, key, step, index, arena, copy, layout, generation) -> None:
-        """Send thread: wait for the copy, then have the courier send it (a new courier, once,
-        if it died), or with `local` have the holder adopt the arena and seal it; counts the
-        outcome."""
+        """Send thread: with `adopt` have the holder adopt the arena and seal it once the copy is
+        complete, else wait for the copy and have the courier send it (a new courier, once, if
+        it died); counts the outcome."""
         try:
-            if self.local:  # adopted while the copy runs, served once sealed
+            if self.adopt:  # adopted while the copy runs, served once sealed
                 ray.get(holder.adopt.remote(key, os.getpid(), index, arena.path, arena.nbytes, step, layout,
                                             generation))
                 copy.wait()
@@ -334,8 +370,8 @@ class ShardSender:
             log.warning("%s of step %d not kept: %r", self._what(), step, exc)
 
     def _what(self) -> str:
-        """What the logs call a copy: the whole state (`local`) or the optimizer shard."""
-        return "training state" if self.local else "optimizer shard"
+        """What the logs call a copy: the whole state (`whole`) or the optimizer shard."""
+        return "training state" if self.whole else "optimizer shard"
 
     def wait(self) -> None:
         """Block until every send started, and the connection (`connect`), have ended."""

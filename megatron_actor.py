@@ -30,7 +30,8 @@ from config import CHAOS_KINDS, CHAOS_POINTS, Config
 from comms import collective_counts, use_node_interface
 from failures import InjectedFault, StaleGenerationError
 from host_memory import SharedArena, process_gone
-from keeper import MAPPED_AHEAD, LocalMaps, ShardSender, keeps_locally, keeps_shards, load_local, local_key, shard_key
+from keeper import (MAPPED_AHEAD, LocalMaps, ShardSender, keeps_locally, keeps_shards, load_adopted_shard, load_local,
+                    local_key, shard_key)
 from lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
 from parallel_dims import ParallelDims
 from rendezvous import arrive, release, wait_formed
@@ -281,7 +282,7 @@ class MegatronActor:
         self._keeper = local_holder if local else holder if keeps_shards(
             self.cfg.model.distributed_optimizer, ft.shard_keeper, dims.dp) else None
         if self._keeper is not None:
-            self._shards.connect(self._keeper, local)
+            self._shards.connect(self._keeper, whole=local)
         else:
             self._shards.close()  # no shard kept in this layout: its courier and arenas go
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
@@ -357,7 +358,7 @@ class MegatronActor:
 
     def _kept_key(self) -> tuple:
         """The holder key of what this rank's keeper keeps (`keeper.local_key`, `shard_key`)."""
-        if self._shards.local:
+        if self._shards.whole:
             return local_key(str(self.dims), self.rank, ray.get_runtime_context().get_node_id())
         return shard_key(str(self.dims), self.rank)
 
@@ -370,10 +371,15 @@ class MegatronActor:
         """Load this rank's in-memory snapshot of committed step `step` from the first of
         `holders` (SnapshotHolder handles) that has it; `shard`: only its optimizer shard, kept
         by its keeper (keeper.py), into a state that is already at `step`
-        (`Engine.load_shard`). False when none has."""
+        (`Engine.load_shard`): a holder of this node that adopted it is read through a mapping
+        of the arena (`keeper.load_adopted_shard`), the others send it. False when none has."""
         self._check(generation)
         key = shard_key(str(self.dims), self.rank) if shard else (str(self.dims), self.rank)
+        node = ray.get_runtime_context().get_node_id()
         for holder in holders:
+            if shard and ray.get(holder.node_id.remote()) == node and \
+                    load_adopted_shard(self.engine, holder, key, step) is not None:
+                return True
             state = ray.get(holder.get.remote(key, step))
             if state is not None:
                 (self.engine.load_shard if shard else self.engine.load_state)(from_wire(state))
@@ -391,7 +397,7 @@ class MegatronActor:
         self._check(generation)
         got = None
         try:
-            if not self._shards.local:
+            if not self._shards.whole:
                 return None
             got = load_local(self.engine, self._keeper, self._kept_key(), step, self._local_maps)
             if got is None:

@@ -171,10 +171,10 @@ class SnapshotHolder:
 
     def adopt(self, key: tuple, owner: int, index: int, path: str, nbytes: int, step: int, layout,
               generation: int = 0) -> None:
-        """The local keeper (keeper.py): process `owner` of this node is copying the state of
-        step `step` (laid out as `layout`, `courier.regions`) into its arena `index`
-        (`host_memory.SharedArena` at `path`, `nbytes` bytes) for the rank position `key`, as
-        a rank of membership `generation`. The holder adopts the arena (opens it once:
+        """The local keeper, or a shard keeper on its rank's node (keeper.py): process `owner` of
+        this node is copying the state (or optimizer shard) of step `step` (laid out as `layout`,
+        `host_memory.regions`) into its arena `index` (`host_memory.SharedArena` at `path`,
+        `nbytes` bytes) for the rank position `key`, as a rank of membership `generation`. The holder adopts the arena (opens it once:
         `AdoptedArena`; its memory then outlives the owner's process) and serves it for `step`
         while the arena's seal says that step (`SharedArena.seal`: the owner seals it once the
         copy is complete and retires it before overwriting it). Dropped like `put_part`'s parts
@@ -199,7 +199,8 @@ class SnapshotHolder:
                     arenas.pop((o, i)).arena.close()
 
     def local(self, key: tuple, step: int) -> dict | None:
-        """The adopted arena (`adopt`) complete for (`key`, `step`), None when none is:
+        """The adopted arena (`adopt`: a local keeper's whole state, or an optimizer shard whose
+        keeper is on its rank's node) complete for (`key`, `step`), None when none is:
         {"path", "nbytes", "layout"}: another process of this node maps it through `path`
         (`host_memory.attach_shared`); "index": its index among its owner's arenas; "owner":
         that process's pid; "arenas": index -> path of every arena of that owner at `key` (a
@@ -217,14 +218,31 @@ class SnapshotHolder:
         return {x.arena.ino: (x.arena.path, x.arena.nbytes) for arenas in self._local.values() for x in arenas.values()}
 
     def get(self, key: tuple, step: int) -> dict | None:
-        """The complete snapshot of (`key`, `step`) in wire form (`from_wire`), or None."""
-        return self.snaps.get(key, {}).get(step)
+        """The complete snapshot of (`key`, `step`) in wire form (`from_wire`), or None: one sent
+        (`put_part`), else a copy of an adopted arena (`adopt`), for a process of another node
+        (a replacement there of a rank whose keeper was on its own node). The copy is served
+        only when the arena's seal says `step` before and after it (its owner, still writing,
+        may retire it meanwhile)."""
+        sent = self.snaps.get(key, {}).get(step)
+        if sent is not None:
+            return sent
+        from host_memory import attach_shared, from_regions
+
+        for x in self._local.get(key, {}).values():
+            if x.step == step and x.complete():
+                view = from_regions(x.layout, attach_shared(x.arena.path, x.arena.nbytes))
+                state = to_wire(_cloned(view))
+                return state if x.complete() else None
+        return None
 
     def steps(self) -> dict:
         """key -> complete steps held, oldest first: (layout, rank) of full snapshots, the
-        keeper's keys for optimizer shards and adopted arenas (keeper.py)."""
-        local = {k: sorted({x.step for x in v.values() if x.complete()}) for k, v in self._local.items()}
-        return {**{k: sorted(v) for k, v in self.snaps.items()}, **{k: v for k, v in local.items() if v}}
+        keeper's keys for optimizer shards (sent and adopted ones together) and adopted arenas
+        (keeper.py)."""
+        held = {k: set(v) for k, v in self.snaps.items()}
+        for k, arenas in self._local.items():
+            held.setdefault(k, set()).update(x.step for x in arenas.values() if x.complete())
+        return {k: sorted(v) for k, v in held.items() if v}
 
     def drop_after(self, step: int, generation: int) -> None:
         """A rewind to committed step `step` in membership `generation`: drop every snapshot and
@@ -264,6 +282,13 @@ class _Kept:
     def complete(self) -> bool:
         """Whether the arena holds every byte of `step` now (its seal)."""
         return self.arena.sealed() == self.step
+
+
+def _cloned(state):
+    """`state` with every tensor copied (into memory of this process)."""
+    import torch
+
+    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
 
 
 def _arrays(snapshot) -> dict:

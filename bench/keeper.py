@@ -3,9 +3,10 @@ training without it.
 
 With a sharded optimizer at dp ranks, a rank keeps, per step: a rollback snapshot of its params
 and optimizer shard (Megatron, `engine.snapshot()`; the torch engine takes one anyway), and a
-copy of its shard sent to its keeper (`keeper.ShardSender.after_step`: a side-stream copy into
-one of two shared pinned arenas, sent by a courier process of this node to a `SnapshotHolder`
-actor while the next steps run, courier.py). One device has no dp=8: the shard size is emulated
+copy of its shard kept by its keeper (`keeper.ShardSender.after_step`: a side-stream copy into
+one of two shared pinned arenas, which the `SnapshotHolder` actor of this host adopts, as a
+one-node job's keeper does; with `--courier` sent by a courier process of this host to it while
+the next steps run, as to a keeper on another node, courier.py). One device has no dp=8: the shard size is emulated
 by `--fractions` (each optimizer tensor cut to its first fraction of elements, so the copies and
 the send move a dp=1/fraction rank's bytes; the params are copied whole, as a real rank's are).
 
@@ -22,12 +23,13 @@ are drained (untimed) at the end of each `kept` block, so none overlaps another 
 Per case: the median and the 10/25/75/90th percentiles of its timed steps and each block's
 median; ratio = median / off's median, with a 90% bootstrap interval (steps resampled within
 each case) and the median, min and max of the per-block ratios (each block against the off
-block of the same round). The holder runs on this host (a real keeper is on another node: the
-send crosses the network). A fraction whose host memory (rollback + 2 arenas + 3 copies at
-the holder + 1 in flight) would pass half of the available memory is skipped and noted.
+block of the same round). The holder runs on this host, so it adopts the arenas (no send);
+`--courier` has the courier send them to it through Ray instead (a keeper on another node, less
+the network). A fraction whose host memory (rollback + 2 arenas + 3 copies at the holder + 1 in
+flight, as with `--courier`) would pass half of the available memory is skipped and noted.
 
 Usage (repository root): python -m bench.keeper [--fractions 0.125,1] [--blocks 8] [--block-steps 6]
-    [--settle 1] [--warmup 3] [--breakdown] [--set a.b=v ...] [--out PATH]
+    [--settle 1] [--warmup 3] [--breakdown] [--courier] [--set a.b=v ...] [--out PATH]
 JSON: {"redundancy_overhead_ratio" (kept / off median step time at the first fraction),
 "shard_fraction", "kept_every_step" (every step of every kept block, settle steps included, sent,
 none skipped or failed, at the first fraction), "device", "engine", "params", "cases":
@@ -36,7 +38,8 @@ none skipped or failed, at the first fraction), "device", "engine", "params", "c
 "cpu_s" (median CPU seconds of the training thread per timed step: near step_s means the step
 is bound by the host's kernel launches), "gc_s" (the garbage collector's pauses over the timed
 steps)};
-"kept" also "kept" {sent, skipped, failed}, "send_waits", "send_wait_s", "couriers"; "shard_gb",
+"kept" also "kept" {sent, skipped, failed}, "send_waits", "send_wait_s", "adopted" (the holder
+adopted the arenas), "couriers" (couriers started: 0 when adopted); "shard_gb",
 "rollback_gb", "kept_every_step", "rounds"} or {"skipped": why}}, "complete" (false: a run cut
 short, the rounds so far; the file is rewritten after each round), "config"}.
 """
@@ -133,13 +136,13 @@ class CopyOnly:
 class Case:
     """One case's per-step work around `train_step` (see the module doc) and its timings."""
 
-    def __init__(self, name: str, engine, holder):
+    def __init__(self, name: str, engine, holder, courier: bool = False):
         self.name, self.engine, self.holder = name, engine, holder
         self.steps_s, self.block_s, self.sender = [], [], None
         self.cpu_s, self.gc_s = [], []  # per timed step: the training thread's CPU time, GC pauses
         if name == "kept":
             self.sender = ShardSender()
-            self.sender.connect(holder)
+            self.sender.connect(holder, adopt=False if courier else None)
         elif name == "copy":
             self.sender = CopyOnly()
         if self.sender is not None:  # arenas pinned, courier started before timing (done at join in a run)
@@ -243,6 +246,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before the first block")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, at the first fraction: the rollback snapshot alone, and with the shard copy")
+    ap.add_argument("--courier", action="store_true",
+                    help="send the shard through a courier to the holder (as to a keeper on another node) "
+                         "instead of the holder adopting its arenas")
     ap.add_argument("--config", default="config.yaml")
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--out", default=None)
@@ -293,13 +299,13 @@ def main(argv=None) -> dict:
             continue
         holder = SnapshotHolder.remote()
         names = ["off", "kept"] + (["rollback", "copy"] if args.breakdown and fraction == fractions[0] else [])
-        cases = [Case(name, engine, holder) for name in names]
+        cases = [Case(name, engine, holder, args.courier) for name in names]
         kept = cases[1].sender
 
         def fraction_result():
             result = summary(cases)
             result["kept"].update(kept=kept.counts(), send_waits=kept.waits, send_wait_s=kept.wait_s,
-                                  couriers=kept.couriers)
+                                  adopted=kept.adopt, couriers=kept.couriers)
             result.update(shard_gb=shard_b / 1e9, rollback_gb=rollback_b / 1e9, rounds=len(cases[0].block_s),
                           kept_every_step=kept.counts() == {"sent": cases[1].sent, "skipped": 0, "failed": 0})
             return result
@@ -327,8 +333,8 @@ def main(argv=None) -> dict:
             print(f"  {name:<9}{r['step_s']:9.4f}{r['p10_s']:8.3f}{r['p90_s']:8.3f}{r['ratio']:8.3f}"
                   f"{r['ratio_p5']:8.3f}-{r['ratio_p95']:.3f}{b['median']:8.3f} ({b['min']:.3f}-{b['max']:.3f})"
                   f"{r['cpu_s']:8.3f}{r['gc_s']:7.3f}")
-        print(f"  kept {kept.counts()}, {kept.waits} send waits ({kept.wait_s:.3f} s), {kept.couriers} courier(s)",
-              flush=True)
+        print(f"  kept {kept.counts()}, {kept.waits} send waits ({kept.wait_s:.3f} s), "
+              f"{'adopted by the holder' if kept.adopt else 'sent'}, {kept.couriers} courier(s)", flush=True)
     result = write(results, complete=True)
     print(f"redundancy_overhead_ratio {result['redundancy_overhead_ratio']} at shard fraction {fractions[0]}, "
           f"kept_every_step {result['kept_every_step']}, {device}")

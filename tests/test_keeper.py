@@ -1,14 +1,16 @@
 """The shard keeper (keeper.py) with the torch engine's ZeRO-1 (`model.distributed_optimizer=true`):
-every rank's optimizer shard is on no DP peer; its keeper (the holder of another node) gets a
+every rank's optimizer shard is on no DP peer; its keeper (the holder of the next node) keeps a
 copy after every step, and a replaced rank is restored from a DP peer (parameters) plus its
 keeper (shard): 0 committed steps lost, no checkpoint read, the final state bitwise equal to the
-run without failure. The shard leaves the rank through shared memory and a courier process
+run without failure. On one node the keeper adopts the rank's shared arenas (no courier, no
+bytes through Ray); on two, the shard leaves the rank through shared memory and a courier process
 (courier.py): a courier killed is replaced, and no arena outlives the run or a SIGKILLed rank.
 At dp=1 the local keeper (the defaults) keeps each rank's whole state in arenas its node's holder
 adopts: a SIGKILLed rank comes back from them with 0 steps lost, one killed inside the copy
 window of the newest step re-runs that step from the previous one (never mixed state).
 Real Ray actors, gloo groups and holders."""
 import contextlib
+import inspect
 import os
 import signal
 import time
@@ -17,15 +19,18 @@ import pytest
 import ray
 import torch
 
-from conftest import megatron_cpu_cfg, reference_run, run_bench, wait_for_shards
+from ray.cluster_utils import Cluster
+
+from conftest import megatron_cpu_cfg, own_ray, reference_run, run_bench, wait_for_shards
 from config import load_config, resolve
 from actor_group import ActorGroup
-from courier import from_regions, regions
-from host_memory import SEAL_BYTES, SharedArena, attach_shared, carve
+from host_memory import SEAL_BYTES, SharedArena, attach_shared, carve, from_regions, regions
 from fault_tolerance import plan_restore
-from keeper import LocalMaps, keeper_node, local_key, shard_key
-from snapshots import SnapshotHolder
+from keeper import LocalMaps, adopts, keeper_node, local_key, shard_key
+from snapshots import SnapshotHolder, from_wire, wire_parts
 from trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ZERO = "model.distributed_optimizer=true"
 
@@ -75,6 +80,14 @@ def test_every_node_keeps_another_nodes_shards_in_one_ring(nodes):
     assert keeper_node("elsewhere", nodes) in nodes
     with pytest.raises(ValueError):
         keeper_node("a", [])
+
+
+@pytest.mark.parametrize("nodes", [["a"], ["a", "b"], ["c", "a", "b"]])
+def test_the_keeper_adopts_the_arenas_only_on_the_rank_s_own_node(nodes):
+    """The holder adopts a rank's arenas (no courier) exactly when it runs on the rank's node:
+    in the ring, only when there is one node; every keeper of another node gets them sent."""
+    assert adopts("a", "a") and not adopts("b", "a")
+    assert [adopts(keeper_node(n, nodes), n) for n in nodes] == [len(nodes) == 1] * len(nodes)
 
 
 def test_a_sharded_optimizer_needs_the_keepers_copy_of_the_committed_step():
@@ -147,15 +160,100 @@ def reference(ray_session, tmp_path_factory):
     return reference_run(make_cfg(tmp_path_factory.mktemp("ref")), 4)
 
 
-def test_a_lost_zero_rank_comes_back_from_a_peer_and_its_keeper(reference, tmp_path):
-    """dp=2, ZeRO-1, rank 1 killed after step 2: parameters from rank 0, the optimizer shard
-    from the keeper; losses and every rank's final state bitwise as the run without failure."""
-    trainer, digests = run(make_cfg(tmp_path), kill_ranks=(1,))
-    (tl,) = trainer.recoveries
-    assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("peer+keeper", 0, 2)
-    assert trainer.losses == reference[0]
-    assert digests == reference[1]
-    assert len(set(digests)) == 2  # ZeRO: the ranks hold different shards
+def holder_copy(holder, wrap) -> None:
+    """Replace, in `holder`'s process, its copy of an adopted arena for `get`
+    (`snapshots._cloned`, as its methods see it) by `wrap(the original, the holder)`."""
+    def patch(h):
+        names = inspect.unwrap(type(h).get).__globals__  # Ray wraps the methods
+        names["_cloned"] = wrap(names["_cloned"], h)
+    ray.get(holder.__ray_call__.remote(patch))
+
+
+@pytest.mark.parametrize("dp", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_a_lost_zero_rank_comes_back_from_a_peer_and_the_keeper_of_its_node(dp, reference, tmp_path):
+    """dp=2 (and 3, slow), ZeRO-1, one node: each rank's keeper is its own node's holder, which
+    adopts the rank's shard arenas (no courier started; every step listed once sealed). Rank 1
+    killed after step 2: parameters from rank 0, the shard through a mapping of the arena the
+    holder adopted (the holder's copy path fails if asked), 0 steps lost, losses and every
+    rank's final state bitwise as the run without failure; then the holder lists the newest two
+    steps of every rank, the replacement's included (the dead rank's arenas dropped)."""
+    sets = ("train.global_batch_size=12", "train.mini_batch_size=6") if dp == 3 else ()
+    ref = reference if dp == 2 else reference_run(make_cfg(tmp_path / "ref", *sets, workers=3), 4)
+    with two_steps(make_cfg(tmp_path / "run", *sets, workers=dp)) as (group, trainer):
+        (holder,) = group.holders.values()
+        keys = [shard_key(str(group.dims), r) for r in range(dp)]
+        ray.get([w.handle.__ray_call__.remote(lambda a: a._shards.wait()) for w in group.workers])
+        counts = ray.get([w.handle.__ray_call__.remote(lambda a: (a._shards.counts(), a._shards.adopt,
+                                                                  a._shards.couriers)) for w in group.workers])
+        assert counts == [({"sent": 2, "skipped": 0, "failed": 0}, True, 0)] * dp
+        assert ray.get(holder.steps.remote()) == {k: [1, 2] for k in keys}
+        def never_copied(original, h):  # nested: pickled by value into the holder's process
+            def copy(state):
+                raise AssertionError("the holder copied an adopted shard: a restore on its node maps it")
+            return copy
+
+        holder_copy(holder, never_copied)
+        ray.kill(group.workers[1].handle, no_restart=True)
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("peer+keeper", 0, 2)
+        assert trainer.losses == ref[0]
+        assert group.state_digests() == ref[1]
+        assert len(set(ref[1])) == dp  # ZeRO: the ranks hold different shards
+        ray.get([w.handle.__ray_call__.remote(lambda a: a._shards.wait()) for w in group.workers])
+        assert ray.get(holder.steps.remote()) == {k: [3, 4] for k in keys}
+        assert not any(ray.get(w.handle.__ray_call__.remote(lambda a: a._shards.couriers)) for w in group.workers)
+
+
+def written(state: dict, step: int, name: str) -> tuple[SharedArena, object]:
+    """A retired `SharedArena` with `state`'s tensors written after its seal bytes, as a
+    `ShardSender` writes one, and the layout (`regions`) of `state` at `step` in it."""
+    arena = SharedArena(4096, f"test-adopt-{name}")
+    into = carve(state, arena.tensor[SEAL_BYTES:])
+    for d, x in zip(state_leaves(into), state_leaves(state)):
+        d.copy_(x)
+    arena.retire()
+    return arena, regions({**into, "step": step}, arena.tensor)
+
+
+def state_leaves(state) -> list[torch.Tensor]:
+    return [x for x in torch.utils._pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
+
+
+def test_an_adopted_shard_reaches_another_node_as_a_copy_never_from_a_retired_arena(ray_session):
+    """An optimizer shard its keeper adopted (the keeper on the rank's node) is listed with the
+    steps sent to the same key; `get` (what a replacement on another node calls) serves it as a
+    copy in wire form, bytes, dtypes and python leaves as written, while sealed; not once
+    retired, nor when retired while the holder copies it; a sent step is served as before."""
+    holder, key = SnapshotHolder.remote(), shard_key("L", 1)
+    state = {"optimizer": {"state": {0: {"exp_avg": torch.randn(3, 5), "step": torch.tensor(7.0)}},
+                           "bf16": [torch.randn(4).to(torch.bfloat16)]}, "step": 7}
+    meta, parts = wire_parts({**state, "step": 6})  # step 6 sent by a courier
+    ray.get(holder.put_part.remote(key, 6, 0, len(parts), meta, parts[0]))
+    a, layout = written(state, 7, "shard")
+    ray.get(holder.adopt.remote(key, 1, 0, a.path, a.nbytes, 7, layout))
+    assert ray.get(holder.steps.remote()) == {key: [6]} and ray.get(holder.get.remote(key, 7)) is None
+    a.seal(7)
+    assert ray.get(holder.steps.remote()) == {key: [6, 7]}
+    got = from_wire(ray.get(holder.get.remote(key, 7)))
+    assert got["step"] == 7 and all(x.dtype == y.dtype and torch.equal(x, y)
+                                    for x, y in zip(state_leaves(got), state_leaves(state)))
+    assert from_wire(ray.get(holder.get.remote(key, 6)))["step"] == 6
+    a.retire()
+    assert ray.get(holder.get.remote(key, 7)) is None and ray.get(holder.steps.remote()) == {key: [6]}
+    a.seal(7)
+
+    def retiring(original, h):  # the owner retires the arena while the holder copies it
+        def copy(state):
+            out = original(state)
+            for x in h._local[key].values():
+                os.pwrite(x.arena.fd, (-1).to_bytes(8, "little", signed=True), 0)
+            return out
+        return copy
+
+    holder_copy(holder, retiring)
+    assert ray.get(holder.get.remote(key, 7)) is None and a.sealed() == -1
+    ray.kill(holder)
 
 
 @pytest.mark.slow
@@ -183,7 +281,8 @@ def test_dp4_two_lost_zero_ranks_come_back_from_peers_and_keepers(ray_session, t
 
 @pytest.mark.slow
 def test_the_keeper_bench_runs_on_cpu(tmp_path):
-    """`python -m bench.keeper` on the torch engine: every step's shard kept, the JSON's keys."""
+    """`python -m bench.keeper` on the torch engine: every step's shard kept, adopted by the holder
+    of this host (no courier started), the JSON's keys."""
     import json
 
     out = tmp_path / "keeper.json"
@@ -191,43 +290,11 @@ def test_the_keeper_bench_runs_on_cpu(tmp_path):
     r = json.loads(out.read_text())
     assert r["shard_fraction"] == 0.125 and r["kept_every_step"] is True and r["redundancy_overhead_ratio"] > 0
     kept = r["cases"]["1.0"]["kept"]
-    assert kept["kept"] == {"sent": 6, "skipped": 0, "failed": 0} and kept["couriers"] == 1 and "cpu" in r["device"]
+    assert kept["kept"] == {"sent": 6, "skipped": 0, "failed": 0} and "cpu" in r["device"]
+    assert kept["adopted"] is True and kept["couriers"] == 0
     assert len(kept["steps_s"]) == 4 and set(r["cases"]["0.125"]) >= {"off", "kept", "rollback", "copy"}
     assert 0 < kept["cpu_s"] and kept["gc_s"] >= 0
 
-
-
-def test_a_killed_courier_is_replaced_and_a_sigkilled_rank_leaves_no_arena(reference, tmp_path):
-    """dp=2, ZeRO-1: rank 1's courier killed after step 2 (a new one sends step 3, nothing
-    failed or skipped); then rank 1 SIGKILLed once step 3's shards are kept: restored from peer
-    + keeper with 0 steps lost, losses and final states bitwise as the run without failure.
-    Its arenas go with it (its courier ends with its owner; no process maps them), and after
-    the run no rank's arenas are mapped anywhere."""
-    with two_steps(make_cfg(tmp_path)) as (group, trainer):
-        rank1 = group.workers[1].handle
-        courier = ray.get(rank1.__ray_call__.remote(lambda a: a._shards.courier))
-        ray.kill(courier, no_restart=True)
-        trainer.train(3)
-        wait_for_shards(group, 3)
-        pids = ray.get([w.handle.__ray_call__.remote(lambda a: os.getpid()) for w in group.workers])
-        # A keeper holds a shard a moment before the rank's send thread counts it: counted once ended.
-        ray.get([w.handle.__ray_call__.remote(lambda a: a._shards.wait()) for w in group.workers])
-        counts = ray.get([w.handle.__ray_call__.remote(lambda a: (a._shards.counts(), a._shards.couriers))
-                          for w in group.workers])
-        assert counts == [({"sent": 3, "skipped": 0, "failed": 0}, 1), ({"sent": 3, "skipped": 0, "failed": 0}, 2)]
-        assert arena_mappers(pids[1])  # the rank and its courier
-        new_courier = ray.get(rank1.__ray_call__.remote(lambda a: a._shards.courier))
-        os.kill(pids[1], signal.SIGKILL)
-        trainer.train(4)
-        (tl,) = trainer.recoveries
-        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("peer+keeper", 0, 3)
-        assert trainer.losses == reference[0]
-        assert group.state_digests() == reference[1]
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(new_courier.node_id.remote(), timeout=60)  # ended with the rank that owned it
-        assert unmapped([pids[1]])
-        pids += ray.get([w.handle.__ray_call__.remote(lambda a: os.getpid()) for w in group.workers])
-    assert unmapped(pids)
 
 
 # -- the local keeper (dp=1) -----------------------------------------------------------------------
@@ -258,16 +325,7 @@ def test_a_holder_serves_an_adopted_arena_only_while_sealed_and_drops_it_for_a_n
     rewind drops the later steps."""
     holder, key = SnapshotHolder.remote(), local_key("L", 0, "node")
     state = {"model": [torch.randn(3, 5), torch.randn(4).to(torch.bfloat16)], "step": 7}
-
-    def written(step, name):
-        arena = SharedArena(4096, f"test-adopt-{name}")
-        into = carve(state, arena.tensor[SEAL_BYTES:])
-        for d, x in zip(into["model"], state["model"]):
-            d.copy_(x)
-        arena.retire()
-        return arena, regions({**into, "step": step}, arena.tensor)
-
-    a, layout = written(7, "a")
+    a, layout = written(state, 7, "a")
     ray.get(holder.adopt.remote(key, 1, 0, a.path, a.nbytes, 7, layout))
     assert ray.get(holder.steps.remote()) == {}  # not sealed: being written
     a.seal(7)
@@ -283,11 +341,11 @@ def test_a_holder_serves_an_adopted_arena_only_while_sealed_and_drops_it_for_a_n
     assert len(maps) == 1 and torch.equal(maps.view(path), attach_shared(path, nbytes))
     maps.refresh({})
     assert len(maps) == 0 and maps.view(path) is None
-    b, layout_b = written(8, "b")
+    b, layout_b = written(state, 8, "b")
     ray.get(holder.adopt.remote(key, 2, 0, b.path, b.nbytes, 8, layout_b))
     b.seal(8)
     assert ray.get(holder.steps.remote()) == {key: [7, 8]}  # the old owner's stays until the new one has two
-    c, layout_c = written(9, "c")
+    c, layout_c = written(state, 9, "c")
     ray.get(holder.adopt.remote(key, 2, 1, c.path, c.nbytes, 9, layout_c))
     assert ray.get(holder.steps.remote()) == {key: [8]}
     c.seal(9)
@@ -451,3 +509,54 @@ def test_megatron_actors_at_tp2_dp1_restore_a_sigkilled_rank_from_its_nodes_hold
         assert trainer.losses == ref_losses and group.state_digests() == ref_digests
     finally:
         group.shutdown()
+
+
+# -- two nodes: the courier ------------------------------------------------------------------------
+@pytest.fixture
+def two_nodes():
+    """Two Ray nodes on this machine (`ray.cluster_utils.Cluster`; a Ray of this test's own,
+    last in the module), so each rank's keeper is the holder of the other node."""
+    own_ray()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        c.add_node(num_cpus=4)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def test_a_killed_courier_is_replaced_and_a_sigkilled_rank_leaves_no_arena(reference, two_nodes, tmp_path):
+    """dp=2, ZeRO-1, two nodes: every rank's shard is sent by its courier to the holder of the
+    other node. Rank 1's courier killed after step 2 (a new one sends step 3, nothing failed or
+    skipped); then rank 1 SIGKILLed once step 3's shards are kept: restored from peer + keeper
+    with 0 steps lost, losses and final states bitwise as the run without failure. Its arenas go
+    with it (its courier ends with its owner; no process maps them), and after the run no
+    rank's arenas are mapped anywhere."""
+    with two_steps(make_cfg(tmp_path, "cluster.num_nodes=2")) as (group, trainer):
+        assert all(ray.get(group.holder_for(w.node_id).node_id.remote()) != w.node_id for w in group.workers)
+        rank1 = group.workers[1].handle
+        courier = ray.get(rank1.__ray_call__.remote(lambda a: a._shards.courier))
+        ray.kill(courier, no_restart=True)
+        trainer.train(3)
+        wait_for_shards(group, 3)
+        pids = ray.get([w.handle.__ray_call__.remote(lambda a: os.getpid()) for w in group.workers])
+        # A keeper holds a shard a moment before the rank's send thread counts it: counted once ended.
+        ray.get([w.handle.__ray_call__.remote(lambda a: a._shards.wait()) for w in group.workers])
+        counts = ray.get([w.handle.__ray_call__.remote(lambda a: (a._shards.counts(), a._shards.couriers))
+                          for w in group.workers])
+        assert counts == [({"sent": 3, "skipped": 0, "failed": 0}, 1), ({"sent": 3, "skipped": 0, "failed": 0}, 2)]
+        assert arena_mappers(pids[1])  # the rank and its courier
+        new_courier = ray.get(rank1.__ray_call__.remote(lambda a: a._shards.courier))
+        os.kill(pids[1], signal.SIGKILL)
+        trainer.train(4)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("peer+keeper", 0, 3)
+        assert trainer.losses == reference[0]
+        assert group.state_digests() == reference[1]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(new_courier.node_id.remote(), timeout=60)  # ended with the rank that owned it
+        assert unmapped([pids[1]])
+        pids += ray.get([w.handle.__ray_call__.remote(lambda a: os.getpid()) for w in group.workers])
+    assert unmapped(pids)

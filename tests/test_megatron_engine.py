@@ -643,8 +643,7 @@ def _local_keeper_ranks(rank, world, store) -> dict:
     seal), overlapped with step 2, holds step 1's whole state; with every live tensor zeroed, the
     state loaded through another mapping of the arena (`load_state`, as a replacement maps the
     holder's) is bitwise step 1's, and step 2 trains the same again."""
-    from courier import from_regions, regions
-    from host_memory import SEAL_BYTES, SharedArena, attach_shared, state_tensors
+    from host_memory import SEAL_BYTES, SharedArena, attach_shared, from_regions, regions, state_tensors
 
     cfg, dims, e = _trained_step_1(rank, world, store)
     step1 = _digest(e)

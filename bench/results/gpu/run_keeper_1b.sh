@@ -3,12 +3,13 @@
 # hidden 2048, 16 heads, ffn 5632, vocab 32000, seq 2048; 1.364B params), one GPU (dp=1, the
 # distributed optimizer), 16 sequences x 2048 tokens per step (one GPU's share of that script's
 # global batch 32 at dp=2; one optimizer step, micro-batches of 2). The shard keeper at the shard
-# size of dp=8 (1/8 of the optimizer state, sent every step by the courier process) against no
-# keeper, interleaved in one process: 3 warm-up steps, then 8 rounds of one block per case
-# (1 untimed + 6 timed steps each): 48 timed steps per case, about 115 steps in all (~3-4 min with
-# the start). Prints the table; keeps NAME.cmd/.log/.json in DEST (the JSON rewritten after each
+# size of dp=8 (1/8 of the optimizer state, kept every step: the holder of this host adopts the
+# arenas as a one-node job's keeper does; with --courier sent through Ray by the courier process,
+# as to a keeper on another node) against no keeper, interleaved in one process: 3 warm-up
+# steps, then 8 rounds of one block per case (1 untimed + 6 timed steps each): 48 timed steps per
+# case, about 115 steps in all (~3-4 min with the start). Prints the table; keeps NAME.cmd/.log/.json in DEST (the JSON rewritten after each
 # round: a run cut short by BENCH_TIMEOUT leaves "complete": false). More bench args (e.g.
-# --breakdown, --fractions 0.125,1) are passed on; BENCH_TIMEOUT (s) bounds the run.
+# --breakdown, --fractions 0.125,1, --courier) are passed on; BENCH_TIMEOUT (s) bounds the run.
 # Usage (repo root, GPU machine, after `source .gpu/install.sh .gpu`):
 #   bash bench/results/gpu/run_keeper_1b.sh NAME DEST [more bench args]
 set -o pipefail
