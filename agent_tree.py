@@ -15,11 +15,12 @@ agent keeps the branch of each sender apart, so a re-parented agent never mistak
 parent's branch for its own). `Rounds` is a parent's side of the heartbeat rounds (the driver's
 for the roots, an agent's for its children): one round in flight per child, the children's
 summaries merged, a child whose round raised that its actor died reported `dead`, one whose
-round is late by more than `late_s` (driver clock) reported `late`. The parent of a dead or late
-agent gives up its calls (its ranks' calls are lost: `health.CallLost`, the ranks then judged by
-their heartbeats), and the driver rebuilds the tree without it (`health.Heartbeats.tree`): its
-own node's ranks are pinged and called from the driver, its children re-parented, so a dead or
-silent agent never hides its subtree. `Fanout` forwards one call to each branch's agent with the
+round is late by more than `late_s` (driver clock) reported `late`. The driver rebuilds the
+tree without a dead or late agent (`health.Heartbeats.tree`): its own node's ranks are pinged
+and called from the driver, its children re-parented, so a dead or silent agent never hides its
+subtree. A call carried by a dead agent is lost (`health.CallLost`: its parent reports it at
+once; the ranks are judged by their heartbeats), and so is a call whose path holds an agent
+whose round has been unanswered `health_timeout_s` (the driver gives up that root's call). `Fanout` forwards one call to each branch's agent with the
 call's arguments cut to the parts of that branch's ranks.
 """
 from __future__ import annotations
@@ -75,13 +76,15 @@ class Branch:
     """A node agent and what it does in one tree: its own members (`own`: (member, actor handle)
     of its node; a member is a rank for calls, an actor key for heartbeats) and its children's
     branches. `ident`: what it is without handles (agent key, (member, actor key) of each of its
-    own, its children's idents), to tell a changed branch; `members`: those of the whole subtree."""
+    own, its children's idents), to tell a changed branch; `members`, `agents`: the members and
+    the agent keys of the whole subtree."""
     agent: object
     key: str
     own: tuple
     children: tuple
     ident: tuple = field(repr=False)
     members: frozenset = field(repr=False)
+    agents: frozenset = field(repr=False)
 
 
 def branches(tree: dict, agents: dict, own: dict) -> list[Branch]:
@@ -96,7 +99,7 @@ def branches(tree: dict, agents: dict, own: dict) -> list[Branch]:
         key = actor_key(agent)
         ident = (key, tuple((m, actor_key(h)) for m, h in mine), tuple(k.ident for k in kids))
         members = frozenset(m for m, _ in mine).union(*(k.members for k in kids))
-        return Branch(agent, key, mine, kids, ident, members)
+        return Branch(agent, key, mine, kids, ident, members, frozenset([key]).union(*(k.agents for k in kids)))
     return [b for root in tree.get(None, []) if (b := build(root)) is not None]
 
 
@@ -124,7 +127,6 @@ class Rounds:
         self._state: dict[str, list] = {}   # agent key -> [branch, ref in flight or None, sent, branch to send]
         self._refs: dict = {}               # ref -> agent key
         self._dead: set[str] = set()
-        self._late: set[str] = set()        # reported late, not answered since
 
     def set(self, children: Sequence[Branch]) -> None:
         """The children from now on: a round in flight to a child no longer here is forgotten."""
@@ -165,20 +167,12 @@ class Rounds:
             del self._state[k]
         except Exception:  # noqa: BLE001 - answered nothing this time: the branch goes again
             st[3] = True
-        else:
-            self._late.discard(k)
         return True
 
     def late(self, sent: float, late_s: float) -> dict[str, float]:
         """Children whose round in flight was sent more than `late_s` before driver time `sent`:
         agent key -> when it was sent."""
-        out = {k: st[2] for k, st in self._state.items() if st[1] is not None and sent - st[2] > late_s}
-        self._late |= set(out)
-        return out
-
-    def gone(self) -> set[str]:
-        """Children found dead, or late and not answered since (also once no longer here)."""
-        return self._dead | self._late
+        return {k: st[2] for k, st in self._state.items() if st[1] is not None and sent - st[2] > late_s}
 
 
 class Fanout:
@@ -193,14 +187,14 @@ class Fanout:
 
     def send(self, call_id: int, method: str, cls: type[Dispatch], dims: ParallelDims, args: tuple, kwargs: dict,
              children: Sequence[Branch]) -> dict:
-        """One call per branch; returns ObjectRef -> (agent, its branch's ranks)."""
+        """One call per branch; returns ObjectRef -> (agent, its branch's ranks, its branch's agent keys)."""
         cut = any(isinstance(v, Cut) for v in (*args, *kwargs.values()))
         refs = {}
         for b in children:
             layout = None if self._sent.get(b.key) == (dims, b.ident) else (dims, b)
             self._sent[b.key] = (dims, b.ident)
             a, kw = (args, kwargs) if not cut else self._only(b, cls, dims, args, kwargs)
-            refs[b.agent.call.remote(call_id, (self.sender, method, cls, a, kw, layout))] = (b.agent, b.members)
+            refs[b.agent.call.remote(call_id, (self.sender, method, cls, a, kw, layout))] = (b.agent, b.members, b.agents)
         return refs
 
     def _only(self, b: Branch, cls: type[Dispatch], dims: ParallelDims, args: tuple, kwargs: dict):

@@ -192,7 +192,7 @@ class Heartbeats:
         self._roots = Rounds("driver")        # the rounds to the roots of the tree
         self._pings: dict = {}                # ping in flight from here -> actor key
         self._dead_agents: set[str] = set()   # agent keys whose actor died
-        self._stalled: dict[str, object] = {}  # agent key -> its probe in flight (None: none yet)
+        self._stalled: dict[str, list] = {}   # agent key -> [its probe in flight or None, since (its round unanswered)]
         self._roster: tuple = ((), [], {}, {})  # (actor ids, the actors, key -> handle, node -> [(key, handle)])
         self._tree: tuple = (None, ({None: []}, {}))  # (what it was made of, the tree)
         self._plan: tuple = (None, None, [], [])  # (roster ids, tree, root branches, actor keys pinged from here)
@@ -223,9 +223,11 @@ class Heartbeats:
             return self._tree[1]
 
     def gone_agents(self) -> set[str]:
-        """Keys of the agents that died or are stalled: the calls they carry are lost."""
+        """Keys of the agents that died, or whose round has been unanswered `timeout_s` (as a
+        silent rank): the calls they carry are lost."""
+        now = time.monotonic()
         with self._lock:
-            return self._dead_agents | set(self._stalled)
+            return self._dead_agents | {k for k, (_, since) in self._stalled.items() if now - since >= self.timeout_s}
 
     def agent_died(self, agent) -> None:
         """Ask `agent` nothing more: its node's actors are pinged (and called) from here."""
@@ -298,19 +300,19 @@ class Heartbeats:
                 by_key = {actor_key(a): a for a in self._agents().values()}
                 for k in [k for k in self._stalled if k not in by_key]:
                     del self._stalled[k]
-                for k, probe in self._stalled.items():
-                    if probe is None:
-                        self._stalled[k] = by_key[k].node_id.remote()
-                in_flight.update({ref: ("probe", k) for k, ref in self._stalled.items()})
+                for k, st in self._stalled.items():
+                    if st[0] is None:
+                        st[0] = by_key[k].node_id.remote()
+                in_flight.update({st[0]: ("probe", k) for k, st in self._stalled.items()})
         return in_flight
 
     def _stall(self, late: dict[str, float]) -> None:
         """The agents of `late` (key -> the driver time of their round unanswered) leave the
         tree until they answer a probe."""
         with self._lock:
-            for k in late:
+            for k, since in late.items():
                 if k not in self._stalled and k not in self._dead_agents:
-                    self._stalled[k] = None
+                    self._stalled[k] = [None, since]
                     log.warning("node agent %s answers no round: its node's actors are pinged from the driver, "
                                 "its children re-parented", k[:12])
 
@@ -341,14 +343,14 @@ class Heartbeats:
         except ray.exceptions.ActorUnavailableError:
             with self._lock:
                 if key in self._stalled:
-                    self._stalled[key] = None
+                    self._stalled[key][0] = None
             return
         except ray.exceptions.RayActorError as e:
             dead = str(e)[:200]
         except Exception:  # noqa: BLE001 - no answer this time: probed again
             with self._lock:
                 if key in self._stalled:
-                    self._stalled[key] = None
+                    self._stalled[key][0] = None
             return
         with self._lock:
             self._stalled.pop(key, None)

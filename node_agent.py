@@ -11,7 +11,8 @@ pings), waits for its pings and its children's rounds a bounded time each round 
 half of it), and reports each answer with the driver's time of the round that sent the ping,
 so that the driver's "answered a ping sent after t" keeps its meaning across processes. It
 judges nothing but its children's rounds: a child whose actor died is reported `dead`, one
-whose round is late `late` (`agent_tree.Rounds`); the driver does the rest.
+whose round is late `late` (`agent_tree.Rounds`); the driver does the rest (the tree without
+them).
 
 A step's calls: each agent gets one `call` per step: the method, the dispatch, the call's
 arguments cut once for all ranks (`dispatch.call_args`: scalars such as the step and generation
@@ -22,8 +23,8 @@ The agent derives each of its ranks' arguments itself with the dispatch's pure f
 the call to its children (`agent_tree.Fanout`) and answers with one summary: the results of the
 ranks whose results the caller reads (`Dispatch.collects`: one per DP replica for
 `MeshDispatch`), every failed rank's error (its actor's death, its call's exception, each as Ray
-raised it; `health.CallLost` for the ranks of a child agent that died or stopped answering its
-rounds), the child agents that failed, and the ranks still out; at once when one of them failed
+raised it; `health.CallLost` for the ranks under a child agent whose call failed), the child
+agents that failed, and the ranks still out; at once when one of them failed
 (`more` then brings the rest). The driver judges each failed rank's outcome as if it had called
 the rank itself (`health.HealthMonitor.wait`); a rank that ended well costs it nothing.
 """
@@ -44,8 +45,8 @@ CALLS = "calls"
 STALE_CHECK_S = 0.5
 """Seconds between an agent's checks, while it waits for its ranks' calls, that no newer call
 has replaced them (the driver waits on one call at a time: a newer one means it gave this one
-up, e.g. after a failure elsewhere), so a call abandoned on a stuck rank frees its thread; and
-that no child agent it forwarded the call to died or stopped answering its rounds."""
+up, e.g. after a failure elsewhere), so a call abandoned on a stuck rank (or child agent) frees
+its thread."""
 DRIVER = "driver"  # the sender key of the driver's rounds and calls
 
 
@@ -127,8 +128,8 @@ class NodeAgent:
         Returns the summary of the calls ended, its children's merged in, once all ended or as
         soon as one failed (`more(call_id)` brings the rest): {"results": {rank: result} of the
         ended ranks whose result the dispatch collects (`Dispatch.collects`), "errors": {rank:
-        the exception its `ray.get` raised, or `CallLost` for a rank under a child agent that
-        failed or stopped answering its rounds}, "failed_agents": [(child agent handle, the
+        the exception its `ray.get` raised, or `CallLost` for a rank under a child agent whose
+        call failed}, "failed_agents": [(child agent handle, the
         error its call raised)], "left": the ranks still out, sorted (None: unknown, the call
         was replaced before), "replaced": a newer call replaced this one (the driver gave it
         up)}. A rank that ended well and is not collected is in none of them."""
@@ -169,9 +170,8 @@ class NodeAgent:
             if ready:  # and every other call that ended meanwhile
                 ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             ended, more = calls.ended_all(ready)
-            lost, dropped = calls.cut_off(self._rounds.gone())
-            pending = [r for r in pending + more if r not in dropped]
-            for rank, get in ended + lost:
+            pending += more
+            for rank, get in ended:
                 try:
                     result = get()
                 except Exception as e:  # noqa: BLE001 - the rank's outcome, judged by the driver
@@ -195,7 +195,7 @@ class AgentCalls(Calls):
 
     def __init__(self, size: int, direct: dict, agents: dict, call_id: int, on_agent_error: Callable):
         """`direct`: ObjectRef -> call index; `agents`: ObjectRef of a `NodeAgent.call` ->
-        (agent, the call indices of its subtree); `on_agent_error(agent, error)`: told when an
+        (agent, the call indices of its subtree, the agent keys of its subtree); `on_agent_error(agent, error)`: told when an
         agent's call failed (its calls are then lost: `CallLost`), and of each failed agent an
         answer names."""
         super().__init__([])
@@ -210,7 +210,7 @@ class AgentCalls(Calls):
         well and is not collected costs nothing here (its result stays None)."""
         if ref in self._index:
             return super().ended(ref)
-        agent, indices = self._agents.pop(ref)
+        agent, indices, keys = self._agents.pop(ref)
         try:
             summary = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - the agent's failure; its ranks are judged apart
@@ -226,17 +226,18 @@ class AgentCalls(Calls):
         if not left:
             return out, []
         more = agent.more.remote(self._call_id)
-        self._agents[more] = (agent, set(left))
+        self._agents[more] = (agent, set(left), keys)
         return out, [more]
 
     def cut_off(self, gone: set[str]) -> tuple[list[tuple[int, Callable]], set]:
-        """The calls carried by an agent of `gone` (keys) are lost (`CallLost`)."""
+        """The calls of each agent called whose subtree holds an agent of `gone` (keys) are lost
+        (`CallLost`): that agent's answer may never come."""
         out, dropped = [], set()
-        for ref, (agent, indices) in list(self._agents.items()) if gone else []:
-            if (key := actor_key(agent)) in gone:
+        for ref, (agent, indices, keys) in list(self._agents.items()) if gone else []:
+            if lost := keys & gone:
                 del self._agents[ref]
                 dropped.add(ref)
-                out += _lost(indices, f"node agent {key[:12]} died or stopped answering its rounds")
+                out += _lost(indices, f"node agent {min(lost)[:12]} died or answers no round")
         return out, dropped
 
     def indices(self, waiting: list) -> set[int]:

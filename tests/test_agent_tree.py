@@ -1,0 +1,218 @@
+"""The node agents' fan-out tree (`agent_tree`): its shape as a pure function of the node list
+(every node once, parent before child, depth bound, flat up to FANOUT nodes), and, with real
+Ray actors on seven logical nodes and FANOUT 2 (three levels: roots n0, n1; n0 -> n2, n3;
+n1 -> n4, n5; n2 -> n6), a step's call and a heartbeat round through it: the driver calls the
+two roots only, every rank's result comes back (each rank's part of a cut argument derived two
+hops down), a rank's exception and a killed rank under the deepest agent are that rank's; a
+killed or frozen interior agent hides no rank: its calls in flight are lost (a re-form
+without blame, not a hang), the tree is rebuilt without it, its node's ranks are pinged and
+called from the driver, its child re-parented, and a killed rank under it is still dead, a
+SIGSTOPped one silent."""
+import os
+import signal
+import sys
+import time
+
+import pytest
+import ray
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actor_slot import ActorSlot
+from agent_tree import Branch, actor_key, branches, depth, depth_bound, shape
+from config import load_config
+from dispatch import Cut, PassThroughDispatch
+from failures import WorkerFailure
+from health import HealthMonitor
+from node_agent import NodeAgent, NodeCalls
+from parallel_dims import ParallelDims
+
+NODES = 7  # FANOUT 2: three levels
+
+
+# -- the shape: pure --------------------------------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 400), st.integers(2, 20))
+def test_shape_holds_every_node_once_parent_first_within_the_depth_bound(n, fanout):
+    nodes = [f"n{i}" for i in range(n)]
+    tree = shape(nodes, fanout)
+    placed = [c for kids in tree.values() for c in kids]
+    assert sorted(placed) == sorted(nodes)                              # every node exactly once
+    assert all(len(kids) <= fanout for kids in tree.values())
+    position = {node: i for i, node in enumerate(nodes)}
+    assert all(position[p] < position[c] for p, kids in tree.items() if p is not None for c in kids)
+    assert depth(tree) <= depth_bound(n, fanout)
+    if n <= fanout:
+        assert tree == {None: nodes}                                    # flat: the driver calls every agent
+
+
+def test_shape_of_seven_nodes_at_fanout_two_and_a_bad_fanout():
+    assert shape([f"n{i}" for i in range(NODES)], 2) == {None: ["n0", "n1"], "n0": ["n2", "n3"],
+                                                          "n1": ["n4", "n5"], "n2": ["n6"]}
+    assert depth(shape(range(NODES), 2)) == 3 and depth_bound(1024 // 8, 16) == 2
+    with pytest.raises(ValueError):
+        shape(["n0"], 1)
+
+
+class _Handle:
+    def __init__(self, key):
+        self._actor_id = bytes.fromhex(key)
+
+
+def test_branches_leave_out_subtrees_without_members_and_tell_a_change():
+    agents = {f"n{i}": _Handle(f"a{i}") for i in range(NODES)}
+    tree = shape(list(agents), 2)
+    own = {"n6": [(6, _Handle("06"))], "n1": [(1, _Handle("01"))]}
+    roots = branches(tree, agents, own)
+    assert [b.key for b in roots] == ["a0", "a1"]                       # n0 only relays, to n2 -> n6
+    assert [c.key for c in roots[0].children] == ["a2"] and roots[0].members == {6}
+    assert roots[1].children == () and roots[1].members == {1}
+    moved = branches(tree, agents, {**own, "n6": [(6, _Handle("66"))]})  # a spare in rank 6's place
+    assert moved[0].ident != roots[0].ident and moved[1].ident == roots[1].ident
+    assert isinstance(roots[0], Branch)
+
+
+# -- through real agents -------------------------------------------------------------------------
+
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1})
+class Rank:
+    """The control methods the health monitor and the tree call (`ping` answers during `echo`,
+    as a rank's control group does during a step)."""
+
+    def __init__(self):
+        self.broken = False
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> dict:
+        return {"progress": 0, "step_progress": 0}
+
+    def echo(self, value, hold_s: float = 0.0):
+        """`value`; raises ValueError once `fail_next` was called; sleeps `hold_s` first."""
+        time.sleep(hold_s)
+        if self.broken:
+            self.broken = False
+            raise ValueError("bad value")
+        return value
+
+    def fail_next(self) -> None:
+        self.broken = True
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class ByRank(PassThroughDispatch):
+    """Each rank its own element of a list argument (a `Cut` by rank). Sent to the agents by
+    value (this module is not importable there)."""
+
+    @classmethod
+    def part_key(cls, dims, rank):
+        return rank
+
+    @classmethod
+    def cut(cls, dims, value):
+        return Cut(dict(enumerate(value))) if isinstance(value, list) else None
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def tree_run(ray_session):
+    """Eight ranks on seven logical nodes (n6 holds ranks 6 and 7), an agent per node, the
+    health monitor with FANOUT 2 (heartbeats started) and the driver's `NodeCalls`."""
+    node = ray.get_runtime_context().get_node_id()
+    ranks = [Rank.remote() for _ in range(NODES + 1)]
+    slots = [ActorSlot(h, "127.0.0.1", node, [], i) for i, h in enumerate(ranks)]
+    agents = {f"n{i}": NodeAgent.remote(0.1) for i in range(NODES)}
+    pids = ray.get([r.pid.remote() for r in ranks])
+    ray.get([a.node_id.remote() for a in agents.values()])
+    ft = load_config("config.yaml", ["fault_tolerance.health_timeout_s=3",
+                                     "fault_tolerance.health_interval_s=0.2"]).fault_tolerance
+    health = HealthMonitor(ft, lambda: slots, agents=lambda: agents,
+                           node_of=lambda s: f"n{min(s.bundle_index, NODES - 1)}", fanout=2)
+    calls = NodeCalls(health.beats.node_of, health.beats.tree, health.agent_failed)
+    health.start()
+    yield slots, agents, pids, health, calls
+    health.stop()
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    for a in [*agents.values(), *ranks]:
+        ray.kill(a)
+
+
+def _step(health, calls, slots, value="v", dispatch=PassThroughDispatch, hold_s=0.0, timeout=30):
+    sent = calls.start(slots, "echo", ParallelDims(tp=1, pp=1, cp=1, dp=len(slots)), dispatch, (value, hold_s))
+    return len(sent.waitables()), health.wait(sent, timeout=timeout)
+
+
+def test_a_step_through_the_tree_returns_every_ranks_result_and_names_a_failed_rank(tree_run):
+    slots, agents, pids, health, calls = tree_run
+    assert _step(health, calls, slots) == (2, ["v"] * 8)                # the driver calls the two roots only
+    assert _step(health, calls, slots, list(range(100, 108)), ByRank) == (2, list(range(100, 108)))
+    alive, dead, silent = health.beats.settle([s.handle for s in slots], time.monotonic())
+    assert (alive, dead, silent) == (set(range(8)), set(), set())      # heartbeats relayed up three levels
+    assert sorted(health.beats._roots._state) == sorted(actor_key(agents[n]) for n in ("n0", "n1"))
+    ray.get(slots[6].handle.fail_next.remote())
+    with pytest.raises(WorkerFailure) as failure:
+        _step(health, calls, slots)
+    assert (failure.value.ranks, failure.value.kind) == ({6}, "exception"), failure.value
+    ray.kill(slots[7].handle)                                           # under n6, three hops down
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure) as failure:
+        _step(health, calls, slots)
+    assert (failure.value.ranks, failure.value.kind) == ({7}, "crash"), failure.value
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_killed_interior_agent_hides_no_rank(tree_run):
+    slots, agents, pids, health, calls = tree_run
+    assert _step(health, calls, slots) == (2, ["v"] * 8)
+    t0 = time.monotonic()
+    sent = calls.start(slots, "echo", ParallelDims(tp=1, pp=1, cp=1, dp=8), PassThroughDispatch, ("v", 2.0))
+    time.sleep(0.5)
+    ray.kill(agents["n2"])                                              # interior: parent n0, child n6
+    with pytest.raises(WorkerFailure) as failure:                       # its calls lost: re-formed, nobody blamed
+        health.wait(sent, timeout=60)
+    assert (failure.value.ranks, failure.value.kind) == (set(), "exception"), failure.value
+    assert time.monotonic() - t0 < 10
+    assert actor_key(agents["n2"]) in health.beats.gone_agents()
+    n, results = _step(health, calls, slots)                            # rank 2 from the driver, n6 re-parented
+    assert (n, results) == (3, ["v"] * 8)
+    assert health.beats.settle([s.handle for s in slots], time.monotonic()) == (set(range(8)), set(), set())
+    ray.kill(slots[7].handle)
+    with pytest.raises(WorkerFailure) as failure:
+        _step(health, calls, slots)
+    assert (failure.value.ranks, failure.value.kind) == ({7}, "crash"), failure.value
+    os.kill(pids[6], signal.SIGSTOP)                                    # silent, not dead
+    alive, dead, silent = health.beats.settle([s.handle for s in slots], time.monotonic())
+    assert (alive, dead, silent) == (set(range(6)), {7}, {6})
+
+
+def test_a_frozen_interior_agent_is_left_out_of_the_tree_until_it_answers(tree_run):
+    slots, agents, pids, health, calls = tree_run
+    assert _step(health, calls, slots) == (2, ["v"] * 8)
+    agent_pid = ray.get(agents["n2"].__ray_call__.remote(lambda _: os.getpid()))
+    t0 = time.monotonic()
+    sent = calls.start(slots, "echo", ParallelDims(tp=1, pp=1, cp=1, dp=8), PassThroughDispatch, ("v", 3.0))
+    os.kill(agent_pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(WorkerFailure) as failure:                   # its parent gives its calls up
+            health.wait(sent, timeout=60)
+        assert (failure.value.ranks, failure.value.kind) == (set(), "exception"), failure.value
+        assert time.monotonic() - t0 < 10
+        key = actor_key(agents["n2"])
+        assert key in health.beats.gone_agents()
+        assert health.beats.settle([s.handle for s in slots], time.monotonic()) == (set(range(8)), set(), set())
+        assert _step(health, calls, slots) == (3, ["v"] * 8)
+    finally:
+        os.kill(agent_pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while key in health.beats.gone_agents() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert key not in health.beats.gone_agents()                        # probed, back in the tree
+    assert _step(health, calls, slots) == (2, ["v"] * 8)
