@@ -63,7 +63,7 @@ class CallLost(Exception):
 class Calls:
     """Calls in flight, one per rank (index i: the i-th rank of the wait), as
     `HealthMonitor.wait` gathers them; here one ObjectRef per call, made by the caller.
-    `node_agent.AgentCalls` sends them as one call per node agent instead."""
+    `node_agent.AgentCalls` sends them as one call per root of the agents' tree instead."""
 
     def __init__(self, refs: list):
         self.size = len(refs)
