@@ -96,11 +96,16 @@ KEYS = (*(f"{k}{m}_s" for k in STEP_KEYS for m in MODES), "driver_cpu_per_round_
         "detect_kill_s", "detect_silent_s", "abort_s", "rebuild_s", "restore_plan_s", "recovery_control_s", "start_s",
         "rank_pss_mb", "agent_pss_mb", "driver_pss_mb", "rank_threads", "agent_threads", "tree_depth")
 ACTOR_ENV = {"RAY_num_grpc_internal_threads": "1", "RAY_core_worker_num_server_call_thread": "1",
+             "RAY_task_events_report_interval_ms": "0", "RAY_enable_metrics_collection": "0",
+             "RAY_start_python_gc_manager_thread": "0",
              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-"""Every actor's environment (with `bench.actor_env`): a Ray worker's gRPC event-engine pool
-is sized by the host's cores (~45 threads per worker on 16 cores; each thread takes a pid, and
-1,155 actors then need ~52k of the 32,768 of kernel.pid_max); one gRPC internal thread and one
-reply thread bring it to ~24 (measured here with the cores reported as 16)."""
+"""Every actor's environment (with `bench.actor_env`): a Ray worker's gRPC thread pools are
+sized by the host's cores (~48 threads per rank actor on 16 cores; each thread takes a pid, and
+1,155 actors then need ~56k of the 32,768 of kernel.pid_max). One gRPC internal thread
+(`num_grpc_internal_threads`: the event engine's pool, 17 -> 3 threads, and the completion-queue
+pollers, 8 -> 2) and one reply thread, no task-event buffer, no metrics export and no Python GC
+thread (none of which the bench reads) bring it to ~24, for the driver's control plane
+unchanged (measured on the 2-core VM with the cores reported as 16: RESULTS.md)."""
 
 
 class PhaseTimeout(Exception):
