@@ -20,8 +20,9 @@ tree without a dead or late agent (`health.Heartbeats.tree`): its own node's ran
 and called from the driver, its children re-parented, so a dead or silent agent never hides its
 subtree. A call carried by a dead agent is lost (`health.CallLost`: its parent reports it at
 once; the ranks are judged by their heartbeats), and so is a call whose path holds an agent
-whose round has been unanswered `health_timeout_s` (the driver gives up that root's call). `Fanout` forwards one call to each branch's agent with the
-call's arguments cut to the parts of that branch's ranks.
+left out of the tree for lateness that has answered no probe for `health_timeout_s` (the driver
+gives up that root's call). `Fanout` forwards one call to each branch's agent with the call's
+arguments cut to the parts of that branch's ranks.
 """
 from __future__ import annotations
 

@@ -192,7 +192,7 @@ class Heartbeats:
         self._roots = Rounds("driver")        # the rounds to the roots of the tree
         self._pings: dict = {}                # ping in flight from here -> actor key
         self._dead_agents: set[str] = set()   # agent keys whose actor died
-        self._stalled: dict[str, list] = {}   # agent key -> [its probe in flight or None, since (its round unanswered)]
+        self._stalled: dict[str, list] = {}   # agent key -> [its probe in flight or None, when it was stalled]
         self._roster: tuple = ((), [], {}, {})  # (actor ids, the actors, key -> handle, node -> [(key, handle)])
         self._tree: tuple = (None, ({None: []}, {}))  # (what it was made of, the tree)
         self._plan: tuple = (None, None, [], [])  # (roster ids, tree, root branches, actor keys pinged from here)
@@ -223,8 +223,9 @@ class Heartbeats:
             return self._tree[1]
 
     def gone_agents(self) -> set[str]:
-        """Keys of the agents that died, or whose round has been unanswered `timeout_s` (as a
-        silent rank): the calls they carry are lost."""
+        """Keys of the agents that died, or that were stalled `timeout_s` ago and have not
+        answered a probe since (as a silent rank): the calls they carry are lost. (A slow agent
+        answers its probe: it rejoins the tree, and its calls go on.)"""
         now = time.monotonic()
         with self._lock:
             return self._dead_agents | {k for k, (_, since) in self._stalled.items() if now - since >= self.timeout_s}
@@ -309,10 +310,11 @@ class Heartbeats:
     def _stall(self, late: dict[str, float]) -> None:
         """The agents of `late` (key -> the driver time of their round unanswered) leave the
         tree until they answer a probe."""
+        now = time.monotonic()
         with self._lock:
-            for k, since in late.items():
+            for k in late:
                 if k not in self._stalled and k not in self._dead_agents:
-                    self._stalled[k] = [None, since]
+                    self._stalled[k] = [None, now]
                     log.warning("node agent %s answers no round: its node's actors are pinged from the driver, "
                                 "its children re-parented", k[:12])
 
