@@ -7,7 +7,9 @@ The shape is a pure function of the node list (`shape`): the first `FANOUT` node
 roots and node i's children are nodes FANOUT*(i+1) .. FANOUT*(i+1)+FANOUT-1 (a heap of
 arity `FANOUT` under the driver), so every node is in it once, a parent comes before its
 children and the depth is at most ceil(log_FANOUT(nodes)); with at most `FANOUT` nodes every
-node is a root (the flat tree: the driver calls every agent, as without the tree).
+node is a root (the flat tree: the driver calls every agent, as without the tree). An agent
+that died or stalls is taken out by `without`: its children move up to its parent, nothing
+else moves (a repair, not a new shape: no other agent's branch changes).
 
 What a parent sends a child is its `Branch`: the child's own members (its node's ranks or
 actors) and its children's branches, only when it changed since this parent last sent it (each
@@ -15,10 +17,11 @@ agent keeps the branch of each sender apart, so a re-parented agent never mistak
 parent's branch for its own). `Rounds` is a parent's side of the heartbeat rounds (the driver's
 for the roots, an agent's for its children): one round in flight per child, the children's
 summaries merged, a child whose round raised that its actor died reported `dead`, one whose
-round is late by more than `late_s` (driver clock) reported `late`. The driver rebuilds the
-tree without a dead or late agent (`health.Heartbeats.tree`): its own node's ranks are pinged
-and called from the driver, its children re-parented, so a dead or silent agent never hides its
-subtree. A call carried by a dead agent is lost (`health.CallLost`: its parent reports it at
+round is late by more than `late_s` (driver clock) reported `late`. The driver takes a dead or
+late agent out of the tree (`without`, `health.Heartbeats.tree`): its own node's ranks are pinged
+and called from the driver, its children move up to its parent, so a dead or silent agent never
+hides its subtree. A parent still merges the answer of a round in flight to a child that moved
+away. A call carried by a dead agent is lost (`health.CallLost`: its parent reports it at
 once; the ranks are judged by their heartbeats), and so is a call whose path holds an agent
 left out of the tree for lateness that has answered no probe for `health_timeout_s` (the driver
 gives up that root's call). `Fanout` forwards one call to each branch's agent with the call's
@@ -57,6 +60,19 @@ def shape(nodes: Sequence[Hashable], fanout: int = FANOUT) -> dict:
     for i, node in enumerate(nodes[:max(0, -(-len(nodes) // fanout) - 1)]):
         if kids := nodes[fanout * (i + 1):fanout * (i + 2)]:
             out[node] = kids
+    return out
+
+
+def without(tree: dict, gone: set) -> dict:
+    """`tree` without the nodes of `gone`: each one's children (or, where gone too, theirs) take
+    its place in its parent's list, so that only a gone node's parent and children change (a
+    parent may then hold more than `fanout`; a gone root's children are called by the driver)."""
+    def kids(node) -> list:
+        return [k for c in tree.get(node, []) for k in (kids(c) if c in gone else [c])]
+    out = {}
+    for node in tree:
+        if node not in gone and (k := kids(node)):
+            out[node] = k
     return out
 
 
@@ -130,10 +146,13 @@ class Rounds:
         self._dead: set[str] = set()
 
     def set(self, children: Sequence[Branch]) -> None:
-        """The children from now on: a round in flight to a child no longer here is forgotten."""
+        """The children from now on. A round in flight to a child no longer here is still
+        waited for, and its answer merged (the latest one per child: a re-parented child's
+        answers are not lost)."""
         new = {b.key: b for b in children if b.key not in self._dead}
         for k in set(self._state) - set(new):
-            self._refs.pop(self._state.pop(k)[1], None)
+            if (ref := self._state.pop(k)[1]) is not None:
+                self._refs = {r: key for r, key in self._refs.items() if key != k or r == ref}
         for k, b in new.items():
             st = self._state.setdefault(k, [b, None, 0.0, True])
             if st[0].ident != b.ident:
@@ -156,7 +175,13 @@ class Rounds:
         k = self._refs.pop(ref, None)
         if k is None:
             return False
-        st = self._state[k]
+        st = self._state.get(k)
+        if st is None or st[1] is not ref:  # of a child no longer here (or of an older round)
+            try:
+                merge(into, ray.get(ref))
+            except Exception:  # noqa: BLE001 - that child's parent now judges it
+                pass
+            return True
         st[1] = None
         try:
             merge(into, ray.get(ref))

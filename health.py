@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import ray
 
-from agent_tree import FANOUT, Rounds, actor_key, branches, shape, summary
+from agent_tree import FANOUT, Rounds, actor_key, branches, shape, summary, without
 from comms import refuses_connections
 from failures import DataError, StaleGenerationError, WorkerFailure
 
@@ -211,15 +211,16 @@ class Heartbeats:
             self._thread.join(timeout=5 * self.interval_s + 1)
 
     def tree(self) -> tuple[dict, dict]:
-        """The agents' tree now: (`agent_tree.shape` over the nodes, in node-id order, whose
-        agent neither died nor is stalled; node -> its agent). The same object while unchanged."""
+        """The agents' tree now: (`agent_tree.shape` over every agent's node, in node-id order,
+        `without` the nodes whose agent died or is stalled; node -> its agent, of the nodes in
+        it). The same object while unchanged."""
         agents = self._agents()
         with self._lock:
-            usable = tuple(sorted((n, k) for n, a in agents.items()
-                                  if (k := actor_key(a)) not in self._dead_agents and k not in self._stalled))
-            if self._tree[0] != (self.fanout, usable):
-                nodes = [n for n, _ in usable]
-                self._tree = ((self.fanout, usable), (shape(nodes, self.fanout), {n: agents[n] for n in nodes}))
+            keys = tuple(sorted((n, actor_key(a)) for n, a in agents.items()))
+            gone = frozenset(n for n, k in keys if k in self._dead_agents or k in self._stalled)
+            if self._tree[0] != (self.fanout, keys, gone):
+                tree = without(shape([n for n, _ in keys], self.fanout), gone)
+                self._tree = ((self.fanout, keys, gone), (tree, {n: agents[n] for n, _ in keys if n not in gone}))
             return self._tree[1]
 
     def gone_agents(self) -> set[str]:

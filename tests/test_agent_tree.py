@@ -5,8 +5,8 @@ n1 -> n4, n5; n2 -> n6), a step's call and a heartbeat round through it: the dri
 two roots only, every rank's result comes back (each rank's part of a cut argument derived two
 hops down), a rank's exception and a killed rank under the deepest agent are that rank's; a
 killed or frozen interior agent hides no rank: its calls in flight are lost (a re-form
-without blame, not a hang), the tree is rebuilt without it, its node's ranks are pinged and
-called from the driver, its child re-parented, and a killed rank under it is still dead, a
+without blame, not a hang), it is taken out of the tree (its child moves up to its parent,
+nothing else moves), its node's ranks are pinged and called from the driver, and a killed rank under it is still dead, a
 SIGSTOPped one silent."""
 import os
 import signal
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actor_slot import ActorSlot
-from agent_tree import Branch, actor_key, branches, depth, depth_bound, shape
+from agent_tree import Branch, actor_key, branches, depth, depth_bound, shape, without
 from config import load_config
 from dispatch import Cut, PassThroughDispatch
 from failures import WorkerFailure
@@ -47,10 +47,30 @@ def test_shape_holds_every_node_once_parent_first_within_the_depth_bound(n, fano
         assert tree == {None: nodes}                                    # flat: the driver calls every agent
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 120), st.integers(2, 6), st.data())
+def test_a_gone_node_is_replaced_by_its_children_and_nothing_else_moves(n, fanout, data):
+    nodes = list(range(n))
+    gone = set(data.draw(st.lists(st.sampled_from(nodes), unique=True))) if nodes else set()
+    tree = shape(nodes, fanout)
+    parent = {c: p for p, kids in tree.items() for c in kids}
+    repaired = without(tree, gone)
+    new_parent = {c: p for p, kids in repaired.items() for c in kids}
+    assert sorted(new_parent) == sorted(set(nodes) - gone)             # every node left, once
+
+    def nearest(node):  # its nearest ancestor not gone (None: the driver)
+        p = parent[node]
+        return p if p is None or p not in gone else nearest(p)
+    assert all(new_parent[c] == nearest(c) for c in new_parent)
+    assert all(p is None or p < c for c, p in new_parent.items())      # parent still before child
+
+
 def test_shape_of_seven_nodes_at_fanout_two_and_a_bad_fanout():
     assert shape([f"n{i}" for i in range(NODES)], 2) == {None: ["n0", "n1"], "n0": ["n2", "n3"],
                                                           "n1": ["n4", "n5"], "n2": ["n6"]}
     assert depth(shape(range(NODES), 2)) == 3 and depth_bound(1024 // 8, 16) == 2
+    assert without(shape([f"n{i}" for i in range(NODES)], 2), {"n2"}) == {   # n6 moves up to n0
+        None: ["n0", "n1"], "n0": ["n6", "n3"], "n1": ["n4", "n5"]}
     with pytest.raises(ValueError):
         shape(["n0"], 1)
 
