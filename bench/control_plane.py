@@ -36,7 +36,7 @@ the store imports torch for its TCPStore client; `--no-store` skips the barrier 
 the actors). A size whose projected rank PSS (the previous size's per-actor PSS times N)
 exceeds 90% of MemAvailable is skipped and recorded, and so is one whose projected threads
 (the previous size's threads per actor times the actors, each thread taking a pid) would take
-the threads on the host past 90% of the smallest of kernel.pid_max, kernel.threads-max and the
+the threads on the host past 95% of the smallest of kernel.pid_max, kernel.threads-max and the
 cgroup's pids.max. Every actor runs with `ACTOR_ENV` (Ray's gRPC thread pools of one thread,
 one BLAS / OpenMP thread): threads per rank actor and per agent are recorded.
 
@@ -151,7 +151,7 @@ class Run:
 
     def start(self) -> None:
         """Start the actors in batches of `--start-batch` (one line each), their agents, the
-        store and the heartbeats."""
+        store and the heartbeats; returns once every actor answered a ping."""
         ft, rpn = self.ft, self.args.ranks_per_node
         total, t0 = self.n + SPARES, time.monotonic()
         while len(self.actors) < total:
@@ -179,7 +179,15 @@ class Run:
             self.host = ip
             ray.get([a.connect.remote(ip, self.store.port) for a in self.actors])
             print(f"N={self.n}   store clients connected ({time.monotonic() - t0:.1f} s)", flush=True)
+        since = time.monotonic()
         self.health.start()
+        # Measure the steady state: every actor has answered a ping through the tree (on a
+        # loaded host an agent's first pings, and its children's, take seconds).
+        handles = [s.handle for s in slots]
+        while len(self.health.beats.settle(handles, since)[0]) < len(handles):
+            if time.monotonic() - since > 60:
+                raise RuntimeError("not every actor answered a ping within 60 s")
+        print(f"N={self.n}   every actor answered a ping ({time.monotonic() - t0:.1f} s)", flush=True)
 
     def join(self) -> float:
         """Form the next generation (the barrier through the store). Returns seconds."""
@@ -340,7 +348,7 @@ def skip_reason(n: int, rpn: int, per_rank_mb: float, per_actor_threads: float) 
     if per_rank_mb and (need := (n + SPARES) * per_rank_mb / 1024) > 0.9 * (have := mem_available_gb()):
         return f"skipped: {need:.1f} GB of rank PSS projected, {have:.1f} GB available"
     actors = n + SPARES + -(-(n + SPARES) // rpn)
-    if per_actor_threads and (need := threads_now() + actors * per_actor_threads) > 0.9 * (limit := thread_limit()):
+    if per_actor_threads and (need := threads_now() + actors * per_actor_threads) > 0.95 * (limit := thread_limit()):
         return f"skipped: {need:.0f} threads projected ({actors} actors x {per_actor_threads:.0f}), host limit {limit}"
     return None
 
