@@ -321,7 +321,7 @@ class ActorGroup:
         agents (`NodeCalls`: one call per root of the agents' tree per `call`, `agent_tree`)."""
         self.health = HealthMonitor(self.cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
                                     lambda: self.generation, lambda: self.agents)
-        self.node_calls = NodeCalls(self.health.beats.node_of, self.health.beats.tree, self.health.agent_failed)
+        self.node_calls = NodeCalls(self.health.beats.node_of, self.health.beats.call_tree, self.health.agent_failed)
 
     def _named(self, kind: str, index: int) -> dict:
         """Ray options naming a detached actor of the run (`driver_failover`); {} when off.

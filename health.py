@@ -194,7 +194,7 @@ class Heartbeats:
         self._dead_agents: set[str] = set()   # agent keys whose actor died
         self._stalled: dict[str, list] = {}   # agent key -> [its probe in flight or None, when it was stalled]
         self._roster: tuple = ((), [], {}, {})  # (actor ids, the actors, key -> handle, node -> [(key, handle)])
-        self._tree: tuple = (None, ({None: []}, {}))  # (what it was made of, the tree)
+        self._trees: dict[bool, tuple] = {}    # for calls? -> (what it was made of, the tree)
         self._plan: tuple = (None, None, [], [])  # (roster ids, tree, root branches, actor keys pinged from here)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -211,17 +211,29 @@ class Heartbeats:
             self._thread.join(timeout=5 * self.interval_s + 1)
 
     def tree(self) -> tuple[dict, dict]:
-        """The agents' tree now: (`agent_tree.shape` over every agent's node, in node-id order,
-        `without` the nodes whose agent died or is stalled; node -> its agent, of the nodes in
-        it). The same object while unchanged."""
-        agents = self._agents()
+        """The heartbeats' tree of agents now: (`agent_tree.shape` over every agent's node, in
+        node-id order, `without` the nodes whose agent died or is stalled; node -> its agent, of
+        the nodes in it). The same object while unchanged."""
         with self._lock:
-            keys = tuple(sorted((n, actor_key(a)) for n, a in agents.items()))
-            gone = frozenset(n for n, k in keys if k in self._dead_agents or k in self._stalled)
-            if self._tree[0] != (self.fanout, keys, gone):
-                tree = without(shape([n for n, _ in keys], self.fanout), gone)
-                self._tree = ((self.fanout, keys, gone), (tree, {n: agents[n] for n, _ in keys if n not in gone}))
-            return self._tree[1]
+            return self._tree_without(False, self._dead_agents | set(self._stalled))
+
+    def call_tree(self) -> tuple[dict, dict]:
+        """The tree that step calls take (`node_agent.NodeCalls`), as `tree` but without only
+        the agents that died or are gone (`gone_agents`): a stalled agent that may still answer
+        (slow, starting) keeps its calls, which wait for it."""
+        gone = self.gone_agents()
+        with self._lock:
+            return self._tree_without(True, gone)
+
+    def _tree_without(self, calls: bool, out: set[str]) -> tuple[dict, dict]:
+        agents = self._agents()
+        keys = tuple(sorted((n, actor_key(a)) for n, a in agents.items()))
+        gone = frozenset(n for n, k in keys if k in out)
+        made, tree = self._trees.get(calls, (None, None))
+        if made != (self.fanout, keys, gone):
+            tree = (without(shape([n for n, _ in keys], self.fanout), gone), {n: agents[n] for n, _ in keys if n not in gone})
+            self._trees[calls] = ((self.fanout, keys, gone), tree)
+        return tree
 
     def gone_agents(self) -> set[str]:
         """Keys of the agents that died, or that were stalled `timeout_s` ago and have not

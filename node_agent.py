@@ -269,8 +269,8 @@ class NodeCalls:
     held one's id) and the tree is the same."""
 
     def __init__(self, node_of: Callable, tree: Callable, on_agent_error: Callable):
-        """`node_of(slot)`: a slot's node; `tree()`: the agents' tree now, the same object
-        while unchanged (`health.Heartbeats.tree`: (shape, node -> agent)); `on_agent_error(agent,
+        """`node_of(slot)`: a slot's node; `tree()`: the agents' tree for calls now, the same object
+        while unchanged (`health.Heartbeats.call_tree`: (shape, node -> agent)); `on_agent_error(agent,
         error)`: told when an agent's call failed."""
         self._node_of, self._tree, self._on_agent_error = node_of, tree, on_agent_error
         self._fanout = Fanout(DRIVER)

@@ -170,7 +170,7 @@ class Run:
         # Heartbeats and step calls see logical nodes; raylet checks (`lost_ranks`) see the real one.
         self.health = HealthMonitor(ft, lambda: self.workers, lambda: self.spares, lambda: self.generation,
                                     lambda: self.agents, lambda s: f"node{s.bundle_index // rpn}", self.args.fanout)
-        self.calls = NodeCalls(self.health.beats.node_of, self.health.beats.tree, self.health.agent_failed)
+        self.calls = NodeCalls(self.health.beats.node_of, self.health.beats.call_tree, self.health.agent_failed)
         if not self.args.no_store:
             import torch.distributed as dist
 

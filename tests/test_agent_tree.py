@@ -152,7 +152,7 @@ def tree_run(ray_session):
                                      "fault_tolerance.health_interval_s=0.2"]).fault_tolerance
     health = HealthMonitor(ft, lambda: slots, agents=lambda: agents,
                            node_of=lambda s: f"n{min(s.bundle_index, NODES - 1)}", fanout=2)
-    calls = NodeCalls(health.beats.node_of, health.beats.tree, health.agent_failed)
+    calls = NodeCalls(health.beats.node_of, health.beats.call_tree, health.agent_failed)
     health.start()
     yield slots, agents, pids, health, calls
     health.stop()
