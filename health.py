@@ -179,8 +179,9 @@ class Heartbeats:
     round). The actors of a node with no agent in the tree are pinged from here. An agent
     leaves the tree while Ray says it died, or while it is stalled: its round (as a root) or its
     parent's report of its round is late by more than `AGENT_LATE_INTERVALS` intervals (not
-    started yet, frozen); a stalled agent is probed and rejoins once it answers. Its node's
-    actors are then pinged from here and its children re-parented."""
+    started yet, frozen); a stalled agent is probed and rejoins once it answers. Meanwhile its
+    node's actors are pinged from here and its children answer to its parent
+    (`agent_tree.without`); step calls leave it only once it is gone (`call_tree`)."""
 
     AGENT_LATE_INTERVALS = 2
 
