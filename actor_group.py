@@ -249,7 +249,7 @@ class ActorGroup:
         self.names: dict[str, str] = {}  # actor id -> name, of the named (detached) actors
         self.dead: set[int] = set()
         self.quarantined: dict[tuple, str] = {}  # device -> why: no rank goes there before a probe passes
-        self.agents: dict[str, object] = {}  # node id -> its NodeAgent (heartbeats: one call per node per round)
+        self.agents: dict[str, object] = {}  # node id -> its NodeAgent (heartbeats and step calls through their tree: agent_tree)
         if attach is not None:
             self._attach(attach)
             return
@@ -318,10 +318,10 @@ class ActorGroup:
 
     def _watch(self) -> None:
         """The health monitor of the workers and spares, and the step calls through the node
-        agents (`NodeCalls`: one call per node per `call`)."""
+        agents (`NodeCalls`: one call per root of the agents' tree per `call`, `agent_tree`)."""
         self.health = HealthMonitor(self.cfg.fault_tolerance, lambda: self.workers, lambda: self.pool.spares,
                                     lambda: self.generation, lambda: self.agents)
-        self.node_calls = NodeCalls(self.health.beats.node_of, self.health.beats.live_agent, self.health.agent_failed)
+        self.node_calls = NodeCalls(self.health.beats.node_of, self.health.beats.call_tree, self.health.agent_failed)
 
     def _named(self, kind: str, index: int) -> dict:
         """Ray options naming a detached actor of the run (`driver_failover`); {} when off.
@@ -492,9 +492,9 @@ class ActorGroup:
 
     def call(self, method: str, *args, dispatch: str = "pass_through", timeout: float | None = None):
         """Call `method(generation, *args)` on every worker as the named dispatch splits it, sent
-        as one call per node agent with the call's arguments cut once (`NodeCalls`: each agent
-        derives its ranks' arguments, `Dispatch.for_rank`; directly to a rank whose node has no
-        live agent), wait with a deadline, and return the dispatch's collected results. Raises
+        through the node agents' fan-out tree with the call's arguments cut once (`NodeCalls`:
+        one call per root; each agent forwards it to its children and derives its ranks'
+        arguments, `Dispatch.for_rank`; directly to a rank whose node has no agent in the tree), wait with a deadline, and return the dispatch's collected results. Raises
         WorkerFailure."""
         kind = get_dispatch_type(dispatch)
         results = self.wait(self.node_calls.start(self.workers, method, self.dims, kind, (self.generation, *args)),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import ray
 
+from agent_tree import FANOUT, Rounds, actor_key, branches, shape, summary, without
 from comms import refuses_connections
 from failures import DataError, StaleGenerationError, WorkerFailure
 
@@ -37,11 +38,6 @@ BLAMELESS_HANGS = 3
 """Hangs with no culprit (every rank freed by the abort: a stalled link, not a hung rank) after
 which the node they point at is excluded (`suspected_node`), rather than the same membership
 being formed again forever."""
-
-
-def actor_key(handle) -> str:
-    """A stable key of an actor handle (its actor id)."""
-    return handle._actor_id.hex()
 
 
 def ping_result(ref, key: str) -> tuple[dict | None, str]:
@@ -67,7 +63,7 @@ class CallLost(Exception):
 class Calls:
     """Calls in flight, one per rank (index i: the i-th rank of the wait), as
     `HealthMonitor.wait` gathers them; here one ObjectRef per call, made by the caller.
-    `node_agent.AgentCalls` sends them as one call per node agent instead."""
+    `node_agent.AgentCalls` sends them as one call per root of the agents' tree instead."""
 
     def __init__(self, refs: list):
         self.size = len(refs)
@@ -81,6 +77,20 @@ class Calls:
         """For the ended waitable `ref`: ([(call index, a function returning its result or
         raising its error)], the waitables to wait on next in its place)."""
         return [(self._index[ref], lambda: ray.get(ref))], []
+
+    def ended_all(self, refs: list) -> tuple[list[tuple[int, Callable]], list]:
+        """`ended` of each of `refs`, together."""
+        out, more = [], []
+        for ref in refs:
+            o, m = self.ended(ref)
+            out += o
+            more += m
+        return out, more
+
+    def cut_off(self, gone: set[str]) -> tuple[list[tuple[int, Callable]], set]:
+        """(the calls lost with the node agents of `gone` (actor keys): [(call index, a function
+        raising `CallLost`)], the waitables they drop); none here (`node_agent.AgentCalls`)."""
+        return [], set()
 
     def indices(self, waiting: list) -> set[int]:
         """The call indices whose results the waitables `waiting` would bring."""
@@ -163,21 +173,30 @@ class Heartbeats:
 
     `actors()`: handles, or slots (`.handle`, `.node_id`). `agents()`: node id -> its
     `node_agent.NodeAgent`; `node_of(slot)`: the node id of a slot (default its `node_id`).
-    The actors of a node with an agent are pinged by that agent, which answers one call per
-    round with every answer (the driver sends O(nodes) calls per round); the others are pinged
-    from here. A node whose agent died (its node lost), or whose round
-    call is late by more than `AGENT_LATE_INTERVALS` intervals (its agent not started yet, or
-    stalled), has its actors pinged from here until the agent answers again."""
+    The agents form a fan-out tree of arity `fanout` (`tree`, `agent_tree.shape`): the driver
+    sends a round to each root, which pings its node's actors, forwards the round down its
+    subtree and answers with every answer of it (the driver sends at most `fanout` calls per
+    round). The actors of a node with no agent in the tree are pinged from here. An agent
+    leaves the tree while Ray says it died, or while it is stalled: its round (as a root) or its
+    parent's report of its round is late by more than `AGENT_LATE_INTERVALS` intervals (not
+    started yet, frozen); a stalled agent is probed and rejoins once it answers. Meanwhile its
+    node's actors are pinged from here and its children answer to its parent
+    (`agent_tree.without`); step calls leave it only once it is gone (`call_tree`)."""
 
     AGENT_LATE_INTERVALS = 2
 
     def __init__(self, actors: Callable[[], list], interval_s: float, timeout_s: float,
-                 agents: Callable[[], dict] = dict, node_of: Callable | None = None):
+                 agents: Callable[[], dict] = dict, node_of: Callable | None = None, fanout: int = FANOUT):
         self._actors, self.interval_s, self.timeout_s = actors, interval_s, timeout_s
-        self._agents, self.node_of = agents, node_of or (lambda slot: slot.node_id)
+        self._agents, self.node_of, self.fanout = agents, node_of or (lambda slot: slot.node_id), fanout
         self._beats: dict[str, Beat] = {}
-        self._rounds: dict[str, tuple] = {}   # node id -> (agent key, ref in flight or None, sent, roster)
+        self._roots = Rounds("driver")        # the rounds to the roots of the tree
+        self._pings: dict = {}                # ping in flight from here -> actor key
         self._dead_agents: set[str] = set()   # agent keys whose actor died
+        self._stalled: dict[str, list] = {}   # agent key -> [its probe in flight or None, when it was stalled]
+        self._roster: tuple = ((), [], {}, {})  # (actor ids, the actors, key -> handle, node -> [(key, handle)])
+        self._trees: dict[bool, tuple] = {}    # for calls? -> (what it was made of, the tree)
+        self._plan: tuple = (None, None, [], [])  # (roster ids, tree, root branches, actor keys pinged from here)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,15 +211,44 @@ class Heartbeats:
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval_s + 1)
 
-    def live_agent(self, node: str):
-        """The agent of `node`, or None when it has none or its agent died."""
-        agent = self._agents().get(node)
-        return None if agent is None or actor_key(agent) in self._dead_agents else agent
+    def tree(self) -> tuple[dict, dict]:
+        """The heartbeats' tree of agents now: (`agent_tree.shape` over every agent's node, in
+        node-id order, `without` the nodes whose agent died or is stalled; node -> its agent, of
+        the nodes in it). The same object while unchanged."""
+        with self._lock:
+            return self._tree_without(False, self._dead_agents | set(self._stalled))
+
+    def call_tree(self) -> tuple[dict, dict]:
+        """The tree that step calls take (`node_agent.NodeCalls`), as `tree` but without only
+        the agents that died or are gone (`gone_agents`): a stalled agent that may still answer
+        (slow, starting) keeps its calls, which wait for it."""
+        gone = self.gone_agents()
+        with self._lock:
+            return self._tree_without(True, gone)
+
+    def _tree_without(self, calls: bool, out: set[str]) -> tuple[dict, dict]:
+        agents = self._agents()
+        keys = tuple(sorted((n, actor_key(a)) for n, a in agents.items()))
+        gone = frozenset(n for n, k in keys if k in out)
+        made, tree = self._trees.get(calls, (None, None))
+        if made != (self.fanout, keys, gone):
+            tree = (without(shape([n for n, _ in keys], self.fanout), gone), {n: agents[n] for n, _ in keys if n not in gone})
+            self._trees[calls] = ((self.fanout, keys, gone), tree)
+        return tree
+
+    def gone_agents(self) -> set[str]:
+        """Keys of the agents that died, or that were stalled `timeout_s` ago and have not
+        answered a probe since (as a silent rank): the calls they carry are lost. (A slow agent
+        answers its probe: it rejoins the tree, and its calls go on.)"""
+        now = time.monotonic()
+        with self._lock:
+            return self._dead_agents | {k for k, (_, since) in self._stalled.items() if now - since >= self.timeout_s}
 
     def agent_died(self, agent) -> None:
         """Ask `agent` nothing more: its node's actors are pinged (and called) from here."""
         with self._lock:
             self._dead_agents.add(actor_key(agent))
+            self._stalled.pop(actor_key(agent), None)
 
     def _run(self) -> None:
         while not self._stop.is_set() and ray.is_initialized():
@@ -217,47 +265,72 @@ class Heartbeats:
         now = time.monotonic()
         self._collect(self._send(now), now + self.interval_s)
 
+    def _roster_of(self) -> tuple[dict, dict]:
+        """(key -> handle, node -> [(key, handle)]) of the actors now (node None: no slot);
+        start tracking new actors and forget those gone when they changed."""
+        actors = self._actors()
+        ids = tuple(map(id, actors))
+        if ids != self._roster[0]:
+            handles, by_node = {}, {}
+            for a in actors:
+                h, node = (a.handle, self.node_of(a)) if hasattr(a, "handle") else (a, None)
+                k = actor_key(h)
+                handles[k] = h
+                by_node.setdefault(node, []).append((k, h))
+            self._roster = (ids, list(actors), handles, by_node)
+            now, wall = time.monotonic(), time.time()
+            with self._lock:
+                for k in set(self._beats) - set(handles):
+                    del self._beats[k]
+                for k in handles:
+                    self._beats.setdefault(k, Beat(now, wall))
+        return self._roster[2], self._roster[3]
+
     def _send(self, now: float) -> dict:
-        """Start tracking new actors, forget those gone, send one round call (at `now`,
-        monotonic) to each node's agent with none in flight, and a ping to each actor with none
-        in flight whose node has no working agent. Returns every call in flight: ref -> actor
-        key (a ping) or ("agent", node id) (a round)."""
-        handles, by_node = {}, {}
-        for a in self._actors():
-            h, node = (a.handle, self.node_of(a)) if hasattr(a, "handle") else (a, None)
-            handles[actor_key(h)] = h
-            by_node.setdefault(node, []).append(actor_key(h))
-        agents = self._agents()
-        direct = list(by_node.pop(None, []))
+        """Start tracking new actors, forget those gone, stall the roots whose round is late,
+        send a round (at `now`, monotonic) to each root of the tree with none in flight, a ping
+        to each actor with none in flight whose node has no agent in the tree, and a probe to
+        each stalled agent with none in flight. Returns every call in flight: ref -> actor key
+        (a ping), "round" (a root's round) or ("probe", agent key)."""
+        handles, by_node = self._roster_of()
+        late_s = self.AGENT_LATE_INTERVALS * self.interval_s
+        late = self._roots.late(now, late_s)
+        if late:
+            self._stall(late)
+        tree = self.tree()
+        if self._plan[0] != self._roster[0] or self._plan[1] is not tree:
+            shape_, agents = tree
+            direct = [k for node, actors in by_node.items() if node not in agents for k, _ in actors]
+            self._plan = (self._roster[0], tree, branches(shape_, agents, by_node), direct)
+        self._roots.set(self._plan[2])
+        in_flight: dict = {ref: "round" for ref in self._roots.send(now, None, late_s)}
         with self._lock:
-            for k in set(self._beats) - set(handles):
-                del self._beats[k]
-            for k in handles:
-                self._beats.setdefault(k, Beat(now, time.time()))
-            for node in set(self._rounds) - set(by_node):
-                del self._rounds[node]
-            for node, keys in by_node.items():
-                agent = agents.get(node)
-                if agent is None or actor_key(agent) in self._dead_agents:
-                    direct += keys
-                    continue
-                akey, ref, sent, roster = self._rounds.get(node, (None, None, 0.0, None))
-                if akey != actor_key(agent):
-                    akey, ref, roster = actor_key(agent), None, None
-                if ref is None:
-                    new = frozenset(keys)
-                    ref, sent = agent.round.remote(now, [handles[k] for k in keys] if new != roster else None), now
-                    roster = new
-                elif now - sent > self.AGENT_LATE_INTERVALS * self.interval_s:
-                    direct += keys
-                self._rounds[node] = (akey, ref, sent, roster)
-            for k in direct:
+            for k in self._plan[3]:
                 b = self._beats[k]
                 if b.ref is None and not b.dead:
                     b.ref, b.sent = handles[k].ping.remote(), now
-            in_flight = {b.ref: k for k, b in self._beats.items() if b.ref is not None}
-            in_flight.update({r[1]: ("agent", node) for node, r in self._rounds.items() if r[1] is not None})
-            return in_flight
+                    self._pings[b.ref] = k
+            in_flight.update(self._pings)
+            if self._stalled:
+                by_key = {actor_key(a): a for a in self._agents().values()}
+                for k in [k for k in self._stalled if k not in by_key]:
+                    del self._stalled[k]
+                for k, st in self._stalled.items():
+                    if st[0] is None:
+                        st[0] = by_key[k].node_id.remote()
+                in_flight.update({st[0]: ("probe", k) for k, st in self._stalled.items()})
+        return in_flight
+
+    def _stall(self, late: dict[str, float]) -> None:
+        """The agents of `late` (key -> the driver time of their round unanswered) leave the
+        tree until they answer a probe."""
+        now = time.monotonic()
+        with self._lock:
+            for k in late:
+                if k not in self._stalled and k not in self._dead_agents:
+                    self._stalled[k] = [None, now]
+                    log.warning("node agent %s answers no round: its node's actors are pinged from the driver, "
+                                "its children re-parented", k[:12])
 
     def _collect(self, in_flight: dict, end: float) -> None:
         """Record the answers of the calls `in_flight` (`_send`) that come before `end`
@@ -267,32 +340,52 @@ class Heartbeats:
         while waiting and (left := end - time.monotonic()) > 0:
             ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, BATCH_S))
             for ref in ready:
-                key = in_flight[ref]
-                if isinstance(key, tuple):
-                    self._record_agent(key[1], ref)
+                what = in_flight[ref]
+                if what == "round":
+                    answer = summary()
+                    if self._roots.ended(ref, answer):
+                        self._record_round(answer)
+                elif isinstance(what, tuple):
+                    self._probed(what[1], ref)
                 else:
-                    self._record(key, ref)
+                    self._record(what, ref)
 
-    def _record_agent(self, node: str, ref) -> None:
-        """Record the summary `ref` of `node`'s agent (`NodeAgent.round`): each answer as if
-        its ping had been sent from here at the agent's round time. An agent that died is not
-        asked again (its node's actors are pinged from here); one whose round raised is asked
-        again next round, its roster resent."""
+    def _probed(self, key: str, ref) -> None:
+        """The probe `ref` of the stalled agent `key` answered: it rejoins the tree (or, when Ray
+        says it died, is dead)."""
         try:
-            summary = ray.get(ref)
-        except Exception as e:  # noqa: BLE001 - judged below; the actors are judged by their own pings
-            summary = None
-            if isinstance(e, ray.exceptions.RayActorError) and not isinstance(e, ray.exceptions.ActorUnavailableError):
-                with self._lock:
-                    if node in self._rounds:
-                        self._dead_agents.add(self._rounds[node][0])
-                log.warning("node agent on %s died; its actors are pinged by the driver: %s", node[:12], str(e)[:200])
+            ray.get(ref)
+            dead = ""
+        except ray.exceptions.ActorUnavailableError:
+            with self._lock:
+                if key in self._stalled:
+                    self._stalled[key][0] = None
+            return
+        except ray.exceptions.RayActorError as e:
+            dead = str(e)[:200]
+        except Exception:  # noqa: BLE001 - no answer this time: probed again
+            with self._lock:
+                if key in self._stalled:
+                    self._stalled[key][0] = None
+            return
+        with self._lock:
+            self._stalled.pop(key, None)
+            if dead:
+                self._dead_agents.add(key)
+        log.warning("node agent %s %s", key[:12], f"died: {dead}" if dead else "answers again: it rejoins the tree")
+
+    def _record_round(self, answer: dict) -> None:
+        """Record a root's round summary (`agent_tree.summary`): each answer as if its ping had
+        been sent from here at the round's time; agents found dead leave the tree, those found
+        late are stalled."""
+        for k, why in answer["dead"].items():
+            log.warning("node agent %s died; its node's actors are pinged by the driver: %s", k[:12], why)
+        with self._lock:
+            self._dead_agents.update(answer["dead"])
+        self._stall(answer["late"])
         now, wall = time.monotonic(), time.time()
         with self._lock:
-            if node in self._rounds:
-                akey, _, sent, roster = self._rounds[node]
-                self._rounds[node] = (akey, None, sent, roster if summary is not None else None)
-            for key, (info, dead, at) in (summary or {}).items():
+            for key, (info, dead, at) in answer["beats"].items():
                 b = self._beats.get(key)
                 if b is None:
                     continue
@@ -307,6 +400,7 @@ class Heartbeats:
         whatever the answer was, so that one bad answer costs no other actor its round."""
         info, dead = ping_result(ref, key)
         with self._lock:
+            self._pings.pop(ref, None)
             b = self._beats.get(key)
             if b is None:
                 return
@@ -367,16 +461,17 @@ class HealthMonitor:
     list and may change it between calls), with the timeouts of `ft`. Its heartbeats
     (`Heartbeats`) track the workers and the spares `spares()` returns; `start` / `stop` them.
     `generation()`: the group's current generation, sent with each abort (`MegatronActor.abort`).
-    `agents()`, `node_of`: the node agents and the node of a slot (`Heartbeats`)."""
+    `agents()`, `node_of`, `fanout`: the node agents, the node of a slot and the arity of the
+    agents' tree (`Heartbeats`)."""
 
     def __init__(self, ft: FaultToleranceConfig, workers: Callable[[], list[ActorSlot]],
                  spares: Callable[[], list[ActorSlot]] = list, generation: Callable[[], int] = lambda: 0,
-                 agents: Callable[[], dict] = dict, node_of: Callable | None = None):
+                 agents: Callable[[], dict] = dict, node_of: Callable | None = None, fanout: int = FANOUT):
         self.ft, self._workers, self._generation = ft, workers, generation
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (host, port)
         self._blameless: list[dict[str, int]] = []      # hangs that named no rank (`suspected_node`)
         self.beats = Heartbeats(lambda: [*workers(), *spares()], ft.health_interval_s, ft.health_timeout_s, agents,
-                                node_of)
+                                node_of, fanout)
 
     def start(self) -> None:
         self.beats.start()
@@ -418,9 +513,10 @@ class HealthMonitor:
         a collective their group's other members wait in, else those whose compute thread
         still does not answer once every rank's communicators are aborted (an empty set: the
         collective itself stalled and every rank was freed). A call whose answer is lost to
-        `ActorUnavailableError` re-forms without blame, as does one lost with its node agent
-        (`CallLost`) on a node whose raylet still answers (one that refuses: a crash of the
-        node's ranks). Results are gathered in batches (`BATCH_S`)."""
+        `ActorUnavailableError` re-forms without blame, as does one lost with a node agent that
+        carried it (`CallLost`: the agent's call failed, or the agent died or stopped answering
+        its rounds, `Heartbeats.gone_agents`) on a node whose raylet still answers (one that
+        refuses: a crash of the node's ranks). Results are gathered in batches (`BATCH_S`)."""
         ft, workers = self.ft, self._workers()
         calls = refs if isinstance(refs, Calls) else Calls(refs)
         rank_of = list(ranks) if ranks is not None else list(range(calls.size))
@@ -434,20 +530,15 @@ class HealthMonitor:
             done, pending = ray.wait(pending, num_returns=len(pending),
                                      timeout=max(0.0, min(BATCH_S, next_look - time.monotonic(),
                                                           deadline - time.monotonic())))
-            raised, ended = [], []
-            for ref in done:
-                outcomes, more = calls.ended(ref)
-                ended += outcomes
-                pending += more
-            for i, get in ended:
+            raised, lost_calls = [], []
+            ended, more = calls.ended_all(done)
+            cut, dropped = calls.cut_off(self.beats.gone_agents())
+            pending = [ref for ref in pending + more if ref not in dropped]
+            for i, get in ended + cut:
                 try:
                     results[i] = get()
                 except CallLost as e:
-                    lost = self.lost_ranks({workers[rank_of[i]].node_id})
-                    if lost:
-                        raise self._failure(lost, "crash", f"node(s) lost: raylet refuses connections; {e}") from None
-                    results[i] = e
-                    deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
+                    lost_calls.append((i, e))
                 except ray.exceptions.ActorUnavailableError as e:
                     # Silent, not dead (e.g. its node's agent restarting): the call's answer is
                     # lost, the rank is judged by its heartbeats; a transient re-forms without blame.
@@ -462,6 +553,13 @@ class HealthMonitor:
                     raise self._failure({rank_of[i]} | lost, "crash", str(e)[:300]) from None
                 except ray.exceptions.RayTaskError as e:
                     raised.append((i, e))
+            if lost_calls:  # with their node agent: a crash where the ranks' raylet is gone, else judged later
+                lost = self.lost_ranks({workers[rank_of[i]].node_id for i, _ in lost_calls})
+                if lost:
+                    raise self._failure(lost, "crash", f"node(s) lost: raylet refuses connections; {lost_calls[0][1]}")
+                for i, e in lost_calls:
+                    results[i] = e
+                deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
             for i, e in raised:
                 if isinstance(e.cause, DataError):  # the data's fault, not the rank's: no spare can help
                     raise e.cause from None

@@ -1,112 +1,157 @@
 """`NodeAgent`: one actor per node of the run that pings the rank actors of its node and
-answers the driver's heartbeat round with one summary, so that the driver sends one call per
-node per round, not one per actor (`health.Heartbeats`); and that carries the driver's calls
-of a step to the ranks of its node, one call per node per step (`NodeCalls`, the driver's side).
+answers a heartbeat round with one summary, and that carries the calls of a step to the ranks
+of its node; both through the fan-out tree of agents (`agent_tree`): an agent also forwards the
+round or the call to its child agents and merges their answers into its own, so that the
+driver sends at most `agent_tree.FANOUT` calls per round and per step (`health.Heartbeats`;
+`NodeCalls`, the driver's side of a step's calls). With at most FANOUT nodes every agent is
+called by the driver (the flat tree).
 
 The agent keeps one ping in flight per actor (a frozen actor does not collect a queue of
-pings), waits for its pings a bounded time each round, and reports each answer with the
-driver's time of the round that sent the ping, so that the driver's "answered a ping sent
-after t" keeps its meaning across processes. It judges nothing: the driver does.
+pings), waits for its pings and its children's rounds a bounded time each round (a child gets
+half of it), and reports each answer with the driver's time of the round that sent the ping,
+so that the driver's "answered a ping sent after t" keeps its meaning across processes. It
+judges nothing but its children's rounds: a child whose actor died is reported `dead`, one
+whose round is late `late` (`agent_tree.Rounds`); the driver does the rest (the tree without
+them).
 
-A step's calls: the driver sends each agent one `call` per step: the method, the dispatch, the
-call's arguments cut once for all ranks (`dispatch.call_args`: scalars such as the step and
-generation as they are, other values put once, a value cut per DP replica as only the parts
-this node's ranks need), and the layout (dims, its ranks) only when it changed. The agent
-derives each of its ranks' arguments itself with the dispatch's pure function
-(`Dispatch.for_rank`, the same the driver's `dispatch_args` uses), calls its ranks and answers
-with one summary: the results of the ranks whose results the caller reads
-(`Dispatch.collects`: one per DP replica for `MeshDispatch`), every failed rank's error (its
-actor's death, its call's exception, each as Ray raised it) and the ranks still out; at once
-when one of them failed (`more` then brings the rest). The driver judges each failed rank's
-outcome as if it had called the rank itself (`health.HealthMonitor.wait`); a rank that ended
-well costs it nothing, so its work per step grows with the nodes, not the ranks.
+A step's calls: each agent gets one `call` per step: the method, the dispatch, the call's
+arguments cut once for all ranks (`dispatch.call_args`: scalars such as the step and generation
+as they are, other values put once, a value cut per DP replica as only the parts its subtree's
+ranks need), and its branch (dims, its ranks, its children's branches) only when it changed.
+The agent derives each of its ranks' arguments itself with the dispatch's pure function
+(`Dispatch.for_rank`, the same the driver's `dispatch_args` uses), calls its ranks, forwards
+the call to its children (`agent_tree.Fanout`) and answers with one summary: the results of the
+ranks whose results the caller reads (`Dispatch.collects`: one per DP replica for
+`MeshDispatch`), every failed rank's error (its actor's death, its call's exception, each as Ray
+raised it; `health.CallLost` for the ranks under a child agent whose call failed), the child
+agents that failed, and the ranks still out; at once when one of them failed
+(`more` then brings the rest). The driver judges each failed rank's outcome as if it had called
+the rank itself (`health.HealthMonitor.wait`); a rank that ended well costs it nothing.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
 import ray
 
-from dispatch import Cut, Dispatch, call_args, get_dispatch_type
-from health import CallLost, Calls, actor_key, ping_result
+from agent_tree import Fanout, Rounds, actor_key, branches, summary
+from dispatch import Dispatch, call_args, get_dispatch_type
+from health import CallLost, Calls, ping_result
 from parallel_dims import ParallelDims
 
 CALLS = "calls"
 STALE_CHECK_S = 0.5
 """Seconds between an agent's checks, while it waits for its ranks' calls, that no newer call
 has replaced them (the driver waits on one call at a time: a newer one means it gave this one
-up, e.g. after a failure elsewhere), so a call abandoned on a stuck rank frees its thread."""
+up, e.g. after a failure elsewhere), so a call abandoned on a stuck rank (or child agent) frees
+its thread."""
+DRIVER = "driver"  # the sender key of the driver's rounds and calls
 
 
 @ray.remote(num_cpus=0, concurrency_groups={CALLS: 4})
 class NodeAgent:
-    """Pings the actors it is given (those of its node) each time `round` is called; calls
-    them for the driver (`call`, `more`), in a concurrency group of its own, so that a step's
-    call that waits does not hold the heartbeats."""
+    """Pings the actors of its branch (those of its node) and forwards to its child agents
+    each time `round` is called; calls its ranks and forwards to its children for the driver
+    (`call`, `more`), in a concurrency group of its own, so that a step's call that waits does
+    not hold the heartbeats. Keeps the branch each sender (the driver or a parent agent) last
+    sent, for rounds and for calls apart."""
 
     def __init__(self, wait_s: float):
-        """`wait_s`: seconds a round waits for its pings before it answers (the rest are
-        reported by a later round)."""
+        """`wait_s`: seconds a round from the driver waits for its pings and its children's
+        rounds before it answers (the rest are reported by a later round)."""
         self.wait_s = wait_s
+        key = ray.get_runtime_context().get_actor_id()
         self._actors: dict[str, object] = {}
         self._in_flight: dict = {}   # ping ObjectRef -> (actor key, driver time of its round)
-        self._layout: tuple = (None, [])          # (dims, [(global rank, handle)] of this node's ranks)
-        self._calls: dict[int, tuple] = {}        # call id -> ({ObjectRef of a rank's call: its rank}, ranks read)
+        self._rounds = Rounds(key)   # to the child agents
+        self._branch = None          # the round branch in use
+        self._branches: dict[str, object] = {}     # sender -> its round branch
+        self._layouts: dict[str, tuple] = {}       # sender -> (dims, its call branch)
+        self._fanout = Fanout(key)
+        self._calls: dict[int, dict] = {}          # call id -> its state (`call`)
         self._latest = 0                           # the id of the newest call
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def round(self, sent: float, actors: list | None = None) -> dict[str, tuple]:
-        """One heartbeat round. `sent`: the driver's clock at this call; `actors`: the handles
-        to watch from now on (None: the same as before). Pings every watched actor with no ping
-        in flight, waits up to `wait_s` for the pings in flight, and returns, per actor key
-        whose ping ended: (answer or None, "" or the error that says its actor died, the
-        driver time of the round that sent that ping); see `health.ping_result`."""
-        if actors is not None:
-            self._actors = {actor_key(h): h for h in actors}
+    def round(self, sent: float, sender: str = DRIVER, branch=None, wait_s: float | None = None,
+              late_s: float = math.inf) -> dict:
+        """One heartbeat round. `sent`: the driver's clock at the round; `sender`: who calls;
+        `branch`: the `agent_tree.Branch` to follow from now on for that sender (None: the same
+        as before); `wait_s`: None: this agent's; `late_s`: a child's round unanswered that long
+        (driver time) is reported `late`. Pings every actor of the branch with no ping in
+        flight, sends each child with no round in flight a round (waiting half of `wait_s`),
+        waits up to `wait_s` for the pings and rounds in flight, and returns their summary
+        (`agent_tree.summary`): per actor key whose ping ended (answer or None, "" or the error
+        that says its actor died, the driver time of the round that sent that ping: see
+        `health.ping_result`), merged with the children's; the child agents found dead or late."""
+        if branch is not None:
+            self._branches[sender] = branch
+        if (b := self._branches.get(sender)) is not None and b is not self._branch:
+            self._branch = b
+            self._actors = {actor_key(h): h for _, h in b.own}
             self._in_flight = {ref: v for ref, v in self._in_flight.items() if v[0] in self._actors}
+            self._rounds.set(b.children)
+        wait_s = self.wait_s if wait_s is None else wait_s
         pinging = {v[0] for v in self._in_flight.values()}
         for key, h in self._actors.items():
             if key not in pinging:
                 self._in_flight[h.ping.remote()] = (key, sent)
-        out: dict[str, tuple] = {}
-        end = time.monotonic() + self.wait_s
-        waiting = list(self._in_flight)
-        # Batched: every ping that ends within a slice is taken in one wait.
+        out = summary()
+        waiting = [*self._in_flight, *self._rounds.send(sent, wait_s / 2, late_s)]
+        end = time.monotonic() + wait_s
+        # Batched: every answer that ends within a slice is taken in one wait.
         while waiting and (left := end - time.monotonic()) > 0:
             ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, 0.05))
             for ref in ready:
-                key, at = self._in_flight.pop(ref)
-                out[key] = (*ping_result(ref, key), at)
+                if ref in self._in_flight:
+                    key, at = self._in_flight.pop(ref)
+                    out["beats"][key] = (*ping_result(ref, key), at)
+                else:
+                    self._rounds.ended(ref, out)
+        out["late"].update(self._rounds.late(sent, late_s))
         return out
 
     @ray.method(concurrency_group=CALLS)
     def call(self, call_id: int, message: tuple) -> dict:
-        """Call `method` on the ranks of this node, each with its own arguments:
-        `dispatch.for_rank(dims, rank, args, kwargs)`. `call_id`: increasing per driver call;
-        `message`: (method, dispatch (a `Dispatch` class), args, kwargs, layout), one argument
-        (Ray serializes each argument apart: one costs the driver ~20% less per agent than
-        five); `args`, `kwargs`: the call's, cut once (`dispatch.call_args`); `layout`: (dims,
-        [(global rank, handle)] of this node's ranks) from now on (None: the same as before).
+        """Call `method` on the ranks of this node, each with its own arguments
+        (`dispatch.for_rank(dims, rank, args, kwargs)`), and forward it to the child agents.
+        `call_id`: increasing per driver call; `message`: (sender, method, dispatch (a
+        `Dispatch` class), args, kwargs, layout), one argument (Ray serializes each argument
+        apart: one costs the caller ~20% less per agent than several); `args`, `kwargs`: the
+        call's, cut once (`dispatch.call_args`); `layout`: (dims, `agent_tree.Branch` of this
+        agent: its ranks (global rank, handle), its children's branches) from now on for that
+        sender (None: the same as before).
 
-        Returns the summary of the calls ended, once all ended or as soon as one failed
-        (`more(call_id)` brings the rest): {"results": {rank: result} of the ended ranks whose
-        result the dispatch collects (`Dispatch.collects`), "errors": {rank: the exception its
-        `ray.get` raised}, "left": the ranks still out, sorted (None: unknown, the call was
-        replaced before), "replaced": a newer call replaced this one (the driver gave it up)}.
-        A rank that ended well and is not collected is in none of them."""
-        method, dispatch, args, kwargs, layout = message
+        Returns the summary of the calls ended, its children's merged in, once all ended or as
+        soon as one failed (`more(call_id)` brings the rest): {"results": {rank: result} of the
+        ended ranks whose result the dispatch collects (`Dispatch.collects`), "errors": {rank:
+        the exception its `ray.get` raised, or `CallLost` for a rank under a child agent whose
+        call failed}, "failed_agents": [(child agent handle, the
+        error its call raised)], "left": the ranks still out, sorted (None: unknown, the call
+        was replaced before), "replaced": a newer call replaced this one (the driver gave it
+        up)}. A rank that ended well and is not collected is in none of them."""
+        sender, method, cls, args, kwargs, layout = message
         if layout is not None:
-            self._layout = layout
-        dims, ranks = self._layout
+            self._layouts[sender] = layout
+        dims, branch = self._layouts[sender]
         self._latest = call_id  # the driver gave up any older call (a new driver counts from 1)
-        calls = {}
-        for rank, handle in ranks:
-            a, kw = dispatch.for_rank(dims, rank, args, kwargs)
-            calls[getattr(handle, method).remote(*a, **kw)] = rank
-        self._calls = {call_id: (calls, {r for r, _ in ranks if dispatch.collects(dims, r)})}
+        direct = {}
+        for rank, handle in branch.own:
+            a, kw = cls.for_rank(dims, rank, args, kwargs)
+            direct[getattr(handle, method).remote(*a, **kw)] = rank
+        failed: list = []
+
+        def child_failed(agent, error):
+            self._fanout.forget(actor_key(agent))
+            failed.append((agent, error))
+        calls = AgentCalls(0, direct, self._fanout.send(call_id, method, cls, dims, args, kwargs, branch.children),
+                           call_id, child_failed)
+        own = set(direct.values())
+        unread = {r for r in own if not cls.collects(dims, r)}  # the children's summaries hold collected ranks only
+        self._calls = {call_id: {"calls": calls, "pending": calls.waitables(), "unread": unread, "failed": failed}}
         return self._gather(call_id)
 
     @ray.method(concurrency_group=CALLS)
@@ -115,37 +160,44 @@ class NodeAgent:
         return self._gather(call_id)
 
     def _gather(self, call_id: int) -> dict:
-        if call_id not in self._calls:  # a newer call replaced it
-            return {"results": {}, "errors": {}, "left": None, "replaced": True}
-        waiting, collected = self._calls[call_id]
+        state = self._calls.get(call_id)
+        if state is None:  # a newer call replaced it
+            return {"results": {}, "errors": {}, "failed_agents": [], "left": None, "replaced": True}
+        calls, pending = state["calls"], state["pending"]
         results, errors = {}, {}
-        while waiting and call_id == self._latest and not errors:
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=STALE_CHECK_S)
+        while pending and call_id == self._latest and not errors:
+            ready, _ = ray.wait(pending, num_returns=1, timeout=STALE_CHECK_S)
             if ready:  # and every other call that ended meanwhile
-                ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
-            for ref in ready:
-                rank = waiting.pop(ref)
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            ended, more = calls.ended_all(ready)
+            pending += more
+            for rank, get in ended:
                 try:
-                    result = ray.get(ref)
+                    result = get()
                 except Exception as e:  # noqa: BLE001 - the rank's outcome, judged by the driver
                     errors[rank] = e
                     continue
-                if rank in collected:
+                if rank not in state["unread"]:
                     results[rank] = result
-        if not waiting:
+        state["pending"] = pending
+        if not pending:
             self._calls.pop(call_id, None)
-        return {"results": results, "errors": errors, "left": sorted(waiting.values()),
-                "replaced": call_id != self._latest}
+        failed, state["failed"][:] = list(state["failed"]), []
+        return {"results": results, "errors": errors, "failed_agents": failed,
+                "left": sorted(calls.indices(pending)), "replaced": call_id != self._latest}
 
 
 class AgentCalls(Calls):
-    """A driver call on many ranks in flight as one `NodeAgent.call` per node (and one
-    ObjectRef per rank whose node has no live agent), for `health.HealthMonitor.wait`."""
+    """A call on many ranks in flight as one `NodeAgent.call` per agent called (the roots for
+    the driver, the children for an agent) and one ObjectRef per rank called directly (of a
+    node with no agent in the tree; an agent's own ranks), for `health.HealthMonitor.wait` and
+    `NodeAgent._gather`."""
 
     def __init__(self, size: int, direct: dict, agents: dict, call_id: int, on_agent_error: Callable):
         """`direct`: ObjectRef -> call index; `agents`: ObjectRef of a `NodeAgent.call` ->
-        (agent, the call indices it carries); `on_agent_error(agent, error)`: told when an
-        agent's call failed (its calls are then lost: `CallLost`)."""
+        (agent, the call indices of its subtree, the agent keys of its subtree); `on_agent_error(agent, error)`: told when an
+        agent's call failed (its calls are then lost: `CallLost`), and of each failed agent an
+        answer names."""
         super().__init__([])
         self.size, self._index, self._agents = size, direct, agents
         self._call_id, self._on_agent_error = call_id, on_agent_error
@@ -158,24 +210,35 @@ class AgentCalls(Calls):
         well and is not collected costs nothing here (its result stays None)."""
         if ref in self._index:
             return super().ended(ref)
-        agent, indices = self._agents.pop(ref)
+        agent, indices, keys = self._agents.pop(ref)
         try:
             summary = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - the agent's failure; its ranks are judged apart
             self._on_agent_error(agent, e)
-            lost = CallLost(f"node agent failed: {str(e)[:200]}")
-            return [(i, _raiser(lost)) for i in indices], []
+            return _lost(indices, f"node agent failed: {str(e)[:200]}"), []
+        for child, error in summary["failed_agents"]:
+            self._on_agent_error(child, error)
         out = [(i, (lambda v=v: v)) for i, v in summary["results"].items()]
         out += [(i, _raiser(e)) for i, e in summary["errors"].items()]
         left = summary["left"]
         if summary["replaced"]:  # at the agent, by a newer call (another driver's)
-            lost = CallLost("node agent took a newer call")
-            return out + [(i, _raiser(lost)) for i in (indices if left is None else left)], []
+            return out + _lost(indices if left is None else left, "node agent took a newer call"), []
         if not left:
             return out, []
         more = agent.more.remote(self._call_id)
-        self._agents[more] = (agent, set(left))
+        self._agents[more] = (agent, set(left), keys)
         return out, [more]
+
+    def cut_off(self, gone: set[str]) -> tuple[list[tuple[int, Callable]], set]:
+        """The calls of each agent called whose subtree holds an agent of `gone` (keys) are lost
+        (`CallLost`): that agent's answer may never come."""
+        out, dropped = [], set()
+        for ref, (agent, indices, keys) in list(self._agents.items()) if gone else []:
+            if lost := keys & gone:
+                del self._agents[ref]
+                dropped.add(ref)
+                out += _lost(indices, f"node agent {min(lost)[:12]} died or answers no round")
+        return out, dropped
 
     def indices(self, waiting: list) -> set[int]:
         return {i for ref in waiting for i in ([self._index[ref]] if ref in self._index else self._agents[ref][1])}
@@ -192,76 +255,61 @@ def _raiser(error: BaseException) -> Callable:
     return get
 
 
-class NodeCalls:
-    """The driver's side of `NodeAgent.call`: sends a call on many ranks as one call per node
-    agent, with the call's arguments cut once (`dispatch.call_args`; of a value cut per DP
-    replica, only the parts of the agent's ranks) and the agent's layout (dims, its ranks) only
-    when it changed. The ranks' grouping by node is kept while the slots are the same objects
-    (held here, so that no new slot can take a held one's id)."""
+def _lost(indices, why: str) -> list[tuple[int, Callable]]:
+    lost = CallLost(why)
+    return [(i, _raiser(lost)) for i in indices]
 
-    def __init__(self, node_of: Callable, live_agent: Callable, on_agent_error: Callable):
-        """`node_of(slot)`: a slot's node; `live_agent(node)`: that node's live agent, or None
-        (then its ranks are called from here: `Heartbeats.live_agent`); `on_agent_error(agent,
+
+class NodeCalls:
+    """The driver's side of `NodeAgent.call`: sends a call on many ranks as one call per root
+    of the agents' tree (`agent_tree.Fanout`), with the call's arguments cut once
+    (`dispatch.call_args`) and each root's branch only when it changed; the ranks of a node
+    with no agent in the tree are called from here. The plan (branches, ranks called directly)
+    is kept while the slots are the same objects (held here, so that no new slot can take a
+    held one's id) and the tree is the same."""
+
+    def __init__(self, node_of: Callable, tree: Callable, on_agent_error: Callable):
+        """`node_of(slot)`: a slot's node; `tree()`: the agents' tree for calls now, the same object
+        while unchanged (`health.Heartbeats.call_tree`: (shape, node -> agent)); `on_agent_error(agent,
         error)`: told when an agent's call failed."""
-        self._node_of, self._live_agent, self._on_agent_error = node_of, live_agent, on_agent_error
-        self._sent: dict[str, tuple] = {}         # agent key -> the (dims, roster) it was last sent
-        self._layout: tuple = ([], (), {})         # (the slots, their ids, node -> its ranks: `_by_node`)
-        self._keys: dict[tuple, set] = {}          # (node, dispatch, dims) -> the part keys of its ranks
+        self._node_of, self._tree, self._on_agent_error = node_of, tree, on_agent_error
+        self._fanout = Fanout(DRIVER)
+        self._plan: tuple = ((), None, [], [], [])   # (slot ids, tree, the slots, root branches, [(index, handle)] direct)
         self._next = 0
 
-    def _by_node(self, slots: list) -> dict[str, tuple[list, tuple, frozenset]]:
-        """node -> ([(index, handle)] of its slots, its roster ((index, actor key) of each), their
-        indices)."""
-        ids = tuple(map(id, slots))
-        if ids != self._layout[1]:
-            ranks: dict[str, list] = {}
+    def _plan_of(self, slots: list) -> tuple[list, list]:
+        """(the roots' branches, [(index, handle)] of the ranks called from here)."""
+        ids, tree = tuple(map(id, slots)), self._tree()
+        if ids != self._plan[0] or tree is not self._plan[1]:
+            by_node: dict = {}
             for i, slot in enumerate(slots):
-                ranks.setdefault(self._node_of(slot), []).append((i, slot.handle))
-            by_node = {node: (r, tuple((i, actor_key(h)) for i, h in r), frozenset(i for i, _ in r))
-                       for node, r in ranks.items()}
-            self._layout, self._keys = (list(slots), ids, by_node), {}
-        return self._layout[2]
+                by_node.setdefault(self._node_of(slot), []).append((i, slot.handle))
+            shape, agents = tree
+            direct = [r for node, ranks in by_node.items() if node not in agents for r in ranks]
+            self._plan = (ids, tree, list(slots), branches(shape, agents, by_node), direct)
+        return self._plan[3], self._plan[4]
 
     def start(self, slots: list, method: str, dims: ParallelDims, dispatch: str | type[Dispatch],
               args: tuple, kwargs: dict | None = None) -> AgentCalls:
         """Start `method` on every `slots[r]` (global rank r of `dims`) with the arguments
         `dispatch` gives rank r of `(args, kwargs)` (`Dispatch.for_rank`; each value but a
-        scalar put into Ray's object store once, an ObjectRef passed as it is); returns the calls in flight, for
-        `HealthMonitor.wait` (results by rank; of a rank not collected by the dispatch that
-        ended well: None). Raises ValueError when len(slots) != dims.world_size or an argument
-        cannot be cut (`Dispatch.cut`)."""
+        scalar put into Ray's object store once, an ObjectRef passed as it is); returns the
+        calls in flight, for `HealthMonitor.wait` (results by rank; of a rank not collected by
+        the dispatch that ended well: None). Raises ValueError when len(slots) !=
+        dims.world_size or an argument cannot be cut (`Dispatch.cut`)."""
         if len(slots) != dims.world_size:
             raise ValueError(f"got {len(slots)} ranks for a group of {dims.world_size}")
         cls = get_dispatch_type(dispatch) if isinstance(dispatch, str) else dispatch
         args, kwargs = call_args(dims, cls, *args, put=_put, **(kwargs or {}))
-        cut = any(isinstance(v, Cut) for v in (*args, *kwargs.values()))
+        roots, direct = self._plan_of(slots)
         self._next += 1
-        direct, refs = {}, {}
-        for node, (ranks, roster, indices) in self._by_node(slots).items():
-            agent = self._live_agent(node)
-            if agent is None:
-                for i, h in ranks:
-                    a, kw = cls.for_rank(dims, i, args, kwargs)
-                    direct[getattr(h, method).remote(*a, **kw)] = i
-                continue
-            akey = actor_key(agent)
-            send = None if self._sent.get(akey) == (dims, roster) else (dims, ranks)
-            self._sent[akey] = (dims, roster)
-            a, kw = (args, kwargs) if not cut else self._only(node, cls, dims, indices, args, kwargs)
-            refs[agent.call.remote(self._next, (method, cls, a, kw, send))] = (agent, indices)
-        return AgentCalls(len(slots), direct, refs, self._next, self._agent_error)
-
-    def _only(self, node: str, cls: type[Dispatch], dims: ParallelDims, indices: frozenset, args: tuple,
-              kwargs: dict) -> tuple[tuple, dict]:
-        """`args`, `kwargs` with each `Cut` holding only the parts of `node`'s ranks."""
-        keys = self._keys.get((node, cls, dims))
-        if keys is None:
-            keys = self._keys[(node, cls, dims)] = {cls.part_key(dims, i) for i in indices}
-
-        def mine(v):
-            return v.only(keys) if isinstance(v, Cut) else v
-        return tuple(map(mine, args)), {k: mine(v) for k, v in kwargs.items()}
+        refs = {}
+        for i, h in direct:
+            a, kw = cls.for_rank(dims, i, args, kwargs)
+            refs[getattr(h, method).remote(*a, **kw)] = i
+        return AgentCalls(len(slots), refs, self._fanout.send(self._next, method, cls, dims, args, kwargs, roots),
+                          self._next, self._agent_error)
 
     def _agent_error(self, agent, error: BaseException) -> None:
-        self._sent.pop(actor_key(agent), None)  # resent with its next call
+        self._fanout.forget(actor_key(agent))  # its branch goes with its next call
         self._on_agent_error(agent, error)

@@ -2,11 +2,13 @@
 
 The rank actors' engine does no math (`bench.control_rank.ControlRank`): this measures the
 control plane only. The actors keep the real paths the driver uses: heartbeats (`ping`,
-through one `node_agent.NodeAgent` per logical node of `--ranks-per-node` ranks), step calls
-sent as one call per node agent (`node_agent.NodeCalls`, as `ActorGroup.call` sends them: the
-call's arguments cut once, each agent deriving its ranks' own with `MeshDispatch.for_rank` over
-dims of tp=`--tp`, dp=N/tp, and answering with the one result per DP replica the driver
-collects) and waited on by `health.HealthMonitor.wait` (batch put once), the
+through one `node_agent.NodeAgent` per logical node of `--ranks-per-node` ranks, the agents in
+their fan-out tree of arity `--fanout`: `agent_tree`), step calls sent through that tree
+(`node_agent.NodeCalls`, as `ActorGroup.call` sends them: one call per root, the call's
+arguments cut once, each agent forwarding it to its children and deriving its ranks' own with
+`MeshDispatch.for_rank` over dims of tp=`--tp`, dp=N/tp, and answering with the one result per
+DP replica the driver collects, its children's merged in) and waited on by
+`health.HealthMonitor.wait` (batch put once), the
 join barrier through the driver's TCPStore (`rendezvous`; no process group is made), the
 abort round (`HealthMonitor.abort_survivors`) and the restore plan (the survivors' rollback
 round, then `fault_tolerance.plan_restore`). Logical nodes: every actor runs on this Ray node
@@ -14,17 +16,18 @@ round, then `fault_tolerance.plan_restore`). Logical nodes: every actor runs on 
 agent, as on a cluster of 8-GPU nodes.
 
 Per N: driver CPU seconds (`time.process_time`: every thread of the driver process, the
-heartbeat thread and Ray's included) per step, through the node agents and, on the same
-actors, with one call per rank from the driver (`*_direct_s`: the driver before the agents
-carried steps), and per heartbeat round (an idle window divided by the rounds in it); per step
+heartbeat thread and Ray's included) per step through the tree and, on the same actors, through
+the flat tree (`*_flat_s`: the driver calls every agent, as before the tree) and with
+`--direct` one call per rank from the driver (`*_direct_s`: before the agents carried steps),
+and per heartbeat round (an idle window divided by the rounds in it; tree and flat); per step
 also the calling thread's CPU alone (`driver_thread_cpu_*`: the driver's own work: split,
 send, wait, judge) and the process's less its idle rate over the step's wall time
 (`driver_cpu_per_step_net*`: without the heartbeats that run meanwhile, which grow with the
 step's wall time on an oversubscribed host); detect for a killed rank (`ray.kill` while every
-rank is in a held step, until `WorkerFailure`) and for a silent one (SIGSTOP); abort; rebuild
+rank is in a held step, until `WorkerFailure`) and for a silent one (SIGSTOP), both through the tree; abort; rebuild
 (the barrier of a new generation with a spare in the killed rank's place); the restore plan;
 recovery control = detect (killed) + abort + rebuild + plan. Growth exponent: the log-log slope of driver CPU per
-step against N. `--profile` prints the top functions (cProfile, the calling thread) of each
+step (and per round) against N, tree and flat. `--profile` prints the top functions (cProfile, the calling thread) of each
 steps phase.
 
 Memory: per N, the proportional set size (PSS: shared pages split between the processes that
@@ -33,8 +36,9 @@ the store imports torch for its TCPStore client; `--no-store` skips the barrier 
 the actors). A size whose projected rank PSS (the previous size's per-actor PSS times N)
 exceeds 90% of MemAvailable is skipped and recorded, and so is one whose projected threads
 (the previous size's threads per actor times the actors, each thread taking a pid) would take
-the threads on the host past 90% of the smallest of kernel.pid_max, kernel.threads-max and the
-cgroup's pids.max.
+the threads on the host past 95% of the smallest of kernel.pid_max, kernel.threads-max and the
+cgroup's pids.max. Every actor runs with `ACTOR_ENV` (Ray's gRPC thread pools of one thread,
+one BLAS / OpenMP thread): threads per rank actor and per agent are recorded.
 
 Robust to a cut run: one progress line per phase per size (flushed), the JSON rewritten after
 every size, and every phase run under `--phase-timeout-s`: a phase past it is recorded as that
@@ -42,14 +46,14 @@ size's failure (`failures` in the JSON) and the next size runs. Actors start in 
 `--start-batch`, one line per batch.
 
 Usage (repository root): python -m bench.control_plane [--sizes 64 256 1024] [--ranks-per-node 8]
-    [--tp 1] [--steps 20] [--idle-s 5] [--health-timeout-s 3] [--no-store] [--phase-timeout-s 180]
-    [--start-batch 128] [--profile] [--out FILE]
+    [--fanout 16] [--tp 1] [--steps 20] [--idle-s 5] [--health-timeout-s 3] [--no-store] [--direct]
+    [--phase-timeout-s 180] [--start-batch 128] [--profile] [--out FILE]
 Prints a table and writes bench/results/control_plane_cpu.json (top level: sizes (those
-measured to the end), driver_cpu_per_step_s, step_wall_s, driver_cpu_per_step_direct_s,
-step_wall_direct_s, driver_cpu_per_round_s, recovery_control_s,
-detect_kill_s, detect_silent_s, abort_s, rebuild_s, restore_plan_s, start_s, rank_pss_mb,
-agent_pss_mb, driver_pss_mb, growth_exponent_driver_cpu (and _per_round, _direct), failures,
-device, settings).
+measured to the end), per size each of KEYS (driver_cpu_per_step_s and _flat_s, _direct_s,
+driver_thread_cpu_per_step_s ..., driver_cpu_per_round_s and _flat_s, detect_kill_s,
+detect_silent_s, abort_s, rebuild_s, restore_plan_s, recovery_control_s, start_s, rank_pss_mb,
+agent_pss_mb, driver_pss_mb, rank_threads, agent_threads, tree_depth), growth_exponent_* of the
+per-step and per-round CPU, failures, device, settings (actor_env among them)).
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ from pathlib import Path
 import ray
 
 from actor_slot import ActorSlot
+from agent_tree import FANOUT, depth
 from bench import actor_env, write_json
 from bench.control_rank import ControlRank
 from bench.scale import loglog_slope, mem_available_gb, pss_mb
@@ -84,11 +89,23 @@ NOTE = "control plane only: the rank actors' engine does no math"
 SPARES = 2
 HOLD_S = 120.0  # a held step (a rank in a collective) lasts until an abort frees it
 PSS_SAMPLE = 32  # rank actors whose PSS is read per size
-KEYS = ("driver_cpu_per_step_s", "step_wall_s", "driver_cpu_per_step_direct_s", "step_wall_direct_s",
-        "driver_thread_cpu_per_step_s", "driver_thread_cpu_per_step_direct_s", "driver_cpu_per_step_net_s",
-        "driver_cpu_per_step_net_direct_s", "driver_cpu_per_round_s", "detect_kill_s", "detect_silent_s", "abort_s",
-        "rebuild_s", "restore_plan_s", "recovery_control_s", "start_s", "rank_pss_mb", "agent_pss_mb",
-        "driver_pss_mb", "rank_threads")
+FLAT = 1 << 30   # a fanout no run reaches: every agent a root
+MODES = {"": None, "_flat": FLAT, "_direct": None}  # key suffix -> the tree's fanout (None: --fanout)
+STEP_KEYS = ("driver_cpu_per_step", "driver_thread_cpu_per_step", "driver_cpu_per_step_net", "step_wall")
+KEYS = (*(f"{k}{m}_s" for k in STEP_KEYS for m in MODES), "driver_cpu_per_round_s", "driver_cpu_per_round_flat_s",
+        "detect_kill_s", "detect_silent_s", "abort_s", "rebuild_s", "restore_plan_s", "recovery_control_s", "start_s",
+        "rank_pss_mb", "agent_pss_mb", "driver_pss_mb", "rank_threads", "agent_threads", "tree_depth")
+ACTOR_ENV = {"RAY_num_grpc_internal_threads": "1", "RAY_core_worker_num_server_call_thread": "1",
+             "RAY_task_events_report_interval_ms": "0", "RAY_enable_metrics_collection": "0",
+             "RAY_start_python_gc_manager_thread": "0",
+             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+"""Every actor's environment (with `bench.actor_env`): a Ray worker's gRPC thread pools are
+sized by the host's cores (~48 threads per rank actor on 16 cores; each thread takes a pid, and
+1,155 actors then need ~56k of the 32,768 of kernel.pid_max). One gRPC internal thread
+(`num_grpc_internal_threads`: the event engine's pool, 17 -> 3 threads, and the completion-queue
+pollers, 8 -> 2) and one reply thread, no task-event buffer, no metrics export and no Python GC
+thread (none of which the bench reads) bring it to ~24, for the driver's control plane
+unchanged (measured on the 2-core VM with the cores reported as 16: RESULTS.md)."""
 
 
 class PhaseTimeout(Exception):
@@ -134,7 +151,7 @@ class Run:
 
     def start(self) -> None:
         """Start the actors in batches of `--start-batch` (one line each), their agents, the
-        store and the heartbeats."""
+        store and the heartbeats; returns once every actor answered a ping."""
         ft, rpn = self.ft, self.args.ranks_per_node
         total, t0 = self.n + SPARES, time.monotonic()
         while len(self.actors) < total:
@@ -152,8 +169,8 @@ class Run:
         self.workers, self.spares = slots[:self.n], slots[self.n:]
         # Heartbeats and step calls see logical nodes; raylet checks (`lost_ranks`) see the real one.
         self.health = HealthMonitor(ft, lambda: self.workers, lambda: self.spares, lambda: self.generation,
-                                    lambda: self.agents, lambda s: f"node{s.bundle_index // rpn}")
-        self.calls = NodeCalls(self.health.beats.node_of, self.health.beats.live_agent, self.health.agent_failed)
+                                    lambda: self.agents, lambda s: f"node{s.bundle_index // rpn}", self.args.fanout)
+        self.calls = NodeCalls(self.health.beats.node_of, self.health.beats.call_tree, self.health.agent_failed)
         if not self.args.no_store:
             import torch.distributed as dist
 
@@ -162,7 +179,15 @@ class Run:
             self.host = ip
             ray.get([a.connect.remote(ip, self.store.port) for a in self.actors])
             print(f"N={self.n}   store clients connected ({time.monotonic() - t0:.1f} s)", flush=True)
+        since = time.monotonic()
         self.health.start()
+        # Measure the steady state: every actor has answered a ping through the tree (on a
+        # loaded host an agent's first pings, and its children's, take seconds).
+        handles = [s.handle for s in slots]
+        while len(self.health.beats.settle(handles, since)[0]) < len(handles):
+            if time.monotonic() - since > 60:
+                raise RuntimeError("not every actor answered a ping within 60 s")
+        print(f"N={self.n}   every actor answered a ping ({time.monotonic() - t0:.1f} s)", flush=True)
 
     def join(self) -> float:
         """Form the next generation (the barrier through the store). Returns seconds."""
@@ -175,7 +200,7 @@ class Run:
 
     def step(self, step: int, batch, hold_s: float = 0.0, direct: bool = False):
         """Start a step on every worker (batch put once; `MeshDispatch` over tp=`--tp`), as
-        `ActorGroup.call` does: one call per node agent (`NodeCalls`), or with `direct` one call
+        `ActorGroup.call` does: through the agents' tree (`NodeCalls`), or with `direct` one call
         per rank from the driver (as before the agents carried calls). Returns what
         `HealthMonitor.wait` takes."""
         dims = ParallelDims(tp=self.args.tp, pp=1, cp=1, dp=self.n // self.args.tp)
@@ -184,13 +209,23 @@ class Run:
             return dispatch_remote([s.handle for s in self.workers], "train_step", dims, "mesh", *args, put=ray.put)
         return self.calls.start(self.workers, "train_step", dims, "mesh", args)
 
-    def steps(self, first: int, count: int, direct: bool = False) -> dict[str, float]:
-        """`count` steps waited on by the health monitor (`direct`: see `step`): driver CPU
+    def use(self, mode: str) -> None:
+        """Heartbeats and step calls through the tree of arity `--fanout` from now on (`mode`
+        ""), or the flat tree ("_flat": the driver calls every agent); then two heartbeat
+        rounds, so that the agents have their branches."""
+        self.health.beats.fanout = MODES[mode] or self.args.fanout
+        time.sleep(2 * self.ft.health_interval_s)
+
+    def steps(self, first: int, count: int, mode: str = "") -> dict[str, float]:
+        """`count` steps waited on by the health monitor, `mode` a key of MODES (the tree, the
+        flat tree, or "_direct": one call per rank, see `step`): driver CPU
         seconds (every thread of the driver process: the heartbeats' too, so this grows with the
         step's wall time), the calling thread's alone (the driver's own work of a step: split,
         send, wait, judge; not Ray's threads), and wall seconds per step. With `--profile`, prints the calling
         thread's top functions."""
-        batch = list(range(64))
+        batch, direct = list(range(64)), mode == "_direct"
+        if not direct:
+            self.use(mode)
         profile = cProfile.Profile() if self.args.profile else None
         c0, t0, w0 = time.process_time(), time.thread_time(), time.monotonic()
         if profile is not None:
@@ -200,26 +235,28 @@ class Run:
         if profile is not None:
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(12)
-        suffix = "_direct" if direct else ""
-        return {f"driver_cpu_per_step{suffix}_s": (time.process_time() - c0) / count,
-                f"driver_thread_cpu_per_step{suffix}_s": (time.thread_time() - t0) / count,
-                f"step_wall{suffix}_s": (time.monotonic() - w0) / count}
+        return {f"driver_cpu_per_step{mode}_s": (time.process_time() - c0) / count,
+                f"driver_thread_cpu_per_step{mode}_s": (time.thread_time() - t0) / count,
+                f"step_wall{mode}_s": (time.monotonic() - w0) / count}
 
-    def idle(self, seconds: float) -> float:
-        """Driver CPU seconds per heartbeat round over an idle window of `seconds`."""
+    def idle(self, seconds: float, mode: str = "") -> float:
+        """Driver CPU seconds per heartbeat round over an idle window of `seconds`, through the
+        tree or the flat tree (`use`)."""
+        self.use(mode)
         c0, w0 = time.process_time(), time.monotonic()
         time.sleep(seconds)
         return (time.process_time() - c0) / ((time.monotonic() - w0) / self.ft.health_interval_s)
 
     def memory(self) -> dict[str, float]:
         """PSS (MB): mean of a sample of rank actors, of the agents, and the driver's; threads
-        per rank actor (mean of the sample)."""
+        per rank actor and per agent (means of the samples); the depth of the agents' tree."""
         pids = self.pids[::max(1, len(self.pids) // PSS_SAMPLE)]
         agent_pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in list(self.agents.values())[:4]])
         return {"rank_pss_mb": sum(map(pss_mb, pids)) / len(pids),
                 "agent_pss_mb": sum(map(pss_mb, agent_pids)) / len(agent_pids),
                 "driver_pss_mb": pss_mb(os.getpid()),
-                "rank_threads": sum(len(os.listdir(f"/proc/{p}/task")) for p in pids) / len(pids)}
+                "rank_threads": threads(pids), "agent_threads": threads(agent_pids),
+                "tree_depth": depth(self.health.beats.tree()[0])}
 
     def fail(self, rank: int, how: str) -> tuple[float, WorkerFailure]:
         """Hold every rank in a step, then kill (or SIGSTOP) `rank`; seconds until detected."""
@@ -275,6 +312,11 @@ class Run:
             time.sleep(0.5)
 
 
+def threads(pids: list[int]) -> float:
+    """Mean threads per process of `pids` (each a pid of the host's)."""
+    return sum(len(os.listdir(f"/proc/{p}/task")) for p in pids) / len(pids)
+
+
 def thread_limit() -> int:
     """The most threads (pids) this host allows: the smallest of kernel.pid_max,
     kernel.threads-max and the cgroup's pids.max (v2 or v1) where readable."""
@@ -306,7 +348,7 @@ def skip_reason(n: int, rpn: int, per_rank_mb: float, per_actor_threads: float) 
     if per_rank_mb and (need := (n + SPARES) * per_rank_mb / 1024) > 0.9 * (have := mem_available_gb()):
         return f"skipped: {need:.1f} GB of rank PSS projected, {have:.1f} GB available"
     actors = n + SPARES + -(-(n + SPARES) // rpn)
-    if per_actor_threads and (need := threads_now() + actors * per_actor_threads) > 0.9 * (limit := thread_limit()):
+    if per_actor_threads and (need := threads_now() + actors * per_actor_threads) > 0.95 * (limit := thread_limit()):
         return f"skipped: {need:.0f} threads projected ({actors} actors x {per_actor_threads:.0f}), host limit {limit}"
     return None
 
@@ -324,16 +366,20 @@ def measure(n: int, args, ft) -> dict:
         phase(n, name, limit, run.join)
         name = "warm steps"
         phase(n, name, limit, run.steps, 0, 3)
-        name = f"{args.steps} steps, one call per rank"
-        row.update(phase(n, name, limit, run.steps, 3, args.steps, True))
-        name = f"{args.steps} steps, one call per node agent"
-        row.update(phase(n, name, limit, run.steps, 3 + args.steps, args.steps))
+        first = 3
+        for mode, what in (("_direct", "one call per rank"), ("_flat", "the flat tree (every agent called)"),
+                           ("", f"the tree of fanout {args.fanout}")):
+            if mode != "_direct" or args.direct:
+                name = f"{args.steps} steps, {what}"
+                row.update(phase(n, name, limit, run.steps, first, args.steps, mode))
+                first += args.steps
         name = "memory"
         row.update(phase(n, name, limit, run.memory))
-        name = f"idle {args.idle_s:g} s"
-        row["driver_cpu_per_round_s"] = phase(n, name, limit, run.idle, args.idle_s)
-        name = "detect killed"
-        row["detect_kill_s"], failure = phase(n, name, limit, run.fail, 1, "kill")
+        for mode in ("_flat", ""):
+            name = f"idle {args.idle_s:g} s, {'flat' if mode else 'tree'}"
+            row[f"driver_cpu_per_round{mode}_s"] = phase(n, name, limit, run.idle, args.idle_s, mode)
+        name = "detect killed"  # the last rank: under the deepest agent
+        row["detect_kill_s"], failure = phase(n, name, limit, run.fail, n - 1, "kill")
         name = "abort"
         row["abort_s"], failed = phase(n, name, limit, run.abort, failure)
         name = "rebuild"
@@ -341,11 +387,13 @@ def measure(n: int, args, ft) -> dict:
         name = "restore plan"
         row["restore_plan_s"] = phase(n, name, limit, run.restore_plan, failed)
         row["recovery_control_s"] = row["detect_kill_s"] + row["abort_s"] + row["rebuild_s"] + row["restore_plan_s"]
-        for suffix in ("", "_direct"):  # less what the driver spends while idle over the step's wall time
-            row[f"driver_cpu_per_step_net{suffix}_s"] = row[f"driver_cpu_per_step{suffix}_s"] - row[
-                "driver_cpu_per_round_s"] / ft.health_interval_s * row[f"step_wall{suffix}_s"]
+        for mode in MODES:  # less what the driver spends while idle over the step's wall time
+            if f"step_wall{mode}_s" in row:
+                idle = row["driver_cpu_per_round_flat_s" if mode == "_flat" else "driver_cpu_per_round_s"]
+                row[f"driver_cpu_per_step_net{mode}_s"] = row[f"driver_cpu_per_step{mode}_s"] - (
+                    idle / ft.health_interval_s * row[f"step_wall{mode}_s"])
         name = "detect silent"
-        row["detect_silent_s"], failure = phase(n, name, limit, run.fail, 2, "stop")
+        row["detect_silent_s"], failure = phase(n, name, limit, run.fail, n - 2, "stop")
         name = "abort after silent"
         phase(n, name, limit, run.abort, failure)
     except Exception as e:  # noqa: BLE001 - recorded; the next size runs
@@ -365,20 +413,18 @@ def summary(rows: list[dict], args) -> dict:
     done = [r for r in rows if "failed" not in r]
     sizes = [r["n"] for r in done]
 
-    def slope(key):
-        return round(loglog_slope(sizes, [r[key] for r in done]), 3) if len(done) > 1 else None
+    measured = [k for k in KEYS if done and all(k in r for r in done)]
 
-    return {"note": NOTE, "sizes": sizes, **{k: [round(r[k], 5) for r in done] for k in KEYS},
-            "growth_exponent_driver_cpu": slope("driver_cpu_per_step_s"),
-            "growth_exponent_driver_cpu_per_round": slope("driver_cpu_per_round_s"),
-            "growth_exponent_driver_cpu_direct": slope("driver_cpu_per_step_direct_s"),
-            "growth_exponent_driver_cpu_net": slope("driver_cpu_per_step_net_s"),
-            "growth_exponent_driver_cpu_net_direct": slope("driver_cpu_per_step_net_direct_s"),
-            "growth_exponent_driver_thread_cpu": slope("driver_thread_cpu_per_step_s"),
-            "growth_exponent_driver_thread_cpu_direct": slope("driver_thread_cpu_per_step_direct_s"),
+    def slope(key):
+        return round(loglog_slope(sizes, [r[key] for r in done]), 3) if len(done) > 1 and key in measured else None
+
+    return {"note": NOTE, "sizes": sizes, **{k: [round(r[k], 5) for r in done] for k in measured},
+            **{f"growth_exponent_{k.removesuffix('_s').replace('_per_step', '')}": slope(k)
+               for k in KEYS if k.startswith(("driver_cpu_per", "driver_thread_cpu"))},
             "failures": [r for r in rows if "failed" in r],
             "device": f"cpu: {os.cpu_count()} cores ({platform.node()})",
-            "settings": {"ranks_per_node": args.ranks_per_node, "tp": args.tp, "steps": args.steps, "idle_s": args.idle_s,
+            "settings": {"ranks_per_node": args.ranks_per_node, "fanout": args.fanout, "actor_env": ACTOR_ENV,
+                         "tp": args.tp, "steps": args.steps, "idle_s": args.idle_s,
                          "health_timeout_s": args.health_timeout_s, "health_interval_s": args.health_interval_s,
                          "join_through_store": not args.no_store, "phase_timeout_s": args.phase_timeout_s}}
 
@@ -387,6 +433,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--fanout", type=int, default=FANOUT,
+                   help="arity of the agents' tree (agent_tree.FANOUT); the flat tree is measured beside it")
+    p.add_argument("--direct", action="store_true",
+                   help="also measure steps sent as one call per rank from the driver (before the agents carried steps)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size of the step's layout (dp = N / tp): the driver collects one result per DP "
                         "replica; 1 (every rank a replica) is the most results per step")
@@ -413,7 +463,7 @@ def main(argv=None) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": actor_env(ROOT, RAY_IGNORE_UNHANDLED_ERRORS="1")})
+                 runtime_env={"env_vars": actor_env(ROOT, RAY_IGNORE_UNHANDLED_ERRORS="1", **ACTOR_ENV)})
     print(f"host: {os.cpu_count()} cores, {mem_available_gb():.1f} GB available, {threads_now()} threads "
           f"running, thread limit {thread_limit()}", flush=True)
     rows, per_rank_mb, per_actor_threads = [], 0.0, 0.0
@@ -428,12 +478,14 @@ def main(argv=None) -> dict:
             per_actor_threads = max(per_actor_threads, rows[-1].get("rank_threads", 0.0))
         result = summary(rows, args)
         write_json(args.out, result)  # a cut run keeps the sizes it measured
-    print(f"{'N':>6} " + " ".join(f"{k[:16]:>16}" for k in KEYS))
+    keys = [k for k in KEYS if any(k in r for r in rows)]
+    print(f"{'N':>6} " + " ".join(f"{k[:16]:>16}" for k in keys))
     for r in rows:
-        print(f"{r['n']:>6} " + (" ".join(f"{r.get(k, float('nan')):>16.4f}" for k in KEYS)
+        print(f"{r['n']:>6} " + (" ".join(f"{r.get(k, float('nan')):>16.4f}" for k in keys)
                                   + (f"  FAILED {r['failed']}" if "failed" in r else "")))
-    print(f"growth exponent of driver CPU per step: {result['growth_exponent_driver_cpu']}; "
-          f"per round: {result['growth_exponent_driver_cpu_per_round']}  ({NOTE})", flush=True)
+    print(f"growth exponent of driver CPU per step: {result['growth_exponent_driver_cpu']} (flat: "
+          f"{result['growth_exponent_driver_cpu_flat']}); per round: {result['growth_exponent_driver_cpu_per_round']} "
+          f"(flat: {result['growth_exponent_driver_cpu_per_round_flat']})  ({NOTE})", flush=True)
     return result
 
 

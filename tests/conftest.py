@@ -25,7 +25,7 @@ SECRET = f"secret-{os.urandom(8).hex()}"  # a credential that must never appear 
 MODULE_SECONDS = {"test_recovery": 254, "test_resume": 117, "test_scenarios": 114, "test_keeper": 110,
                   "test_data": 110, "test_driver_failover": 99, "test_fault_tolerance": 89, "test_rl": 78,
                   "test_node_loss": 55, "test_dp_invariance": 55, "test_slow_storage": 51,
-                  "test_train_speed": 49, "test_driver_crash": 46, "test_rank_rows": 44, "test_health": 33,
+                  "test_train_speed": 49, "test_driver_crash": 46, "test_rank_rows": 44, "test_health": 33, "test_agent_tree": 40,
                   "test_observability": 29, "test_bad_input": 26, "test_sft": 25, "test_megatron_groups": 24,
                   "test_security": 22, "test_checkpoint": 20, "test_megatron_checkpoint": 19,
                   "test_snapshots": 14, "test_megatron_rl": 11, "test_megatron_peer_restore": 9}

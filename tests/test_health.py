@@ -285,7 +285,7 @@ def test_node_agents_carry_heartbeats_one_call_per_node(ray_session):
     beats = Heartbeats(lambda: slots, interval_s=0.2, timeout_s=2.0, agents=lambda: {slots[0].node_id: agent})
     try:
         in_flight = beats._send(time.monotonic())
-        assert list(in_flight.values()) == [("agent", slots[0].node_id)]
+        assert list(in_flight.values()) == ["round"]
         beats.start()
         alive, dead, silent = beats.settle(ranks, time.monotonic())
         assert (alive, dead, silent) == ({0, 1, 2, 3}, set(), set())
@@ -322,7 +322,7 @@ def test_node_agents_carry_step_calls_one_call_per_node(ray_session):
     agents = {"n0": NodeAgent.remote(0.05), "n1": NodeAgent.remote(0.05)}
     health = HealthMonitor(_ft(5.0), lambda: slots, agents=lambda: agents,
                            node_of=lambda s: f"n{s.bundle_index // 2}")
-    calls = NodeCalls(health.beats.node_of, health.beats.live_agent, health.agent_failed)
+    calls = NodeCalls(health.beats.node_of, health.beats.call_tree, health.agent_failed)
     batch = ray.put([1, 2, 3])
     # A rank's first TrainingBatch imports torch there (seconds of silence on a loaded host): before the heartbeats.
     ray.get([*(s.handle.rows.remote(numbered_batch(1), 0) for s in slots), *(a.node_id.remote() for a in agents.values())])

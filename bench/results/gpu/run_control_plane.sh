@@ -6,15 +6,19 @@
 #   MODE store: N = 64 256 512, the join barrier through the driver's TCPStore (torch in every
 #     rank actor, ~190 MB PSS each: 1,024 do not fit 128 GiB; the bench skips a size whose
 #     projected PSS exceeds 90% of MemAvailable).
-# Per size: 10 timed steps with one call per rank (the driver before node agents carried steps)
-# and 10 through the node agents, on the same actors, and a 3 s idle window; a run stays under
-# ~520 s; every phase (the start of 1,155 actors too) has a 300 s limit, recorded as the size's
-# failure in the JSON, which is rewritten after every size. A size whose projected PSS or threads do not fit is skipped and
-# recorded (each Ray worker runs ~28 threads, each taking a pid: 1,155 actors need ~32k).
+# Per size: 10 timed steps through the flat tree of node agents (the driver calls every agent)
+# and 10 through the tree of fanout 16 (agent_tree.FANOUT; --fanout K to change it), on the same
+# actors, a 3 s idle window each, then detection (killed, SIGSTOPped) and recovery control
+# through the tree; a run stays under BENCH_TIMEOUT (default 520 s); every phase (the start of
+# 1,155 actors too) has a 300 s limit, recorded as the size's failure in the JSON, which is
+# rewritten after every size. A size whose projected PSS or threads do not fit is skipped and
+# recorded: every actor runs with bench.control_plane.ACTOR_ENV (Ray's gRPC pools of one thread:
+# ~24 threads per actor on 16 cores instead of ~48, each a pid: 1,155 actors need ~28k of
+# kernel.pid_max 32,768).
 # Keeps control_plane[_store]_nvidia-h200_DATE.cmd/.log/.json in bench/results/gpu/ and copies
 # them to $OUT when it is set (the device tool brings back what is there).
 # Usage (repo root, after `source .gpu/install.sh .gpu`):
-#   bash bench/results/gpu/run_control_plane.sh [nostore|store] [more bench args]
+#   BENCH_TIMEOUT=580 bash bench/results/gpu/run_control_plane.sh [nostore|store] [more bench args]
 set -o pipefail
 source "$(dirname "$0")/bench_lib.sh"
 mode=${1:-nostore}
