@@ -194,6 +194,10 @@ class Heartbeats:
         self._pings: dict = {}                # ping in flight from here -> actor key
         self._dead_agents: set[str] = set()   # agent keys whose actor died
         self._stalled: dict[str, list] = {}   # agent key -> [its probe in flight or None, when it was stalled]
+        # Agents that answered a probe: one not started yet (a process starting under load can
+        # take longer than timeout_s) is stalled but never gone; Ray queues its calls meanwhile.
+        self._started: set[str] = set()
+        self._start_probes: dict = {}         # first probe in flight -> agent key
         self._roster: tuple = ((), [], {}, {})  # (actor ids, the actors, key -> handle, node -> [(key, handle)])
         self._trees: dict[bool, tuple] = {}    # for calls? -> (what it was made of, the tree)
         self._plan: tuple = (None, None, [], [])  # (roster ids, tree, root branches, actor keys pinged from here)
@@ -239,10 +243,12 @@ class Heartbeats:
     def gone_agents(self) -> set[str]:
         """Keys of the agents that died, or that were stalled `timeout_s` ago and have not
         answered a probe since (as a silent rank): the calls they carry are lost. (A slow agent
-        answers its probe: it rejoins the tree, and its calls go on.)"""
+        answers its probe: it rejoins the tree, and its calls go on. One that has not answered
+        its first probe is starting, not gone: its calls wait for it.)"""
         now = time.monotonic()
         with self._lock:
-            return self._dead_agents | {k for k, (_, since) in self._stalled.items() if now - since >= self.timeout_s}
+            return self._dead_agents | {k for k, (_, since) in self._stalled.items()
+                                        if now - since >= self.timeout_s and k in self._started}
 
     def agent_died(self, agent) -> None:
         """Ask `agent` nothing more: its node's actors are pinged (and called) from here."""
@@ -311,8 +317,11 @@ class Heartbeats:
                     b.ref, b.sent = handles[k].ping.remote(), now
                     self._pings[b.ref] = k
             in_flight.update(self._pings)
+            by_key = {actor_key(a): a for a in self._agents().values()}
+            for k in by_key.keys() - self._started - self._dead_agents - set(self._start_probes.values()):
+                self._start_probes[by_key[k].node_id.remote()] = k
+            in_flight.update({ref: ("start", k) for ref, k in self._start_probes.items()})
             if self._stalled:
-                by_key = {actor_key(a): a for a in self._agents().values()}
                 for k in [k for k in self._stalled if k not in by_key]:
                     del self._stalled[k]
                 for k, st in self._stalled.items():
@@ -345,10 +354,25 @@ class Heartbeats:
                     answer = summary()
                     if self._roots.ended(ref, answer):
                         self._record_round(answer)
+                elif isinstance(what, tuple) and what[0] == "start":
+                    self._first_probed(what[1], ref)
                 elif isinstance(what, tuple):
                     self._probed(what[1], ref)
                 else:
                     self._record(what, ref)
+
+    def _first_probed(self, key: str, ref) -> None:
+        """The first probe `ref` of agent `key` ended: it has started when it answered (else
+        it is probed again; one that died is found by its rounds)."""
+        try:
+            ray.get(ref)
+            started = True
+        except Exception:  # noqa: BLE001 - not started, or died: probed again, judged by its rounds
+            started = False
+        with self._lock:
+            self._start_probes.pop(ref, None)
+            if started:
+                self._started.add(key)
 
     def _probed(self, key: str, ref) -> None:
         """The probe `ref` of the stalled agent `key` answered: it rejoins the tree (or, when Ray
@@ -372,6 +396,8 @@ class Heartbeats:
             self._stalled.pop(key, None)
             if dead:
                 self._dead_agents.add(key)
+            else:
+                self._started.add(key)
         log.warning("node agent %s %s", key[:12], f"died: {dead}" if dead else "answers again: it rejoins the tree")
 
     def _record_round(self, answer: dict) -> None:
