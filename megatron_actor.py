@@ -340,7 +340,7 @@ class MegatronActor:
             batch = self.own_batch(step)
         result = self.engine.train_step(batch, step)
         if own:
-            result["row_digests"] = batch.row_digests()
+            result["row_digests"] = self.rows.digests  # of the rows just trained, hashed where read
         interval = self.cfg.fault_tolerance.memory_snapshot_interval
         if self._holder is not None and interval and step % interval == 0:
             copy = None if self._sender.busy() else self.engine.start_host_copy()

@@ -29,7 +29,9 @@ class RankRows:
     its windows built, its .bin files open for range reads) with a one-step prefetch.
 
     `batch(step, dp, d)`: the rows replica d of dp trains at `step` (the prefetched ones when
-    they are of that address); then starts reading (step + 1, dp, d). A read's DataError is
+    they are of that address); then starts reading (step + 1, dp, d). `digests`: the
+    `TrainingBatch.row_digests` of the rows the last `batch` call returned, hashed by the
+    reader (the prefetch thread) rather than by the training thread. A read's DataError is
     raised by the `batch` call that asks for those rows (a prefetch nobody asks for is
     dropped with its error). Calls come from one thread (the actor's compute thread); `data` is
     only ever read by one thread at a time."""
@@ -38,16 +40,21 @@ class RankRows:
         self.data = data
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch-rows")
         self._ahead: tuple[tuple[int, int, int], concurrent.futures.Future] | None = None
+        self.digests: list[bytes] = []
+
+    def _read(self, step: int, dp: int, d: int) -> tuple[TrainingBatch, list[bytes]]:
+        batch = self.data.batch(step, dp, d)
+        return batch, batch.row_digests()
 
     def batch(self, step: int, dp: int, d: int) -> TrainingBatch:
         address, ahead, self._ahead = (step, dp, d), self._ahead, None
         if ahead is not None and ahead[0] == address:
-            batch = ahead[1].result()
+            batch, self.digests = ahead[1].result()
         else:
             if ahead is not None:  # another address (a rewind, a new dp): let it end, drop it
                 concurrent.futures.wait([ahead[1]])
-            batch = self.data.batch(step, dp, d)
-        self._ahead = ((step + 1, dp, d), self._pool.submit(self.data.batch, step + 1, dp, d))
+            batch, self.digests = self._read(step, dp, d)
+        self._ahead = ((step + 1, dp, d), self._pool.submit(self._read, step + 1, dp, d))
         return batch
 
     def train_batch(self, step: int, dims: ParallelDims, rank: int, train_cfg,

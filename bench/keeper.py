@@ -29,7 +29,7 @@ the network). A fraction whose host memory (rollback + 2 arenas + 3 copies at th
 flight, as with `--courier`) would pass half of the available memory is skipped and noted.
 
 Usage (repository root): python -m bench.keeper [--fractions 0.125,1] [--blocks 8] [--block-steps 6]
-    [--settle 1] [--warmup 3] [--breakdown] [--courier] [--set a.b=v ...] [--out PATH]
+    [--settle 1] [--warmup 3] [--breakdown] [--courier] [--trace DIR] [--set a.b=v ...] [--out PATH]
 JSON: {"redundancy_overhead_ratio" (kept / off median step time at the first fraction),
 "shard_fraction", "kept_every_step" (every step of every kept block, settle steps included, sent,
 none skipped or failed, at the first fraction), "device", "engine", "params", "cases":
@@ -86,8 +86,11 @@ def emulate_shard(engine, fraction: float) -> None:
     `_train_state` (its rollback snapshot and `_shard_state` read it) with the optimizer cut,
     and the rollback snapshot kept (a real rank keeps it at dp >= 2); the torch engine's
     `_shard_state` cut (its rollback copy is whole in every phase). Megatron's cut views are
-    cached (cutting ~1000 tensors per call would add tens of ms per step to the kept cases:
-    the bench's cost, not the keeper's)."""
+    cached, keyed by the number of optimizer entries and their tensors' addresses (not their
+    ids: `p.data` is a new tensor object per call): cutting or even walking ~1000 tensors per
+    call would add milliseconds per step to the kept cases on the training thread, the bench's
+    cost, not the keeper's. The bench never reallocates the optimizer state in place of the
+    old, so the first and last entries' addresses stand for all."""
     if hasattr(engine, "_keeps_rollback"):
         whole = type(engine)._train_state.__get__(engine)
 
@@ -95,7 +98,8 @@ def emulate_shard(engine, fraction: float) -> None:
 
         def train_state():
             state = whole()
-            ids = tuple(map(id, torch.utils._pytree.tree_leaves(state["optimizer"])))
+            opt = state["optimizer"]
+            ids = (len(opt), opt[0][0].data_ptr(), opt[-1][0].data_ptr()) if opt else ()
             if ids not in views:
                 views.clear()
                 views[ids] = cut(state["optimizer"], fraction)
@@ -224,6 +228,29 @@ def run_blocks(cases: list[Case], cfg, args, step: int, after_round=lambda: None
     return step
 
 
+def trace(cases: list[Case], cfg, step: int, out_dir: str, settle: int = 2, steps: int = 2) -> int:
+    """Per case: `settle` untimed steps, then `steps` steps under torch.profiler (CPU and CUDA
+    activities), written to out_dir/keeper_trace_<case>.json; returns the next step number."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    for case in cases:
+        case.begin()
+        for _ in range(settle):
+            case.step(cfg, step)
+            step += 1
+        sync(case.engine)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                case.step(cfg, step)
+                step += 1
+            sync(case.engine)
+        case.end()
+        prof.export_chrome_trace(os.path.join(out_dir, f"keeper_trace_{case.name}.json"))
+        print(f"  trace of {case.name}: {out_dir}/keeper_trace_{case.name}.json", flush=True)
+    return step
+
+
 def summary(cases: list[Case]) -> dict:
     off = cases[0]
     out = {}
@@ -249,6 +276,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--courier", action="store_true",
                     help="send the shard through a courier to the holder (as to a keeper on another node) "
                          "instead of the holder adopting its arenas")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="after the blocks of the first fraction, profile 2 steps of each case (torch.profiler, "
+                         "CPU and CUDA) and write DIR/keeper_trace_<case>.json (chrome traces)")
     ap.add_argument("--config", default="config.yaml")
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--out", default=None)
@@ -318,6 +348,8 @@ def main(argv=None) -> dict:
 
         step = run_blocks(cases, cfg, args, step, after_round)
         result = fraction_result()
+        if args.trace and fraction == fractions[0]:
+            step = trace(cases, cfg, step, args.trace)
         for case in cases:
             if case.sender is not None:
                 case.sender.sender.close() if isinstance(case.sender, CopyOnly) else case.sender.close()

@@ -44,6 +44,7 @@ def test_rank_reads_equal_the_driver_read_at_dp_1_2_4(stdlib_corpus, eod_mask_lo
                 for field in ("input_ids", "attention_mask", "loss_mask", "loss_weights"):
                     assert torch.equal(getattr(batch, field), getattr(want, field)), (dp, step, d, field)
             assert global_digest([b.row_digests() for b in got]) == full.digest(), (dp, step)
+            assert [rows.digests for rows in ranks] == [b.row_digests() for b in got], (dp, step)  # hashed where read
 
 
 def test_a_step_from_rank_reads_is_bitwise_the_step_from_the_driver_batch(ray_session, stdlib_corpus, tmp_path):
