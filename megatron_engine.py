@@ -56,8 +56,8 @@ from checkpoint import CheckpointManager
 from config import Config
 from engine import StepInterrupt, state_digest
 from keeper import keeps_shards
-from host_memory import (HostCopy, carve, carve_shard, configure_host_allocator, copy_state, pin_in_background,
-                         pinned_empty, same_layout, state_nbytes, state_tensors)
+from host_memory import (STAGING_BYTES, HostCopy, carve, carve_shard, configure_host_allocator, copy_state,
+                         copy_to_host, pin_in_background, pinned_empty, same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import SavePlanCache, load_sharded, reserve_save_arena, save_sharded
 from megatron_compat import cpu_stand_ins, foreach_grad_norm, local_param_groups, patch_distributed_optimizer
 from megatron_groups import StaleGroups, make_groups, rebind
@@ -155,6 +155,7 @@ class MegatronEngine:
         self._arena: concurrent.futures.Future | None = None    # pinned bytes of the snapshot buffers
         self._copy_stream: torch.cuda.Stream | None = None       # side stream of the snapshot copy
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
+        self._staging: torch.Tensor | None = None  # device buffer of `copy_to_host` (STAGING_BYTES)
         self._copy_launcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-copy")
         self._copy_launched: concurrent.futures.Future | None = None  # its launch (`_host_copy_async`)
         self._send_arena: concurrent.futures.Future | None = None  # pinned bytes of `start_host_copy`
@@ -590,7 +591,9 @@ class MegatronEngine:
         copies are queued on the device by a thread of this engine (`_copy_launcher`): a state
         has ~1,000 tensors and each device-to-host copy launch costs the calling thread tens of
         microseconds of driver time, which the training thread, launching the step's kernels,
-        would pay every step. On CPU the copy is done when this returns."""
+        would pay every step. They are few (`copy_to_host`: gathered on the device through
+        a staging buffer of `STAGING_BYTES`, one copy per chunk), since each copy contends
+        with the step's launches for the driver. On CPU the copy is done when this returns."""
         if self.backend != "nccl":
             copy_state(into, state)
             return _with_counters(into, state)
@@ -600,10 +603,14 @@ class MegatronEngine:
         ready.record()  # the state as of now
         src, dst = state_tensors(state), state_tensors(into)
 
-        def launch():  # ~1,000 copy launches (tens of ms of driver time) off the training thread
+        if self._staging is None:
+            self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=self.device)
+        staging = self._staging
+
+        def launch():  # the copies' launches (milliseconds of driver time) off the training thread
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                copy_state(dst, src)
+                copy_to_host(dst, src, staging)
                 done.record()
 
         # No wait for the previous launch (the shard copy's ~1,000 launches take the launcher

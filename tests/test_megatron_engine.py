@@ -432,6 +432,46 @@ def test_carve_host_buffers_from_a_reserved_arena():
     assert carve(state, torch.zeros(need - 1, dtype=torch.uint8)) is None
 
 
+def test_plan_chunks_groups_consecutive_buffers_that_fit_a_chunk():
+    """`copy_to_host`'s grouping: buffers consecutive in address order share a chunk while
+    their whole range (gaps included) fits; a larger buffer is alone; every index once;
+    overlapping buffers are refused."""
+    from host_memory import plan_chunks
+
+    assert plan_chunks([(0, 10), (64, 10), (128, 100), (1000, 10)], 200) == [[0, 1], [2], [3]]
+    assert plan_chunks([(1000, 10), (0, 300), (400, 10), (420, 4)], 200) == [[1], [2, 3], [0]]
+    assert plan_chunks([], 200) == []
+    with pytest.raises(ValueError, match="overlap"):
+        plan_chunks([(0, 100), (50, 10)], 200)
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_copy_to_host_is_the_per_tensor_copy_in_few_copies():
+    """A state of CUDA tensors (bf16 and fp32, some larger than the staging buffer, an empty
+    one) and CPU scalars, carved from a pinned arena (CUDA tensors first) and copied by
+    `copy_to_host` on a side stream through a small staging buffer: every buffer equals its
+    source, twice (the second time through the cached plan, after the sources changed)."""
+    from host_memory import carve, copy_to_host, pinned_empty, state_nbytes, state_tensors
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {"model": [torch.randn(n, device="cuda", generator=g).bfloat16() for n in (3, 1000, 17, 5000)],
+             "optimizer": [[torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g),
+                            torch.tensor(float(n))] for n in (7, 3000, 1)] + [[torch.zeros(0, device="cuda")]],
+             "step": 3}
+    into = carve(state, pinned_empty(state_nbytes(state)))
+    staging = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    for _ in range(2):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            copy_to_host(into, state, staging)
+        stream.synchronize()
+        for dst, src in zip(state_tensors(into), state_tensors(state), strict=True):
+            assert torch.equal(dst, src.cpu())
+        for x in state_tensors(state):
+            x.add_(1)
+
+
 def _cp_ranks(rank: int, world: int, store) -> dict:
     """One CP group of `world` gloo ranks: each computes per-token log-probs of its cp_split part
     of the same [B, S] batch, cp_gathers them, takes a loss every rank computes identically and
