@@ -445,6 +445,7 @@ def test_plan_chunks_groups_consecutive_buffers_that_fit_a_chunk():
         plan_chunks([(0, 100), (50, 10)], 200)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 def test_copy_to_host_is_the_per_tensor_copy_in_few_copies():
     """A state of CUDA tensors (bf16 and fp32, some larger than the staging buffer, an empty
