@@ -210,24 +210,45 @@ class AgentCalls(Calls):
         well and is not collected costs nothing here (its result stays None)."""
         if ref in self._index:
             return super().ended(ref)
+        ok, out, more = self._summary(ref)
+        return [(i, (lambda v=v: v)) for i, v in ok.items()] + out, more
+
+    def taken(self, refs: list) -> tuple[dict, list[tuple[int, Callable]], list]:
+        """As `ended_all`, the results of the agents' summaries apart (`health.Calls.taken`):
+        no function per result."""
+        ok, out, more = {}, [], []
+        for ref in refs:
+            if ref in self._index:
+                o, m = super().ended(ref)
+                out += o
+            else:
+                r, o, m = self._summary(ref)
+                ok.update(r)
+                out += o
+            more += m
+        return ok, out, more
+
+    def _summary(self, ref) -> tuple[dict, list[tuple[int, Callable]], list]:
+        """The ended `NodeAgent.call` (or `more`) `ref`: (call index -> result of the ranks that
+        ended well and are collected, [(call index, a function raising its error)] of the failed
+        or lost ones, [the `more` call in its place] while ranks are still out)."""
         agent, indices, keys = self._agents.pop(ref)
         try:
             summary = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - the agent's failure; its ranks are judged apart
             self._on_agent_error(agent, e)
-            return _lost(indices, f"node agent failed: {str(e)[:200]}"), []
+            return {}, _lost(indices, f"node agent failed: {str(e)[:200]}"), []
         for child, error in summary["failed_agents"]:
             self._on_agent_error(child, error)
-        out = [(i, (lambda v=v: v)) for i, v in summary["results"].items()]
-        out += [(i, _raiser(e)) for i, e in summary["errors"].items()]
+        out = [(i, _raiser(e)) for i, e in summary["errors"].items()]
         left = summary["left"]
         if summary["replaced"]:  # at the agent, by a newer call (another driver's)
-            return out + _lost(indices if left is None else left, "node agent took a newer call"), []
+            return summary["results"], out + _lost(indices if left is None else left, "node agent took a newer call"), []
         if not left:
-            return out, []
+            return summary["results"], out, []
         more = agent.more.remote(self._call_id)
         self._agents[more] = (agent, set(left), keys)
-        return out, [more]
+        return summary["results"], out, [more]
 
     def cut_off(self, gone: set[str]) -> tuple[list[tuple[int, Callable]], set]:
         """The calls of each agent called whose subtree holds an agent of `gone` (keys) are lost
