@@ -121,16 +121,23 @@ def branches(tree: dict, agents: dict, own: dict) -> list[Branch]:
 
 
 def summary() -> dict:
-    """An empty heartbeat summary: `beats` (actor key -> (answer or None, "" or the error that
-    says its actor died, the driver time of the round that sent its ping): `health.ping_result`),
-    `dead` (agent key -> the error that says it died), `late` (agent key -> the driver time of its
-    round still unanswered)."""
-    return {"beats": {}, "dead": {}, "late": {}}
+    """An empty heartbeat summary: the answered pings as columns (`keys`: actor keys, `infos`:
+    each one's answer, `ats`: the driver time of the round that sent that ping), `died` (actor
+    key -> the error that says its actor died: `health.ping_result`), `dead` (agent key -> the
+    error that says it died), `late` (agent key -> the driver time of its round still
+    unanswered). Columns of plain values, not an entry per actor: Ray encodes and decodes
+    them as they are (msgpack), with no pickled object per answer, and the driver reads one
+    round's answers of every rank in one pass (`health.Heartbeats._record_round`). A ping with
+    no answer this time is in none of them."""
+    return {"keys": [], "infos": [], "ats": [], "died": {}, "dead": {}, "late": {}}
 
 
 def merge(into: dict, other: dict) -> None:
-    """Add the heartbeat summary `other` to `into` (a later answer of an actor replaces one)."""
-    for k in ("beats", "dead", "late"):
+    """Add the heartbeat summary `other` to `into` (answers in order: of an actor answered twice,
+    the reader keeps the one of the latest round)."""
+    for k in ("keys", "infos", "ats"):
+        into[k] += other[k]
+    for k in ("died", "dead", "late"):
         into[k].update(other[k])
 
 

@@ -433,15 +433,15 @@ class Heartbeats:
             self._dead_agents.update(answer["dead"])
         self._stall(answer["late"])
         now, wall = time.monotonic(), time.time()
+        beats = self._beats
         with self._lock:
-            for key, (info, dead, at) in answer["beats"].items():
-                b = self._beats.get(key)
-                if b is None:
-                    continue
-                if info is not None and at >= b.seen_sent:
+            for key, info, at in zip(answer["keys"], answer["infos"], answer["ats"]):
+                b = beats.get(key)
+                if b is not None and at >= b.seen_sent:
                     b.seen, b.seen_wall, b.seen_sent = now, wall, at
                     b.answered(info, now)
-                if dead:
+            for key, dead in answer["died"].items():
+                if (b := beats.get(key)) is not None:
                     b.dead = dead
 
     def _record(self, key: str, ref) -> None:

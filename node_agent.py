@@ -84,8 +84,8 @@ class NodeAgent:
         (driver time) is reported `late`. Pings every actor of the branch with no ping in
         flight, sends each child with no round in flight a round (waiting half of `wait_s`),
         waits up to `wait_s` for the pings and rounds in flight, and returns their summary
-        (`agent_tree.summary`): per actor key whose ping ended (answer or None, "" or the error
-        that says its actor died, the driver time of the round that sent that ping: see
+        (`agent_tree.summary`): each ping answered (actor key, answer, the driver time of the
+        round that sent that ping) and each actor whose ping says it died (the error: see
         `health.ping_result`), merged with the children's; the child agents found dead or late."""
         if branch is not None:
             self._branches[sender] = branch
@@ -108,7 +108,13 @@ class NodeAgent:
             for ref in ready:
                 if ref in self._in_flight:
                     key, at = self._in_flight.pop(ref)
-                    out["beats"][key] = (*ping_result(ref, key), at)
+                    info, died = ping_result(ref, key)
+                    if info is not None:
+                        out["keys"].append(key)
+                        out["infos"].append(info)
+                        out["ats"].append(at)
+                    elif died:
+                        out["died"][key] = died
                 else:
                     self._rounds.ended(ref, out)
         out["late"].update(self._rounds.late(sent, late_s))
