@@ -44,8 +44,16 @@ step. At most this many nodes: the flat tree (every agent called by the driver).
 
 
 def actor_key(handle) -> str:
-    """A stable key of an actor handle (its actor id)."""
-    return handle._actor_id.hex()
+    """A stable key of an actor handle (its actor id), computed once per handle object (kept
+    on it, as Ray keeps its hash: the driver asks for the keys of its agents and ranks every
+    round and every step)."""
+    d = getattr(handle, "__dict__", None)
+    if d is not None and (key := d.get("_ft_actor_key")) is not None:
+        return key
+    key = handle._actor_id.hex()
+    if d is not None:
+        d["_ft_actor_key"] = key
+    return key
 
 
 def shape(nodes: Sequence[Hashable], fanout: int = FANOUT) -> dict:
@@ -170,7 +178,7 @@ class Rounds:
         returns every round in flight."""
         for k, st in self._state.items():
             if st[1] is None:
-                st[1] = st[0].agent.round.remote(sent, self.sender, st[0] if st[3] else None, wait_s, late_s)
+                st[1] = st[0].agent.round.remote((sent, self.sender, st[0] if st[3] else None, wait_s, late_s))
                 st[2], st[3] = sent, False
                 self._refs[st[1]] = k
         return list(self._refs)
@@ -227,7 +235,7 @@ class Fanout:
             layout = None if self._sent.get(b.key) == (dims, b.ident) else (dims, b)
             self._sent[b.key] = (dims, b.ident)
             a, kw = (args, kwargs) if not cut else self._only(b, cls, dims, args, kwargs)
-            refs[b.agent.call.remote(call_id, (self.sender, method, cls, a, kw, layout))] = (b.agent, b.members, b.agents)
+            refs[b.agent.call.remote((call_id, self.sender, method, cls, a, kw, layout))] = (b.agent, b.members, b.agents)
         return refs
 
     def _only(self, b: Branch, cls: type[Dispatch], dims: ParallelDims, args: tuple, kwargs: dict):

@@ -30,7 +30,6 @@ the rank itself (`health.HealthMonitor.wait`); a rank that ended well costs it n
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
 
@@ -76,9 +75,10 @@ class NodeAgent:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def round(self, sent: float, sender: str = DRIVER, branch=None, wait_s: float | None = None,
-              late_s: float = math.inf) -> dict:
-        """One heartbeat round. `sent`: the driver's clock at the round; `sender`: who calls;
+    def round(self, message: tuple) -> dict:
+        """One heartbeat round. `message`: (sent, sender, branch, wait_s, late_s), one argument
+        (one costs the caller about a third less per call than five). `sent`: the driver's
+        clock at the round; `sender`: who calls (`DRIVER` or the parent agent's key);
         `branch`: the `agent_tree.Branch` to follow from now on for that sender (None: the same
         as before); `wait_s`: None: this agent's; `late_s`: a child's round unanswered that long
         (driver time) is reported `late`. Pings every actor of the branch with no ping in
@@ -87,6 +87,7 @@ class NodeAgent:
         (`agent_tree.summary`): each ping answered (actor key, answer, the driver time of the
         round that sent that ping) and each actor whose ping says it died (the error: see
         `health.ping_result`), merged with the children's; the child agents found dead or late."""
+        sent, sender, branch, wait_s, late_s = message
         if branch is not None:
             self._branches[sender] = branch
         if (b := self._branches.get(sender)) is not None and b is not self._branch:
@@ -121,12 +122,12 @@ class NodeAgent:
         return out
 
     @ray.method(concurrency_group=CALLS)
-    def call(self, call_id: int, message: tuple) -> dict:
+    def call(self, message: tuple) -> dict:
         """Call `method` on the ranks of this node, each with its own arguments
         (`dispatch.for_rank(dims, rank, args, kwargs)`), and forward it to the child agents.
-        `call_id`: increasing per driver call; `message`: (sender, method, dispatch (a
-        `Dispatch` class), args, kwargs, layout), one argument (Ray serializes each argument
-        apart: one costs the caller ~20% less per agent than several); `args`, `kwargs`: the
+        `message`: (call_id, sender, method, dispatch (a `Dispatch` class), args, kwargs,
+        layout), one argument (Ray serializes each argument apart: one costs the caller ~20%
+        less per agent than several); `call_id`: increasing per driver call; `args`, `kwargs`: the
         call's, cut once (`dispatch.call_args`); `layout`: (dims, `agent_tree.Branch` of this
         agent: its ranks (global rank, handle), its children's branches) from now on for that
         sender (None: the same as before).
@@ -139,7 +140,7 @@ class NodeAgent:
         error its call raised)], "left": the ranks still out, sorted (None: unknown, the call
         was replaced before), "replaced": a newer call replaced this one (the driver gave it
         up)}. A rank that ended well and is not collected is in none of them."""
-        sender, method, cls, args, kwargs, layout = message
+        call_id, sender, method, cls, args, kwargs, layout = message
         if layout is not None:
             self._layouts[sender] = layout
         dims, branch = self._layouts[sender]
