@@ -145,17 +145,18 @@ class NodeAgent:
             self._layouts[sender] = layout
         dims, branch = self._layouts[sender]
         self._latest = call_id  # the driver gave up any older call (a new driver counts from 1)
-        direct = {}
-        for rank, handle in branch.own:
-            a, kw = cls.for_rank(dims, rank, args, kwargs)
-            direct[getattr(handle, method).remote(*a, **kw)] = rank
         failed: list = []
 
         def child_failed(agent, error):
             self._fanout.forget(actor_key(agent))
             failed.append((agent, error))
-        calls = AgentCalls(0, direct, self._fanout.send(call_id, method, cls, dims, args, kwargs, branch.children),
-                           call_id, child_failed)
+        # The children first: their subtrees' calls are the longer way (a step's wall time).
+        children = self._fanout.send(call_id, method, cls, dims, args, kwargs, branch.children)
+        direct = {}
+        for rank, handle in branch.own:
+            a, kw = cls.for_rank(dims, rank, args, kwargs)
+            direct[getattr(handle, method).remote(*a, **kw)] = rank
+        calls = AgentCalls(0, direct, children, call_id, child_failed)
         own = set(direct.values())
         unread = {r for r in own if not cls.collects(dims, r)}  # the children's summaries hold collected ranks only
         self._calls = {call_id: {"calls": calls, "pending": calls.waitables(), "unread": unread, "failed": failed}}
