@@ -177,6 +177,20 @@ def test_no_rank_is_blamed_when_no_group_has_a_laggard_that_waits_nowhere(counts
     assert hang_culprits(counts) == set()
 
 
+def test_a_large_group_is_named_in_constant_size_and_the_same_on_every_member():
+    """A ping names each of its rank's groups (`comms.collective_counts`): a small group by its
+    members, a large one (every DP replica) by a name whose size does not grow with the ranks,
+    the same for the same members in the same order and different for other members."""
+    from comms import GROUP_NAME_RANKS, group_name
+
+    assert group_name([0, 1, 2, 3]) == "0,1,2,3"
+    big = list(range(1024))
+    assert len(group_name(big)) < 40 and group_name(big) == group_name(list(range(1024)))
+    assert group_name(big).startswith("n=1024:0..1023:")
+    assert group_name(big) != group_name(big[:-2] + [1023, 1022])
+    assert group_name(list(range(GROUP_NAME_RANKS))) == ",".join(map(str, range(GROUP_NAME_RANKS)))
+
+
 def test_a_node_is_suspected_after_a_bounded_number_of_hangs_with_no_culprit():
     assert suspected_node([{"a": 1, "b": 1}] * 2, bound=3) is None
     assert suspected_node([{"a": 1, "b": 1}, {"b": 1}, {"a": 1, "b": 2}], bound=3) == "b"  # in the most
