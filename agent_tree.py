@@ -44,8 +44,16 @@ step. At most this many nodes: the flat tree (every agent called by the driver).
 
 
 def actor_key(handle) -> str:
-    """A stable key of an actor handle (its actor id)."""
-    return handle._actor_id.hex()
+    """A stable key of an actor handle (its actor id), computed once per handle object (kept
+    on it, as Ray keeps its hash: the driver asks for the keys of its agents and ranks every
+    round and every step)."""
+    d = getattr(handle, "__dict__", None)
+    if d is not None and (key := d.get("_ft_actor_key")) is not None:
+        return key
+    key = handle._actor_id.hex()
+    if d is not None:
+        d["_ft_actor_key"] = key
+    return key
 
 
 def shape(nodes: Sequence[Hashable], fanout: int = FANOUT) -> dict:
@@ -121,16 +129,23 @@ def branches(tree: dict, agents: dict, own: dict) -> list[Branch]:
 
 
 def summary() -> dict:
-    """An empty heartbeat summary: `beats` (actor key -> (answer or None, "" or the error that
-    says its actor died, the driver time of the round that sent its ping): `health.ping_result`),
-    `dead` (agent key -> the error that says it died), `late` (agent key -> the driver time of its
-    round still unanswered)."""
-    return {"beats": {}, "dead": {}, "late": {}}
+    """An empty heartbeat summary: the answered pings as columns (`keys`: actor keys, `infos`:
+    each one's answer, `ats`: the driver time of the round that sent that ping), `died` (actor
+    key -> the error that says its actor died: `health.ping_result`), `dead` (agent key -> the
+    error that says it died), `late` (agent key -> the driver time of its round still
+    unanswered). Columns of plain values, not an entry per actor: Ray encodes and decodes
+    them as they are (msgpack), with no pickled object per answer, and the driver reads one
+    round's answers of every rank in one pass (`health.Heartbeats._record_round`). A ping with
+    no answer this time is in none of them."""
+    return {"keys": [], "infos": [], "ats": [], "died": {}, "dead": {}, "late": {}}
 
 
 def merge(into: dict, other: dict) -> None:
-    """Add the heartbeat summary `other` to `into` (a later answer of an actor replaces one)."""
-    for k in ("beats", "dead", "late"):
+    """Add the heartbeat summary `other` to `into` (answers in order: of an actor answered twice,
+    the reader keeps the one of the latest round)."""
+    for k in ("keys", "infos", "ats"):
+        into[k] += other[k]
+    for k in ("died", "dead", "late"):
         into[k].update(other[k])
 
 
@@ -163,7 +178,7 @@ class Rounds:
         returns every round in flight."""
         for k, st in self._state.items():
             if st[1] is None:
-                st[1] = st[0].agent.round.remote(sent, self.sender, st[0] if st[3] else None, wait_s, late_s)
+                st[1] = st[0].agent.round.remote((sent, self.sender, st[0] if st[3] else None, wait_s, late_s))
                 st[2], st[3] = sent, False
                 self._refs[st[1]] = k
         return list(self._refs)
@@ -220,7 +235,7 @@ class Fanout:
             layout = None if self._sent.get(b.key) == (dims, b.ident) else (dims, b)
             self._sent[b.key] = (dims, b.ident)
             a, kw = (args, kwargs) if not cut else self._only(b, cls, dims, args, kwargs)
-            refs[b.agent.call.remote(call_id, (self.sender, method, cls, a, kw, layout))] = (b.agent, b.members, b.agents)
+            refs[b.agent.call.remote((call_id, self.sender, method, cls, a, kw, layout))] = (b.agent, b.members, b.agents)
         return refs
 
     def _only(self, b: Branch, cls: type[Dispatch], dims: ParallelDims, args: tuple, kwargs: dict):

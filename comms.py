@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+import zlib
 
 
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -131,9 +132,27 @@ def left_collective(engine, timeout_s: float, poll_s: float = 0.01) -> bool:
     return True
 
 
+GROUP_NAME_RANKS = 16
+"""Members a process group's name in `collective_counts` lists at most; a larger group is
+named by its size, first and last member and a digest of the whole list (`group_name`)."""
+
+
+def group_name(members: list[int]) -> str:
+    """The name of the process group of `members` (global ranks in group-rank order):
+    'r0,r1,...' up to `GROUP_NAME_RANKS` members, else 'n=N:r0..rlast:CRC32' (the same on
+    every member). Why: every ping carries a name per group (`collective_counts`), and a
+    group of every DP replica named rank by rank would make each ping O(ranks) and a
+    heartbeat round O(ranks^2) bytes to the driver."""
+    text = ",".join(map(str, members))
+    if len(members) <= GROUP_NAME_RANKS:
+        return text
+    return f"n={len(members)}:{members[0]}..{members[-1]}:{zlib.crc32(text.encode()):08x}"
+
+
 def collective_counts() -> dict[str, int]:
     """Collectives entered so far in each process group of this process's generation, by group:
-    'r0,r1,...#i' (the group's global ranks in group-rank order; i: how many groups of those
+    'NAME#i' (NAME: `group_name` of the group's global ranks in group-rank order, 'r0,r1,...'
+    for a small group; i: how many groups of those
     members this process made before it, the same order on every member) -> torch's sequence
     number of the group, bumped when a rank issues a collective on it (gloo: p2p sends and
     receives too; NCCL: collectives only). Why: a rank that stopped before a collective its
@@ -150,7 +169,7 @@ def collective_counts() -> dict[str, int]:
     counts: dict[str, int] = {}
     made: dict[str, int] = {}
     for pg, ranks in list(_world.pg_group_ranks.items()):
-        members = ",".join(str(r) for r in sorted(ranks, key=ranks.get))
+        members = group_name(sorted(ranks, key=ranks.get))
         made[members] = made.get(members, -1) + 1
         try:
             counts[f"{members}#{made[members]}"] = int(pg._get_sequence_number_for_group())

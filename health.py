@@ -55,6 +55,20 @@ def ping_result(ref, key: str) -> tuple[dict | None, str]:
         return None, ""
 
 
+def batch_wait(pending: list, until: float) -> tuple[list, list]:
+    """(ended, still pending) of the ObjectRefs `pending`: blocks until one ends or the
+    monotonic time `until`, then takes every other that ends within `BATCH_S` of it (and
+    before `until`) in the same pass. A wait that returns only when something ended or the
+    time is up: no polls while nothing does (each poll costs the caller CPU, more so on a
+    loaded host)."""
+    done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, until - time.monotonic()))
+    if done and pending:
+        more, pending = ray.wait(pending, num_returns=len(pending),
+                                 timeout=max(0.0, min(BATCH_S, until - time.monotonic())))
+        done += more
+    return done, pending
+
+
 class CallLost(Exception):
     """A rank's call whose answer is lost with the node agent that carried it (the agent died
     or its call failed): the rank itself is judged by its heartbeats and its node's raylet."""
@@ -86,6 +100,14 @@ class Calls:
             out += o
             more += m
         return out, more
+
+    def taken(self, refs: list) -> tuple[dict, list[tuple[int, Callable]], list]:
+        """`ended_all` of `refs` with the results already known to be good apart, so that a
+        caller takes them in bulk: (call index -> its result, [(call index, a function
+        returning its result or raising its error)] of the others, the waitables to wait on
+        next). Here every result is behind its function (`ray.get` may raise)."""
+        out, more = self.ended_all(refs)
+        return {}, out, more
 
     def cut_off(self, gone: set[str]) -> tuple[list[tuple[int, Callable]], set]:
         """(the calls lost with the node agents of `gone` (actor keys): [(call index, a function
@@ -343,11 +365,12 @@ class Heartbeats:
 
     def _collect(self, in_flight: dict, end: float) -> None:
         """Record the answers of the calls `in_flight` (`_send`) that come before `end`
-        (monotonic), in batches: each wait takes every answer ready within `BATCH_S`, so a
-        silent actor delays no other by more than that, and a round costs O(calls) per batch."""
+        (monotonic), in batches (`batch_wait`): each takes every answer ready within `BATCH_S`
+        of the first, so a silent actor delays no other by more than that, and a round costs
+        O(calls) per batch."""
         waiting = list(in_flight)
-        while waiting and (left := end - time.monotonic()) > 0:
-            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, BATCH_S))
+        while waiting and end - time.monotonic() > 0:
+            ready, waiting = batch_wait(waiting, end)
             for ref in ready:
                 what = in_flight[ref]
                 if what == "round":
@@ -410,15 +433,15 @@ class Heartbeats:
             self._dead_agents.update(answer["dead"])
         self._stall(answer["late"])
         now, wall = time.monotonic(), time.time()
+        beats = self._beats
         with self._lock:
-            for key, (info, dead, at) in answer["beats"].items():
-                b = self._beats.get(key)
-                if b is None:
-                    continue
-                if info is not None and at >= b.seen_sent:
+            for key, info, at in zip(answer["keys"], answer["infos"], answer["ats"]):
+                b = beats.get(key)
+                if b is not None and at >= b.seen_sent:
                     b.seen, b.seen_wall, b.seen_sent = now, wall, at
                     b.answered(info, now)
-                if dead:
+            for key, dead in answer["died"].items():
+                if (b := beats.get(key)) is not None:
                     b.dead = dead
 
     def _record(self, key: str, ref) -> None:
@@ -547,19 +570,21 @@ class HealthMonitor:
         calls = refs if isinstance(refs, Calls) else Calls(refs)
         rank_of = list(ranks) if ranks is not None else list(range(calls.size))
         results: list = [None] * calls.size
+        odd: set[int] = set()  # indices whose entry in `results` is an error kept (judged at the end)
         pending, deadline = calls.waitables(), time.monotonic() + timeout
         looked, moved_at, keys = time.monotonic(), time.time(), None
         next_look = time.monotonic() + ft.health_interval_s
         while pending:
-            # Batched: every call that ends within BATCH_S is taken in one wait and judged in
-            # one pass (one wait per call would scan the pending list once per call).
-            done, pending = ray.wait(pending, num_returns=len(pending),
-                                     timeout=max(0.0, min(BATCH_S, next_look - time.monotonic(),
-                                                          deadline - time.monotonic())))
+            # Batched: every call that ends within BATCH_S of the first is taken in one pass
+            # (one wait per call would scan the pending list once per call); no wait while
+            # none ends (a step's wall time costs no polls).
+            done, pending = batch_wait(pending, min(next_look, deadline))
             raised, lost_calls = [], []
-            ended, more = calls.ended_all(done)
+            good, ended, more = calls.taken(done)
+            for i, result in good.items():
+                results[i] = result
             cut, dropped = calls.cut_off(self.beats.gone_agents())
-            pending = [ref for ref in pending + more if ref not in dropped]
+            pending = [ref for ref in pending + more if ref not in dropped] if dropped else pending + more
             for i, get in ended + cut:
                 try:
                     results[i] = get()
@@ -570,6 +595,7 @@ class HealthMonitor:
                     # lost, the rank is judged by its heartbeats; a transient re-forms without blame.
                     log.warning("rank %d: call lost, actor unavailable: %s", rank_of[i], str(e)[:300])
                     results[i] = e
+                    odd.add(i)
                     deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
                 except ray.exceptions.RayActorError as e:
                     # No ping round, and only this rank's node is checked (a lost node takes all
@@ -585,6 +611,7 @@ class HealthMonitor:
                     raise self._failure(lost, "crash", f"node(s) lost: raylet refuses connections; {lost_calls[0][1]}")
                 for i, e in lost_calls:
                     results[i] = e
+                    odd.add(i)
                 deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
             for i, e in raised:
                 if isinstance(e.cause, DataError):  # the data's fault, not the rank's: no spare can help
@@ -603,6 +630,7 @@ class HealthMonitor:
                                             f"rank {rank_of[i]}: {type(e.cause).__name__}: {str(e.cause)[:500]}",
                                             last_seen=time.time()) from None
                     results[i] = e  # this rank gave up waiting for a peer: judge the others soon
+                    odd.add(i)
                 deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
             if not pending or time.monotonic() < min(next_look, deadline):
                 continue
@@ -621,9 +649,9 @@ class HealthMonitor:
             if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({rank_of[i] for i in calls.indices(pending)}, timeout, moved_at)
-        lost = [rank_of[i] for i, r in enumerate(results)
-                if isinstance(r, (ray.exceptions.ActorUnavailableError, CallLost))]
-        gave_up = [rank_of[i] for i, r in enumerate(results)
+        odd_results = [(i, results[i]) for i in sorted(odd)]  # the others are the calls' results
+        lost = [rank_of[i] for i, r in odd_results if isinstance(r, (ray.exceptions.ActorUnavailableError, CallLost))]
+        gave_up = [rank_of[i] for i, r in odd_results
                    if isinstance(r, ray.exceptions.RayTaskError) and rank_of[i] not in lost]
         if gave_up or lost:  # everyone arrived late but did arrive: a transient; re-form without blame
             raise WorkerFailure(set(), "exception", "; ".join(

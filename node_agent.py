@@ -30,7 +30,6 @@ the rank itself (`health.HealthMonitor.wait`); a rank that ended well costs it n
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
 
@@ -76,17 +75,19 @@ class NodeAgent:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def round(self, sent: float, sender: str = DRIVER, branch=None, wait_s: float | None = None,
-              late_s: float = math.inf) -> dict:
-        """One heartbeat round. `sent`: the driver's clock at the round; `sender`: who calls;
+    def round(self, message: tuple) -> dict:
+        """One heartbeat round. `message`: (sent, sender, branch, wait_s, late_s), one argument
+        (one costs the caller about a third less per call than five). `sent`: the driver's
+        clock at the round; `sender`: who calls (`DRIVER` or the parent agent's key);
         `branch`: the `agent_tree.Branch` to follow from now on for that sender (None: the same
         as before); `wait_s`: None: this agent's; `late_s`: a child's round unanswered that long
         (driver time) is reported `late`. Pings every actor of the branch with no ping in
         flight, sends each child with no round in flight a round (waiting half of `wait_s`),
         waits up to `wait_s` for the pings and rounds in flight, and returns their summary
-        (`agent_tree.summary`): per actor key whose ping ended (answer or None, "" or the error
-        that says its actor died, the driver time of the round that sent that ping: see
+        (`agent_tree.summary`): each ping answered (actor key, answer, the driver time of the
+        round that sent that ping) and each actor whose ping says it died (the error: see
         `health.ping_result`), merged with the children's; the child agents found dead or late."""
+        sent, sender, branch, wait_s, late_s = message
         if branch is not None:
             self._branches[sender] = branch
         if (b := self._branches.get(sender)) is not None and b is not self._branch:
@@ -108,19 +109,25 @@ class NodeAgent:
             for ref in ready:
                 if ref in self._in_flight:
                     key, at = self._in_flight.pop(ref)
-                    out["beats"][key] = (*ping_result(ref, key), at)
+                    info, died = ping_result(ref, key)
+                    if info is not None:
+                        out["keys"].append(key)
+                        out["infos"].append(info)
+                        out["ats"].append(at)
+                    elif died:
+                        out["died"][key] = died
                 else:
                     self._rounds.ended(ref, out)
         out["late"].update(self._rounds.late(sent, late_s))
         return out
 
     @ray.method(concurrency_group=CALLS)
-    def call(self, call_id: int, message: tuple) -> dict:
+    def call(self, message: tuple) -> dict:
         """Call `method` on the ranks of this node, each with its own arguments
         (`dispatch.for_rank(dims, rank, args, kwargs)`), and forward it to the child agents.
-        `call_id`: increasing per driver call; `message`: (sender, method, dispatch (a
-        `Dispatch` class), args, kwargs, layout), one argument (Ray serializes each argument
-        apart: one costs the caller ~20% less per agent than several); `args`, `kwargs`: the
+        `message`: (call_id, sender, method, dispatch (a `Dispatch` class), args, kwargs,
+        layout), one argument (Ray serializes each argument apart: one costs the caller ~20%
+        less per agent than several); `call_id`: increasing per driver call; `args`, `kwargs`: the
         call's, cut once (`dispatch.call_args`); `layout`: (dims, `agent_tree.Branch` of this
         agent: its ranks (global rank, handle), its children's branches) from now on for that
         sender (None: the same as before).
@@ -133,22 +140,23 @@ class NodeAgent:
         error its call raised)], "left": the ranks still out, sorted (None: unknown, the call
         was replaced before), "replaced": a newer call replaced this one (the driver gave it
         up)}. A rank that ended well and is not collected is in none of them."""
-        sender, method, cls, args, kwargs, layout = message
+        call_id, sender, method, cls, args, kwargs, layout = message
         if layout is not None:
             self._layouts[sender] = layout
         dims, branch = self._layouts[sender]
         self._latest = call_id  # the driver gave up any older call (a new driver counts from 1)
-        direct = {}
-        for rank, handle in branch.own:
-            a, kw = cls.for_rank(dims, rank, args, kwargs)
-            direct[getattr(handle, method).remote(*a, **kw)] = rank
         failed: list = []
 
         def child_failed(agent, error):
             self._fanout.forget(actor_key(agent))
             failed.append((agent, error))
-        calls = AgentCalls(0, direct, self._fanout.send(call_id, method, cls, dims, args, kwargs, branch.children),
-                           call_id, child_failed)
+        # The children first: their subtrees' calls are the longer way (a step's wall time).
+        children = self._fanout.send(call_id, method, cls, dims, args, kwargs, branch.children)
+        direct = {}
+        for rank, handle in branch.own:
+            a, kw = cls.for_rank(dims, rank, args, kwargs)
+            direct[getattr(handle, method).remote(*a, **kw)] = rank
+        calls = AgentCalls(0, direct, children, call_id, child_failed)
         own = set(direct.values())
         unread = {r for r in own if not cls.collects(dims, r)}  # the children's summaries hold collected ranks only
         self._calls = {call_id: {"calls": calls, "pending": calls.waitables(), "unread": unread, "failed": failed}}
@@ -210,24 +218,45 @@ class AgentCalls(Calls):
         well and is not collected costs nothing here (its result stays None)."""
         if ref in self._index:
             return super().ended(ref)
+        ok, out, more = self._summary(ref)
+        return [(i, (lambda v=v: v)) for i, v in ok.items()] + out, more
+
+    def taken(self, refs: list) -> tuple[dict, list[tuple[int, Callable]], list]:
+        """As `ended_all`, the results of the agents' summaries apart (`health.Calls.taken`):
+        no function per result."""
+        ok, out, more = {}, [], []
+        for ref in refs:
+            if ref in self._index:
+                o, m = super().ended(ref)
+                out += o
+            else:
+                r, o, m = self._summary(ref)
+                ok.update(r)
+                out += o
+            more += m
+        return ok, out, more
+
+    def _summary(self, ref) -> tuple[dict, list[tuple[int, Callable]], list]:
+        """The ended `NodeAgent.call` (or `more`) `ref`: (call index -> result of the ranks that
+        ended well and are collected, [(call index, a function raising its error)] of the failed
+        or lost ones, [the `more` call in its place] while ranks are still out)."""
         agent, indices, keys = self._agents.pop(ref)
         try:
             summary = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - the agent's failure; its ranks are judged apart
             self._on_agent_error(agent, e)
-            return _lost(indices, f"node agent failed: {str(e)[:200]}"), []
+            return {}, _lost(indices, f"node agent failed: {str(e)[:200]}"), []
         for child, error in summary["failed_agents"]:
             self._on_agent_error(child, error)
-        out = [(i, (lambda v=v: v)) for i, v in summary["results"].items()]
-        out += [(i, _raiser(e)) for i, e in summary["errors"].items()]
+        out = [(i, _raiser(e)) for i, e in summary["errors"].items()]
         left = summary["left"]
         if summary["replaced"]:  # at the agent, by a newer call (another driver's)
-            return out + _lost(indices if left is None else left, "node agent took a newer call"), []
+            return summary["results"], out + _lost(indices if left is None else left, "node agent took a newer call"), []
         if not left:
-            return out, []
+            return summary["results"], out, []
         more = agent.more.remote(self._call_id)
         self._agents[more] = (agent, set(left), keys)
-        return out, [more]
+        return summary["results"], out, [more]
 
     def cut_off(self, gone: set[str]) -> tuple[list[tuple[int, Callable]], set]:
         """The calls of each agent called whose subtree holds an agent of `gone` (keys) are lost

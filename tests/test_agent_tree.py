@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actor_slot import ActorSlot
-from agent_tree import Branch, actor_key, branches, depth, depth_bound, shape, without
+from agent_tree import Branch, actor_key, branches, depth, depth_bound, merge, shape, summary, without
 from config import load_config
 from dispatch import Cut, PassThroughDispatch
 from failures import WorkerFailure
-from health import HealthMonitor
+from health import Beat, HealthMonitor
 from node_agent import NodeAgent, NodeCalls
 from parallel_dims import ParallelDims
 
@@ -91,6 +91,30 @@ def test_branches_leave_out_subtrees_without_members_and_tell_a_change():
     moved = branches(tree, agents, {**own, "n6": [(6, _Handle("66"))]})  # a spare in rank 6's place
     assert moved[0].ident != roots[0].ident and moved[1].ident == roots[1].ident
     assert isinstance(roots[0], Branch)
+
+
+def test_round_summaries_merge_as_columns_and_the_latest_round_of_an_actor_counts():
+    """Two summaries merged keep every answer in order (columns of plain values, no entry
+    object per actor); the driver records, of an actor answered twice, the answer of the latest
+    round (its ping's driver time), whichever came first, and an actor whose ping says it died
+    is dead."""
+    from health import Heartbeats
+
+    a, b = summary(), summary()
+    a["keys"], a["infos"], a["ats"] = ["k1", "k2"], [{"progress": 5}, {"progress": 1}], [2.0, 2.0]
+    b["keys"], b["infos"], b["ats"] = ["k1"], [{"progress": 3}], [1.0]   # an older round's answer, merged later
+    b["died"], b["dead"], b["late"] = {"k3": "actor died"}, {"agent9": "gone"}, {"agent8": 1.5}
+    merge(a, b)
+    assert a["keys"] == ["k1", "k2", "k1"] and a["ats"] == [2.0, 2.0, 1.0]
+    assert a["died"] == {"k3": "actor died"} and a["dead"] == {"agent9": "gone"} and a["late"] == {"agent8": 1.5}
+    beats = Heartbeats(list, interval_s=0.5, timeout_s=5.0)
+    now = time.monotonic()
+    for k in ("k1", "k2", "k3"):
+        beats._beats[k] = Beat(now, time.time())
+    beats._record_round(a)
+    assert beats._beats["k1"].info == {"progress": 5} and beats._beats["k1"].seen_sent == 2.0
+    assert beats._beats["k2"].info == {"progress": 1} and beats._beats["k3"].dead == "actor died"
+    assert "agent9" in beats._dead_agents and "agent8" in beats._stalled
 
 
 # -- through real agents -------------------------------------------------------------------------

@@ -177,6 +177,20 @@ def test_no_rank_is_blamed_when_no_group_has_a_laggard_that_waits_nowhere(counts
     assert hang_culprits(counts) == set()
 
 
+def test_a_large_group_is_named_in_constant_size_and_the_same_on_every_member():
+    """A ping names each of its rank's groups (`comms.collective_counts`): a small group by its
+    members, a large one (every DP replica) by a name whose size does not grow with the ranks,
+    the same for the same members in the same order and different for other members."""
+    from comms import GROUP_NAME_RANKS, group_name
+
+    assert group_name([0, 1, 2, 3]) == "0,1,2,3"
+    big = list(range(1024))
+    assert len(group_name(big)) < 40 and group_name(big) == group_name(list(range(1024)))
+    assert group_name(big).startswith("n=1024:0..1023:")
+    assert group_name(big) != group_name(big[:-2] + [1023, 1022])
+    assert group_name(list(range(GROUP_NAME_RANKS))) == ",".join(map(str, range(GROUP_NAME_RANKS)))
+
+
 def test_a_node_is_suspected_after_a_bounded_number_of_hangs_with_no_culprit():
     assert suspected_node([{"a": 1, "b": 1}] * 2, bound=3) is None
     assert suspected_node([{"a": 1, "b": 1}, {"b": 1}, {"a": 1, "b": 2}], bound=3) == "b"  # in the most
@@ -240,7 +254,8 @@ def _counting_waits(monkeypatch) -> list:
 
 
 def test_a_heartbeat_round_takes_every_ready_answer_in_one_wait(ray_session, monkeypatch):
-    """Four answered pings are recorded after one `ray.wait`, not one wait per answer."""
+    """Four answered pings are recorded after one batch (`health.batch_wait`: a wait for the
+    first answer, one for the rest), not one wait per answer."""
     ranks = [Rank.remote() for _ in range(4)]
     try:
         beats = Heartbeats(lambda: ranks, interval_s=5.0, timeout_s=10.0)
@@ -248,7 +263,7 @@ def test_a_heartbeat_round_takes_every_ready_answer_in_one_wait(ray_session, mon
         ray.wait(list(in_flight), num_returns=len(in_flight))  # every answer is in
         calls = _counting_waits(monkeypatch)
         beats._collect(in_flight, time.monotonic() + 5.0)
-        assert calls == [4]
+        assert calls == [4, 3]
         assert all(beats.beat(r).info == {"progress": 0, "step_progress": 0} for r in ranks)
     finally:
         for r in ranks:
@@ -256,14 +271,15 @@ def test_a_heartbeat_round_takes_every_ready_answer_in_one_wait(ray_session, mon
 
 
 def test_a_step_wait_takes_every_finished_call_in_one_wait(ray_session, monkeypatch):
-    """Four finished calls are judged after one `ray.wait`, not one wait per call."""
+    """Four finished calls are judged after one batch (`health.batch_wait`), not one wait per
+    call."""
     ranks = [Rank.remote() for _ in range(4)]
     try:
         refs = [r.work.remote() for r in ranks]
         ray.wait(refs, num_returns=len(refs))
         calls = _counting_waits(monkeypatch)
         assert _monitor(ranks).wait(refs, timeout=30) == ["done"] * 4
-        assert calls == [4]
+        assert calls == [4, 3]
     finally:
         for r in ranks:
             ray.kill(r)
