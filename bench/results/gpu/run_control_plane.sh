@@ -32,6 +32,6 @@ esac
 ulimit -n "$(ulimit -Hn)" 2>/dev/null  # the driver holds a connection to each of ~1,155 actors
 echo "pid_max $(cat /proc/sys/kernel/pid_max), threads-max $(cat /proc/sys/kernel/threads-max), cgroup pids.max $(cat /sys/fs/cgroup/pids.max 2>/dev/null || echo n/a)"
 echo "$(nproc) cores, $(free -g | awk '/Mem:/ {print $7}') GB available, open files $(ulimit -n) soft / $(ulimit -Hn) hard"
-keep_run "$name" "$dest" "${BENCH_TIMEOUT:-520}" 40 "python3 -m bench.control_plane --sizes $sizes
- --steps 10 --idle-s 3 --phase-timeout-s 300 --out $dest/$name.json $*"
+keep_run "$name" "$dest" "${BENCH_TIMEOUT:-580}" 40 "python3 -m bench.control_plane --sizes $sizes
+ --steps 10 --idle-s 3 --phase-timeout-s 420 --out $dest/$name.json $*"
 [ -n "${OUT:-}" ] && cp "$dest/$name"* "$OUT"/
