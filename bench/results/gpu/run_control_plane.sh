@@ -9,8 +9,8 @@
 # Per size: 10 timed steps through the flat tree of node agents (the driver calls every agent)
 # and 10 through the tree of fanout 16 (agent_tree.FANOUT; --fanout K to change it), on the same
 # actors, a 3 s idle window each, then detection (killed, SIGSTOPped) and recovery control
-# through the tree; a run stays under BENCH_TIMEOUT (default 520 s); every phase (the start of
-# 1,155 actors too) has a 300 s limit, recorded as the size's failure in the JSON, which is
+# through the tree; a run stays under BENCH_TIMEOUT (default 580 s); every phase (the start of
+# 1,155 actors too) has a 420 s limit, recorded as the size's failure in the JSON, which is
 # rewritten after every size. A size whose projected PSS or threads do not fit is skipped and
 # recorded: every actor runs with bench.control_plane.ACTOR_ENV (Ray's gRPC pools of one thread:
 # ~24 threads per actor on 16 cores instead of ~48, each a pid: 1,155 actors need ~28k of
