@@ -15,6 +15,7 @@ import ctypes
 import dataclasses
 import mmap
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -160,6 +161,7 @@ class _Plan:
 
 _PLANS: dict[tuple, _Plan] = {}  # the last plans: the same few sets of buffers are copied into every step
 _MAX_PLANS = 4  # a rollback snapshot, a keeper's two arenas, a memory snapshot's buffers
+_PLANS_LOCK = threading.Lock()
 
 
 def copy_to_host(dst: dict, src: dict, staging: torch.Tensor) -> None:
@@ -177,11 +179,12 @@ def copy_to_host(dst: dict, src: dict, staging: torch.Tensor) -> None:
     if len(dst) != len(src):
         raise ValueError(f"copy_to_host: {len(dst)} destination tensors for {len(src)} source tensors")
     key = _Plan.key(dst, src, staging)
-    plan = _PLANS.get(key)
-    if plan is None:
-        while len(_PLANS) >= _MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = _Plan(dst, src, staging)
+    with _PLANS_LOCK:  # engines of one process copy from threads of their own
+        plan = _PLANS.get(key)
+        if plan is None:
+            while len(_PLANS) >= _MAX_PLANS:
+                _PLANS.pop(next(iter(_PLANS)))
+            plan = _PLANS[key] = _Plan(dst, src, staging)
     if plan.direct:
         torch._foreach_copy_([dst[i] for i in plan.direct], [src[i] for i in plan.direct], non_blocking=True)
     for idx, views, host in plan.chunks:
