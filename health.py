@@ -340,6 +340,8 @@ class Heartbeats:
                     self._pings[b.ref] = k
             in_flight.update(self._pings)
             by_key = {actor_key(a): a for a in self._agents().values()}
+            self._started.intersection_update(by_key)  # agents gone from the roster are forgotten
+            self._dead_agents.intersection_update(by_key)
             for k in by_key.keys() - self._started - self._dead_agents - set(self._start_probes.values()):
                 self._start_probes[by_key[k].node_id.remote()] = k
             in_flight.update({ref: ("start", k) for ref, k in self._start_probes.items()})

@@ -291,14 +291,16 @@ def test_node_agents_carry_heartbeats_one_call_per_node(ray_session):
     """With an agent on the node, a round is one call to it, not a ping per actor; its summary
     carries each actor's answer (progress, collectives), a killed actor is dead at the next
     round, a SIGSTOPped one goes silent after timeout_s, and once the agent dies its node's
-    actors are pinged from the driver and still seen alive."""
+    actors are pinged from the driver and still seen alive; an agent gone from the roster is
+    forgotten (no key of it kept over a long run)."""
     from node_agent import NodeAgent
 
     ranks = [Rank.remote() for _ in range(4)]
     pids = ray.get([r.pid.remote() for r in ranks])
     slots = _slots(ranks)
     agent = NodeAgent.remote(0.05)
-    beats = Heartbeats(lambda: slots, interval_s=0.2, timeout_s=2.0, agents=lambda: {slots[0].node_id: agent})
+    roster = {slots[0].node_id: agent}
+    beats = Heartbeats(lambda: slots, interval_s=0.2, timeout_s=2.0, agents=lambda: dict(roster))
     try:
         in_flight = beats._send(time.monotonic())
         # One round per node; besides it only the agent's first probe (once: a starting agent
@@ -316,6 +318,9 @@ def test_node_agents_carry_heartbeats_one_call_per_node(ray_session):
         time.sleep(0.5)   # the driver learns the agent died
         assert beats._dead_agents == {actor_key(agent)}
         assert beats.settle(ranks[2:], time.monotonic()) == ({0, 1}, set(), set())
+        roster.clear()  # the dead agent left the roster: nothing of it is kept
+        time.sleep(0.5)
+        assert beats._dead_agents == set() and beats._started == set()
     finally:
         beats.stop()
         os.kill(pids[1], signal.SIGCONT)
