@@ -572,7 +572,6 @@ class HealthMonitor:
         calls = refs if isinstance(refs, Calls) else Calls(refs)
         rank_of = list(ranks) if ranks is not None else list(range(calls.size))
         results: list = [None] * calls.size
-        odd: set[int] = set()  # indices whose entry in `results` is an error kept (judged at the end)
         pending, deadline = calls.waitables(), time.monotonic() + timeout
         looked, moved_at, keys = time.monotonic(), time.time(), None
         next_look = time.monotonic() + ft.health_interval_s
@@ -597,7 +596,6 @@ class HealthMonitor:
                     # lost, the rank is judged by its heartbeats; a transient re-forms without blame.
                     log.warning("rank %d: call lost, actor unavailable: %s", rank_of[i], str(e)[:300])
                     results[i] = e
-                    odd.add(i)
                     deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
                 except ray.exceptions.RayActorError as e:
                     # No ping round, and only this rank's node is checked (a lost node takes all
@@ -613,7 +611,6 @@ class HealthMonitor:
                     raise self._failure(lost, "crash", f"node(s) lost: raylet refuses connections; {lost_calls[0][1]}")
                 for i, e in lost_calls:
                     results[i] = e
-                    odd.add(i)
                 deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
             for i, e in raised:
                 if isinstance(e.cause, DataError):  # the data's fault, not the rank's: no spare can help
@@ -632,7 +629,6 @@ class HealthMonitor:
                                             f"rank {rank_of[i]}: {type(e.cause).__name__}: {str(e.cause)[:500]}",
                                             last_seen=time.time()) from None
                     results[i] = e  # this rank gave up waiting for a peer: judge the others soon
-                    odd.add(i)
                 deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
             if not pending or time.monotonic() < min(next_look, deadline):
                 continue
@@ -651,9 +647,9 @@ class HealthMonitor:
             if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({rank_of[i] for i in calls.indices(pending)}, timeout, moved_at)
-        odd_results = [(i, results[i]) for i in sorted(odd)]  # the others are the calls' results
-        lost = [rank_of[i] for i, r in odd_results if isinstance(r, (ray.exceptions.ActorUnavailableError, CallLost))]
-        gave_up = [rank_of[i] for i, r in odd_results
+        lost = [rank_of[i] for i, r in enumerate(results)
+                if isinstance(r, (ray.exceptions.ActorUnavailableError, CallLost))]
+        gave_up = [rank_of[i] for i, r in enumerate(results)
                    if isinstance(r, ray.exceptions.RayTaskError) and rank_of[i] not in lost]
         if gave_up or lost:  # everyone arrived late but did arrive: a transient; re-form without blame
             raise WorkerFailure(set(), "exception", "; ".join(

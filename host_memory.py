@@ -133,25 +133,30 @@ def plan_chunks(spans: list[tuple[int, int]], chunk: int) -> list[list[int]]:
 
 
 class _Plan:
-    """`copy_to_host`'s copies for one set of destination buffers: the pairs copied directly,
-    and per chunk its pairs, their views of the staging buffer and its host range."""
+    """`copy_to_host`'s copies for one set of destination buffers: `direct` (the indices of the
+    pairs copied as they are) and `chunks`: per chunk, per dtype (the staging buffer's views,
+    the indices of their sources), and the chunk's host range."""
 
     def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], staging: torch.Tensor):
         gather = [i for i, (d, x) in enumerate(zip(dst, src)) if x.is_cuda and not d.is_cuda and d.numel()]
-        self.direct = [i for i, (d, x) in enumerate(zip(dst, src)) if not (x.is_cuda and not d.is_cuda and d.numel())]
-        self.chunks = []  # (indices, staging views, host range or None: one buffer copied directly)
+        self.direct = sorted(set(range(len(dst))) - set(gather))
+        self.chunks: list[tuple[list[tuple[list, list[int]]], torch.Tensor]] = []
         spans = [(dst[i].data_ptr(), dst[i].numel() * dst[i].element_size()) for i in gather]
         for group in plan_chunks(spans, staging.numel()):
-            idx = [gather[g] for g in group]
+            if len(group) == 1:  # alone, or larger than the staging buffer (`plan_chunks`)
+                self.direct.append(gather[group[0]])
+                continue
             start = spans[group[0]][0]
             span = spans[group[-1]][0] + spans[group[-1]][1] - start
-            if len(idx) == 1 or span > staging.numel():
-                self.direct += idx
-                continue
-            views = [staging[dst[i].data_ptr() - start:][:dst[i].numel() * dst[i].element_size()]
-                     .view(dst[i].dtype).view(dst[i].shape) for i in idx]
+            by_dtype: dict[torch.dtype, tuple[list, list[int]]] = {}
+            for g in group:
+                i, (address, n) = gather[g], spans[g]
+                view = staging[address - start:][:n]
+                views, sources = by_dtype.setdefault(dst[i].dtype, ([], []))
+                views.append(view.view(dst[i].dtype).view(dst[i].shape))
+                sources.append(i)
             host = torch.frombuffer((ctypes.c_ubyte * span).from_address(start), dtype=torch.uint8)
-            self.chunks.append((idx, views, host))
+            self.chunks.append((list(by_dtype.values()), host))
 
     @staticmethod
     def key(dst: list[torch.Tensor], src: list[torch.Tensor], staging: torch.Tensor) -> tuple:
@@ -187,14 +192,9 @@ def copy_to_host(dst: dict, src: dict, staging: torch.Tensor) -> None:
             plan = _PLANS[key] = _Plan(dst, src, staging)
     if plan.direct:
         torch._foreach_copy_([dst[i] for i in plan.direct], [src[i] for i in plan.direct], non_blocking=True)
-    for idx, views, host in plan.chunks:
-        by_dtype: dict[torch.dtype, tuple[list, list]] = {}
-        for i, view in zip(idx, views):
-            pair = by_dtype.setdefault(view.dtype, ([], []))
-            pair[0].append(view)
-            pair[1].append(src[i])
-        for views_of, srcs_of in by_dtype.values():
-            torch._foreach_copy_(views_of, srcs_of, non_blocking=True)
+    for by_dtype, host in plan.chunks:
+        for views, sources in by_dtype:
+            torch._foreach_copy_(views, [src[i] for i in sources], non_blocking=True)
         host.copy_(staging[:host.numel()], non_blocking=True)
 
 
