@@ -393,14 +393,22 @@ class MegatronEngine:
             time.sleep(self.delay_s)
         cp, cp_rank = self.dims.cp, ps.get_context_parallel_rank()
         pos = torch.arange(mb.input_ids.shape[1], device=self.device).expand_as(mb.input_ids)
-        out = model(cp_split(mb.input_ids, cp, cp_rank), cp_split(pos, cp, cp_rank), None)
+        ids, pos = cp_split(mb.input_ids, cp, cp_rank), cp_split(pos, cp, cp_rank)
+        if self.rl is None:  # only the targets' log-probs are needed: the model's own cross entropy
+            out = model(ids, pos, None, labels=cp_split(F.pad(mb.input_ids[:, 1:], (0, 1)), cp, cp_rank))
+        else:
+            out = model(ids, pos, None)
         self.progress += 1
         values = token_values(self.model) if not behaviour and hasattr(self.model, "value_head") else None
         return out, functools.partial(self._loss, mb, values, behaviour)
 
-    def _loss(self, mb: TrainingBatch, values: torch.Tensor | None, behaviour: bool, logits: torch.Tensor):
-        """Last stage: logits float32 [B, S/cp, V_pad/tp] -> (loss to backprop, reported dict).
-        A behaviour pass (forward only: old or reference policy) reports `log_probs` [B, S].
+    def _loss(self, mb: TrainingBatch, values: torch.Tensor | None, behaviour: bool, out: torch.Tensor):
+        """Last stage: the model's output -> (loss to backprop, reported dict). Without RL `out`
+        is the model's per-token cross entropy float32 [B, S/cp] of the next token (GPTModel's
+        `labels` path, as Megatron-LM computes its loss: the vocabulary-parallel cross entropy
+        in float32 on the model's logits, without their transposed float32 copy); with RL it is
+        the logits float32 [B, S/cp, V_pad/tp]. A behaviour pass (forward only: old or
+        reference policy) reports `log_probs` [B, S].
 
         Training: `ppo.ce_objective` for train.objective=ce; else `ppo.ppo_objective`, as
         `TorchEngine._loss`: the dual-clip PPO policy loss;
@@ -414,14 +422,15 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        cp, r = self.dims.cp, self.rl
-        if r is not None:
-            logits = mask_padded_vocab(logits.float(), self.cfg.model.vocab_size) / r.temperature
-        entropy = None
-        if r is not None and r.entropy_coef > 0 and not behaviour:
-            entropy = vocab_parallel_entropy(logits)                           # [B, S]
-        labels = cp_split(F.pad(mb.input_ids[:, 1:], (0, 1)), cp, ps.get_context_parallel_rank())
-        lp_next = -vocab_parallel_cross_entropy(logits.float(), labels)        # [B, S/cp]
+        cp, r, entropy = self.dims.cp, self.rl, None
+        if r is None:
+            lp_next = -out                                                      # [B, S/cp]
+        else:
+            logits = mask_padded_vocab(out.float(), self.cfg.model.vocab_size) / r.temperature
+            if r.entropy_coef > 0 and not behaviour:
+                entropy = vocab_parallel_entropy(logits)                       # [B, S]
+            labels = cp_split(F.pad(mb.input_ids[:, 1:], (0, 1)), cp, ps.get_context_parallel_rank())
+            lp_next = -vocab_parallel_cross_entropy(logits, labels)            # [B, S/cp]
         lp_next = cp_gather(lp_next, cp, ps.get_context_parallel_group())       # [B, S]
         log_probs = F.pad(lp_next[:, :-1], (1, 0))                              # [B, S]
         if behaviour:

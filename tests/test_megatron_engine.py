@@ -517,6 +517,46 @@ def test_context_parallel_log_probs_over_gloo():
         assert r["grad"] == pytest.approx(r["reference_grad"], rel=1e-6, abs=1e-6)
 
 
+def _log_probs_rank(rank: int, world: int, store) -> dict:
+    """Rank `rank` of tp = `world` (fp32, gloo): the engine's token log-probs without RL (the
+    model's own cross entropy, GPTModel's `labels` path) and the reference from the logits: the
+    vocabulary shards gathered over TP, log-softmax, the next token's entry."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megatron_engine import MegatronEngine
+    from test_megatron_peer_restore import _cfg
+
+    torch.set_num_threads(1)
+    cfg = _cfg(1, world)
+    dims = ParallelDims.from_config(cfg)
+    engine = MegatronEngine(cfg)
+    _join(engine, store, 1, rank, dims)
+    batch = _batch(cfg, 1, dims, rank)
+    engine.ddp.eval()
+    ours = engine._behaviour_log_probs(engine.ddp, batch)
+    with torch.no_grad():
+        ids = batch.input_ids
+        shard = engine.ddp(ids, torch.arange(ids.shape[1]).expand_as(ids), None)   # [B, S, V/tp]
+        parts = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(parts, shard)
+        logp = F.log_softmax(torch.cat(parts, -1)[:, :-1, :cfg.model.vocab_size], -1)
+        reference = F.pad(logp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    dist.destroy_process_group()
+    return {"ours": ours.tolist(), "reference": reference.tolist()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_log_probs_without_rl_are_the_next_tokens_log_softmax(tp):
+    """Without RL the loss takes the model's own (vocabulary-parallel) cross entropy, not the
+    logits: column t of the log-probs is log p(token t | tokens before t), column 0 is 0, at
+    tp = 1 and with the vocabulary split over tp = 2."""
+    for r in spawn_ranks(_log_probs_rank, tp, timeout_s=180):
+        ours, reference = torch.tensor(r["ours"]), torch.tensor(r["reference"])
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+        assert (ours[:, 0] == 0).all() and (ours[:, 1:] < 0).all()
+
+
 def test_pinned_arena_is_exact_size_and_pinned_while_any_view_lives(monkeypatch):
     """`pinned_empty` registers exactly the bytes asked for (torch's pinned allocator would
     round 19.1 GB up to 34.4 GB) and unregisters them only once the last carved view is gone.
