@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import ray
 
@@ -183,23 +183,24 @@ class Rounds:
                 self._refs[st[1]] = k
         return list(self._refs)
 
-    def ended(self, ref, into: dict) -> bool:
-        """Merge the answer of `ref` into the summary `into`; False when `ref` is no round of a
-        child here. A child whose actor died is reported `dead` and asked nothing more; one whose
-        round raised otherwise gets its branch with its next round."""
+    def ended(self, ref, into: dict, get: Callable) -> bool:
+        """Merge the answer of `ref` (`get` returns it or raises its error: `ray_batch.getters`)
+        into the summary `into`; False when `ref` is no round of a child here. A child whose
+        actor died is reported `dead` and asked nothing more; one whose round raised otherwise
+        gets its branch with its next round."""
         k = self._refs.pop(ref, None)
         if k is None:
             return False
         st = self._state.get(k)
         if st is None or st[1] is not ref:  # of a child no longer here (or of an older round)
             try:
-                merge(into, ray.get(ref))
+                merge(into, get())
             except Exception:  # noqa: BLE001 - that child's parent now judges it
                 pass
             return True
         st[1] = None
         try:
-            merge(into, ray.get(ref))
+            merge(into, get())
         except ray.exceptions.ActorUnavailableError:
             st[3] = True
         except ray.exceptions.RayActorError as e:

@@ -23,6 +23,7 @@ import ray
 from agent_tree import FANOUT, Rounds, actor_key, branches, shape, summary, without
 from comms import refuses_connections
 from failures import DataError, StaleGenerationError, WorkerFailure
+from ray_batch import BATCH_S, batch_wait, getters
 
 if TYPE_CHECKING:
     from actor_slot import ActorSlot
@@ -30,22 +31,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BATCH_S = 0.05
-"""Seconds a batched `ray.wait` gathers answers (pings, calls) that are then judged in one pass:
-the driver's work per wait is O(actors), and a wait per answer would make it O(actors^2)."""
-
 BLAMELESS_HANGS = 3
 """Hangs with no culprit (every rank freed by the abort: a stalled link, not a hung rank) after
 which the node they point at is excluded (`suspected_node`), rather than the same membership
 being formed again forever."""
 
 
-def ping_result(ref, key: str) -> tuple[dict | None, str]:
-    """(answer, "") of the ended ping `ref` of actor `key`; (None, the error) when Ray says its
-    actor died; (None, "") when it gave no answer this time (briefly unavailable, e.g. its
-    node's Ray agent restarting, or the ping raised: logged)."""
+def ping_result(get: Callable, key: str) -> tuple[dict | None, str]:
+    """(answer, "") of the ended ping of actor `key` whose outcome `get` returns or raises
+    (`ray_batch.getters`); (None, the error) when Ray says its actor died; (None, "") when it
+    gave no answer this time (briefly unavailable, e.g. its node's Ray agent restarting, or the
+    ping raised: logged)."""
     try:
-        return ray.get(ref), ""
+        return get(), ""
     except ray.exceptions.ActorUnavailableError:
         return None, ""
     except ray.exceptions.RayActorError as e:
@@ -53,20 +51,6 @@ def ping_result(ref, key: str) -> tuple[dict | None, str]:
     except Exception as e:  # noqa: BLE001 - e.g. the ping raised: no answer this time
         log.warning("ping of actor %s failed: %s", key[:12], str(e)[:300])
         return None, ""
-
-
-def batch_wait(pending: list, until: float) -> tuple[list, list]:
-    """(ended, still pending) of the ObjectRefs `pending`: blocks until one ends or the
-    monotonic time `until`, then takes every other that ends within `BATCH_S` of it (and
-    before `until`) in the same pass. A wait that returns only when something ended or the
-    time is up: no polls while nothing does (each poll costs the caller CPU, more so on a
-    loaded host)."""
-    done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, until - time.monotonic()))
-    if done and pending:
-        more, pending = ray.wait(pending, num_returns=len(pending),
-                                 timeout=max(0.0, min(BATCH_S, until - time.monotonic())))
-        done += more
-    return done, pending
 
 
 class CallLost(Exception):
@@ -87,16 +71,17 @@ class Calls:
         """The ObjectRefs to wait on first."""
         return list(self._index)
 
-    def ended(self, ref) -> tuple[list[tuple[int, Callable]], list]:
-        """For the ended waitable `ref`: ([(call index, a function returning its result or
-        raising its error)], the waitables to wait on next in its place)."""
-        return [(self._index[ref], lambda: ray.get(ref))], []
+    def ended(self, ref, get: Callable) -> tuple[list[tuple[int, Callable]], list]:
+        """For the ended waitable `ref` whose outcome `get` returns or raises: ([(call index, a
+        function returning its result or raising its error)], the waitables to wait on next in
+        its place)."""
+        return [(self._index[ref], get)], []
 
     def ended_all(self, refs: list) -> tuple[list[tuple[int, Callable]], list]:
-        """`ended` of each of `refs`, together."""
+        """`ended` of each of `refs`, together (fetched with one `ray.get`: `ray_batch.getters`)."""
         out, more = [], []
-        for ref in refs:
-            o, m = self.ended(ref)
+        for ref, get in getters(refs).items():
+            o, m = self.ended(ref, get)
             out += o
             more += m
         return out, more
@@ -373,24 +358,24 @@ class Heartbeats:
         waiting = list(in_flight)
         while waiting and end - time.monotonic() > 0:
             ready, waiting = batch_wait(waiting, end)
-            for ref in ready:
+            for ref, get in getters(ready).items():
                 what = in_flight[ref]
                 if what == "round":
                     answer = summary()
-                    if self._roots.ended(ref, answer):
+                    if self._roots.ended(ref, answer, get):
                         self._record_round(answer)
                 elif isinstance(what, tuple) and what[0] == "start":
-                    self._first_probed(what[1], ref)
+                    self._first_probed(what[1], ref, get)
                 elif isinstance(what, tuple):
-                    self._probed(what[1], ref)
+                    self._probed(what[1], ref, get)
                 else:
-                    self._record(what, ref)
+                    self._record(what, ref, get)
 
-    def _first_probed(self, key: str, ref) -> None:
-        """The first probe `ref` of agent `key` ended: it has started when it answered (else
-        it is probed again; one that died is found by its rounds)."""
+    def _first_probed(self, key: str, ref, get: Callable) -> None:
+        """The first probe `ref` of agent `key` ended (`get`: its outcome): it has started when
+        it answered (else it is probed again; one that died is found by its rounds)."""
         try:
-            ray.get(ref)
+            get()
             started = True
         except Exception:  # noqa: BLE001 - not started, or died: probed again, judged by its rounds
             started = False
@@ -399,11 +384,11 @@ class Heartbeats:
             if started:
                 self._started.add(key)
 
-    def _probed(self, key: str, ref) -> None:
-        """The probe `ref` of the stalled agent `key` answered: it rejoins the tree (or, when Ray
-        says it died, is dead)."""
+    def _probed(self, key: str, ref, get: Callable) -> None:
+        """The probe `ref` of the stalled agent `key` answered (`get`: its outcome): it rejoins
+        the tree (or, when Ray says it died, is dead)."""
         try:
-            ray.get(ref)
+            get()
             dead = ""
         except ray.exceptions.ActorUnavailableError:
             with self._lock:
@@ -446,10 +431,11 @@ class Heartbeats:
                 if (b := beats.get(key)) is not None:
                     b.dead = dead
 
-    def _record(self, key: str, ref) -> None:
-        """Record the answer of `ref`, the ping of actor `key`, and clear its ping in flight
-        whatever the answer was, so that one bad answer costs no other actor its round."""
-        info, dead = ping_result(ref, key)
+    def _record(self, key: str, ref, get: Callable) -> None:
+        """Record the answer of `ref`, the ping of actor `key` (`get`: its outcome), and clear
+        its ping in flight whatever the answer was, so that one bad answer costs no other actor
+        its round."""
+        info, dead = ping_result(get, key)
         with self._lock:
             self._pings.pop(ref, None)
             b = self._beats.get(key)
@@ -572,6 +558,7 @@ class HealthMonitor:
         calls = refs if isinstance(refs, Calls) else Calls(refs)
         rank_of = list(ranks) if ranks is not None else list(range(calls.size))
         results: list = [None] * calls.size
+        transient: dict[int, BaseException] = {}  # call index -> its answer lost or its wait for a peer timed out
         pending, deadline = calls.waitables(), time.monotonic() + timeout
         looked, moved_at, keys = time.monotonic(), time.time(), None
         next_look = time.monotonic() + ft.health_interval_s
@@ -595,7 +582,7 @@ class HealthMonitor:
                     # Silent, not dead (e.g. its node's agent restarting): the call's answer is
                     # lost, the rank is judged by its heartbeats; a transient re-forms without blame.
                     log.warning("rank %d: call lost, actor unavailable: %s", rank_of[i], str(e)[:300])
-                    results[i] = e
+                    transient[i] = e
                     deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
                 except ray.exceptions.RayActorError as e:
                     # No ping round, and only this rank's node is checked (a lost node takes all
@@ -610,7 +597,7 @@ class HealthMonitor:
                 if lost:
                     raise self._failure(lost, "crash", f"node(s) lost: raylet refuses connections; {lost_calls[0][1]}")
                 for i, e in lost_calls:
-                    results[i] = e
+                    transient[i] = e
                 deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
             for i, e in raised:
                 if isinstance(e.cause, DataError):  # the data's fault, not the rank's: no spare can help
@@ -628,7 +615,7 @@ class HealthMonitor:
                         raise self._failure({rank_of[i]}, "exception",
                                             f"rank {rank_of[i]}: {type(e.cause).__name__}: {str(e.cause)[:500]}",
                                             last_seen=time.time()) from None
-                    results[i] = e  # this rank gave up waiting for a peer: judge the others soon
+                    transient[i] = e  # this rank gave up waiting for a peer: judge the others soon
                 deadline = min(deadline, time.monotonic() + self.ft.health_timeout_s)
             if not pending or time.monotonic() < min(next_look, deadline):
                 continue
@@ -647,11 +634,9 @@ class HealthMonitor:
             if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({rank_of[i] for i in calls.indices(pending)}, timeout, moved_at)
-        lost = [rank_of[i] for i, r in enumerate(results)
-                if isinstance(r, (ray.exceptions.ActorUnavailableError, CallLost))]
-        gave_up = [rank_of[i] for i, r in enumerate(results)
-                   if isinstance(r, ray.exceptions.RayTaskError) and rank_of[i] not in lost]
-        if gave_up or lost:  # everyone arrived late but did arrive: a transient; re-form without blame
+        if transient:  # everyone arrived late but did arrive: a transient; re-form without blame
+            lost = sorted(rank_of[i] for i, e in transient.items() if not isinstance(e, ray.exceptions.RayTaskError))
+            gave_up = sorted(rank_of[i] for i, e in transient.items() if isinstance(e, ray.exceptions.RayTaskError))
             raise WorkerFailure(set(), "exception", "; ".join(
                 ([f"rank(s) {gave_up} timed out waiting for peers"] if gave_up else []) +
                 ([f"rank(s) {lost} briefly unavailable (call lost)"] if lost else [])))

@@ -38,6 +38,7 @@ import ray
 from agent_tree import Fanout, Rounds, actor_key, branches, summary
 from dispatch import Dispatch, call_args, get_dispatch_type
 from health import CallLost, Calls, ping_result
+from ray_batch import BATCH_S, getters, raiser
 from parallel_dims import ParallelDims
 
 CALLS = "calls"
@@ -105,11 +106,11 @@ class NodeAgent:
         end = time.monotonic() + wait_s
         # Batched: every answer that ends within a slice is taken in one wait.
         while waiting and (left := end - time.monotonic()) > 0:
-            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, 0.05))
-            for ref in ready:
+            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, BATCH_S))
+            for ref, get in getters(ready).items():
                 if ref in self._in_flight:
                     key, at = self._in_flight.pop(ref)
-                    info, died = ping_result(ref, key)
+                    info, died = ping_result(get, key)
                     if info is not None:
                         out["keys"].append(key)
                         out["infos"].append(info)
@@ -117,7 +118,7 @@ class NodeAgent:
                     elif died:
                         out["died"][key] = died
                 else:
-                    self._rounds.ended(ref, out)
+                    self._rounds.ended(ref, out, get)
         out["late"].update(self._rounds.late(sent, late_s))
         return out
 
@@ -213,42 +214,43 @@ class AgentCalls(Calls):
     def waitables(self) -> list:
         return [*self._index, *self._agents]
 
-    def ended(self, ref) -> tuple[list[tuple[int, Callable]], list]:
+    def ended(self, ref, get: Callable) -> tuple[list[tuple[int, Callable]], list]:
         """Only the ranks collected or failed (a `NodeAgent.call` summary): a rank that ended
         well and is not collected costs nothing here (its result stays None)."""
         if ref in self._index:
-            return super().ended(ref)
-        ok, out, more = self._summary(ref)
+            return super().ended(ref, get)
+        ok, out, more = self._summary(ref, get)
         return [(i, (lambda v=v: v)) for i, v in ok.items()] + out, more
 
     def taken(self, refs: list) -> tuple[dict, list[tuple[int, Callable]], list]:
         """As `ended_all`, the results of the agents' summaries apart (`health.Calls.taken`):
         no function per result."""
         ok, out, more = {}, [], []
-        for ref in refs:
+        for ref, get in getters(refs).items():
             if ref in self._index:
-                o, m = super().ended(ref)
+                o, m = super().ended(ref, get)
                 out += o
             else:
-                r, o, m = self._summary(ref)
+                r, o, m = self._summary(ref, get)
                 ok.update(r)
                 out += o
             more += m
         return ok, out, more
 
-    def _summary(self, ref) -> tuple[dict, list[tuple[int, Callable]], list]:
-        """The ended `NodeAgent.call` (or `more`) `ref`: (call index -> result of the ranks that
-        ended well and are collected, [(call index, a function raising its error)] of the failed
-        or lost ones, [the `more` call in its place] while ranks are still out)."""
+    def _summary(self, ref, get: Callable) -> tuple[dict, list[tuple[int, Callable]], list]:
+        """The ended `NodeAgent.call` (or `more`) `ref` (`get`: its outcome): (call index ->
+        result of the ranks that ended well and are collected, [(call index, a function raising
+        its error)] of the failed or lost ones, [the `more` call in its place] while ranks are
+        still out)."""
         agent, indices, keys = self._agents.pop(ref)
         try:
-            summary = ray.get(ref)
+            summary = get()
         except Exception as e:  # noqa: BLE001 - the agent's failure; its ranks are judged apart
             self._on_agent_error(agent, e)
             return {}, _lost(indices, f"node agent failed: {str(e)[:200]}"), []
         for child, error in summary["failed_agents"]:
             self._on_agent_error(child, error)
-        out = [(i, _raiser(e)) for i, e in summary["errors"].items()]
+        out = [(i, raiser(e)) for i, e in summary["errors"].items()]
         left = summary["left"]
         if summary["replaced"]:  # at the agent, by a newer call (another driver's)
             return summary["results"], out + _lost(indices if left is None else left, "node agent took a newer call"), []
@@ -278,15 +280,9 @@ def _put(value):
     return value if isinstance(value, ray.ObjectRef) else ray.put(value)
 
 
-def _raiser(error: BaseException) -> Callable:
-    def get():
-        raise error
-    return get
-
-
 def _lost(indices, why: str) -> list[tuple[int, Callable]]:
     lost = CallLost(why)
-    return [(i, _raiser(lost)) for i in indices]
+    return [(i, raiser(lost)) for i in indices]
 
 
 class NodeCalls:

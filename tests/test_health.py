@@ -253,17 +253,25 @@ def _counting_waits(monkeypatch) -> list:
     return calls
 
 
+def _counting_gets(monkeypatch) -> list:
+    """Count the `ray.get` calls from here on (the number of refs each one fetches)."""
+    calls, real = [], ray.get
+    monkeypatch.setattr(ray, "get", lambda refs, *a, **kw: calls.append(
+        len(refs) if isinstance(refs, list) else 1) or real(refs, *a, **kw))
+    return calls
+
+
 def test_a_heartbeat_round_takes_every_ready_answer_in_one_wait(ray_session, monkeypatch):
-    """Four answered pings are recorded after one batch (`health.batch_wait`: a wait for the
-    first answer, one for the rest), not one wait per answer."""
+    """Four answered pings are recorded after one batch (`ray_batch.batch_wait`: a wait for the
+    first answer, one for the rest), not one wait per answer, and fetched with one get."""
     ranks = [Rank.remote() for _ in range(4)]
     try:
         beats = Heartbeats(lambda: ranks, interval_s=5.0, timeout_s=10.0)
         in_flight = beats._send(time.monotonic())
         ray.wait(list(in_flight), num_returns=len(in_flight))  # every answer is in
-        calls = _counting_waits(monkeypatch)
+        calls, gets = _counting_waits(monkeypatch), _counting_gets(monkeypatch)
         beats._collect(in_flight, time.monotonic() + 5.0)
-        assert calls == [4, 3]
+        assert calls == [4, 3] and gets == [4]
         assert all(beats.beat(r).info == {"progress": 0, "step_progress": 0} for r in ranks)
     finally:
         for r in ranks:
@@ -271,15 +279,36 @@ def test_a_heartbeat_round_takes_every_ready_answer_in_one_wait(ray_session, mon
 
 
 def test_a_step_wait_takes_every_finished_call_in_one_wait(ray_session, monkeypatch):
-    """Four finished calls are judged after one batch (`health.batch_wait`), not one wait per
-    call."""
+    """Four finished calls are judged after one batch (`ray_batch.batch_wait`), not one wait per
+    call, and fetched with one get."""
     ranks = [Rank.remote() for _ in range(4)]
     try:
         refs = [r.work.remote() for r in ranks]
         ray.wait(refs, num_returns=len(refs))
-        calls = _counting_waits(monkeypatch)
+        calls, gets = _counting_waits(monkeypatch), _counting_gets(monkeypatch)
         assert _monitor(ranks).wait(refs, timeout=30) == ["done"] * 4
-        assert calls == [4, 3]
+        assert calls == [4, 3] and gets == [4]
+    finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_one_failed_answer_in_a_batch_costs_no_other_its_value(ray_session):
+    """`ray_batch.getters`: each ended ref's own outcome, a value or the error its get raised,
+    when one of the batch raised (the batch's one get raises: each is then fetched alone)."""
+    from ray_batch import getters
+
+    ranks = [Rank.remote() for _ in range(3)]
+    try:
+        ray.get(ranks[1].fail_next.remote())
+        refs = [r.echo.remote(i, None) for i, r in enumerate(ranks)]
+        ray.wait(refs, num_returns=len(refs))
+        got = getters(refs)
+        assert list(got) == refs
+        assert got[refs[0]]() == (0, None) and got[refs[2]]() == (2, None)
+        with pytest.raises(ray.exceptions.RayTaskError):
+            got[refs[1]]()
+        assert getters([]) == {}
     finally:
         for r in ranks:
             ray.kill(r)
