@@ -83,6 +83,7 @@ from fault_tolerance import plan_restore
 from health import HealthMonitor
 from node_agent import NodeAgent, NodeCalls
 from parallel_dims import ParallelDims
+from trainer import freeze_heap
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTE = "control plane only: the rank actors' engine does no math"
@@ -188,6 +189,7 @@ class Run:
             if time.monotonic() - since > 60:
                 raise RuntimeError("not every actor answered a ping within 60 s")
         print(f"N={self.n}   every actor answered a ping ({time.monotonic() - t0:.1f} s)", flush=True)
+        freeze_heap()  # as the trainer does once the membership is set
 
     def join(self) -> float:
         """Form the next generation (the barrier through the store). Returns seconds."""

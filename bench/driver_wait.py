@@ -10,19 +10,26 @@ already in Ray's object store (put once), so each step costs the driver what rea
 answers, judging them and reducing them costs, on an idle host. Not measured here: sending the
 step's call (one call per root: O(roots)) and Ray's own threads.
 
+Each size is measured twice in the same run, in a driver that imported what the driver imports
+(`trainer`: Ray, torch): with Python's default garbage collection, whose full collections,
+triggered by each step's short-lived results, traverse the whole long-lived heap; and after
+`trainer.freeze_heap` (what the trainer does once the membership is set).
+
 Per N (logical nodes of `--ranks-per-node` ranks, tp = 1: every rank is a DP replica whose result
 the driver reads; at most `agent_tree.FANOUT` roots, each answering for its subtree's ranks):
-the calling thread's CPU seconds per step of the wait and of the reduction, and a fitted growth
-exponent (log-log slope against N).
+the calling thread's CPU seconds per step of the wait and of the reduction, and fitted growth
+exponents (log-log slope against N), default collection (`*_gc_default`) and frozen heap.
 
 Usage (repository root): python -m bench.driver_wait [--sizes 64 256 1024] [--ranks-per-node 8]
     [--rows-per-replica 4] [--steps 200] [--out bench/results/driver_wait_cpu.json]
 Prints a table and writes the JSON (top level: sizes, wait_cpu_per_step_s, reduce_cpu_per_step_s,
-driver_cpu_per_step_s (their sum), growth_exponent_driver_cpu, roots, device, settings).
+driver_cpu_per_step_s (their sum), growth_exponent_driver_cpu, each also with `_gc_default`,
+roots, heap_objects, device, settings).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import platform
@@ -37,6 +44,7 @@ from config import FaultToleranceConfig
 from health import HealthMonitor
 from node_agent import AgentCalls
 from rank_rows import global_digest
+from trainer import freeze_heap
 
 
 def step_results(n: int, rows: int, step: int) -> list[dict]:
@@ -87,19 +95,30 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/driver_wait_cpu.json")
     a = p.parse_args()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    heap = len(gc.get_objects())
+    default = [measure(n, a.ranks_per_node, a.rows_per_replica, a.steps) for n in a.sizes]
+    freeze_heap()
     rows = [measure(n, a.ranks_per_node, a.rows_per_replica, a.steps) for n in a.sizes]
-    keys = ("wait_cpu_per_step_s", "reduce_cpu_per_step_s", "driver_cpu_per_step_s", "roots")
+    keys = ("wait_cpu_per_step_s", "reduce_cpu_per_step_s", "driver_cpu_per_step_s")
+    total = "driver_cpu_per_step_s"
     out = {"sizes": a.sizes, **{k: [r[k] for r in rows] for k in keys},
-           "growth_exponent_driver_cpu": round(loglog_slope(a.sizes, [r["driver_cpu_per_step_s"] for r in rows]), 3),
+           **{k.replace("_s", "_gc_default_s"): [r[k] for r in default] for k in keys},
+           "growth_exponent_driver_cpu": round(loglog_slope(a.sizes, [r[total] for r in rows]), 3),
+           "growth_exponent_driver_cpu_gc_default": round(loglog_slope(a.sizes, [r[total] for r in default]), 3),
+           "roots": [r["roots"] for r in rows], "heap_objects": heap,
            "device": f"cpu: {os.cpu_count()} cores ({platform.node()})",
            "settings": {"ranks_per_node": a.ranks_per_node, "rows_per_replica": a.rows_per_replica,
                         "steps": a.steps, "fanout": FANOUT, "tp": 1},
            "note": "the driver's own work per step (wait + reduce) on answers already in the object store"}
-    print(f"{'N':>6} {'roots':>6} {'wait ms':>9} {'reduce ms':>10} {'total ms':>9} {'vs first':>9}")
-    for n, r in zip(a.sizes, rows):
-        print(f"{n:>6} {r['roots']:>6} {1e3 * r['wait_cpu_per_step_s']:>9.3f} {1e3 * r['reduce_cpu_per_step_s']:>10.3f} "
-              f"{1e3 * r['driver_cpu_per_step_s']:>9.3f} {r['driver_cpu_per_step_s'] / rows[0]['driver_cpu_per_step_s']:>8.2f}x")
-    print(f"growth exponent: {out['growth_exponent_driver_cpu']}")
+    print(f"driver heap: {heap} objects; calling-thread CPU ms per step, default GC | frozen heap")
+    print(f"{'N':>6} {'roots':>6} {'wait':>7} {'reduce':>7} {'total':>7} {'vs first':>9} | "
+          f"{'wait':>7} {'reduce':>7} {'total':>7} {'vs first':>9}")
+    for n, d, r in zip(a.sizes, default, rows):
+        cols = [f"{1e3 * x[k]:>7.3f}" for x in (d, r) for k in keys]
+        print(f"{n:>6} {r['roots']:>6} {' '.join(cols[:3])} {d[total] / default[0][total]:>8.2f}x | "
+              f"{' '.join(cols[3:])} {r[total] / rows[0][total]:>8.2f}x")
+    print(f"growth exponent: default GC {out['growth_exponent_driver_cpu_gc_default']}, "
+          f"frozen heap {out['growth_exponent_driver_cpu']}")
     write_json(a.out, out)
     ray.shutdown()
 

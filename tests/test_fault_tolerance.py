@@ -5,6 +5,7 @@ compute thread, a kill inside the gradient all-reduce together with a failure du
 recovery, a failure during a checkpoint save, a slow-but-progressing rank) finishes every step
 with losses bitwise equal to the run without faults.
 """
+import gc
 import statistics
 
 import pytest
@@ -33,11 +34,17 @@ def make_cfg(tmp_path, *overrides):
         f"checkpoint.uri={tmp_path}/ckpt", *FAST, *overrides]), num_gpus=0)
 
 
-def train(cfg):
+def train(cfg, frozen: bool = False):
+    """Train `cfg` to its end: (trainer, state digests, dims). With `frozen`: also check that the
+    final members and each recovery's record (made during the recovery) are out of the cyclic
+    collector's reach (`trainer.freeze_heap` after each membership change)."""
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(cfg.train.steps)
+        if frozen:
+            tracked = {id(o) for o in gc.get_objects()}
+            assert not any(id(o) in tracked for o in (*group.workers, *trainer.recoveries)), "not frozen"
         return trainer, group.state_digests(), group.dims
     finally:
         group.shutdown()
@@ -53,7 +60,8 @@ def reference(ray_session, tmp_path_factory):
 def test_mixed_chaos_recovers_with_identical_losses(reference, tmp_path):
     # A spare for each of the 6 ranks replaced, and no refills (6 actor starts competing with
     # the recoveries for CPU; the pool is not what this test checks).
-    trainer, digests, _ = train(make_cfg(tmp_path, "cluster.num_spares=6", "fault_tolerance.refill_spares=false", CHAOS))
+    trainer, digests, _ = train(make_cfg(tmp_path, "cluster.num_spares=6", "fault_tolerance.refill_spares=false", CHAOS),
+                                frozen=True)
     assert trainer.losses == reference[0]
     assert digests == reference[1]
     kinds = [t.kind for t in trainer.recoveries]
