@@ -47,6 +47,16 @@ def test_rank_reads_equal_the_driver_read_at_dp_1_2_4(stdlib_corpus, eod_mask_lo
             assert [rows.digests for rows in ranks] == [b.row_digests() for b in got], (dp, step)  # hashed where read
 
 
+@pytest.mark.parametrize("rows, dp", [(16, 4), (16, 3), (5, 8), (7, 1)])
+def test_the_global_digest_interleaves_the_replicas_rows(rows, dp):
+    """Replica d holds global rows d, d + dp, ... (`MeshDispatch`): the digest is that of the rows
+    in global order, for equal shares and for the unequal ones a DP shrink can leave."""
+    from training_batch import batch_digest
+
+    digests = [bytes([j]) * 32 for j in range(rows)]
+    assert global_digest([digests[d::dp] for d in range(dp)]) == batch_digest(digests)
+
+
 def test_a_step_from_rank_reads_is_bitwise_the_step_from_the_driver_batch(ray_session, stdlib_corpus, tmp_path):
     from actor_group import ActorGroup
     from trainer import Trainer

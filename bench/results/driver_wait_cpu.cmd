@@ -1,0 +1,1 @@
+python -m bench.driver_wait
