@@ -42,7 +42,9 @@ def freeze_heap() -> None:
     thousands of objects) is then not traversed by the full collections that each step's
     short-lived results trigger, which at 1,024 ranks cost as much as reading the results
     (`bench.driver_wait`). Called when the membership is set (training starts, a recovery or a
-    grow ends); objects frozen here are still freed when their last reference goes."""
+    grow ends). A frozen object is still freed when its last reference goes; one that later
+    becomes unreachable only through a reference cycle stays (the cost: at most the cyclic
+    garbage of the objects alive at a membership change, a trade-off `gc.freeze` documents)."""
     gc.collect()
     gc.freeze()
 
