@@ -42,9 +42,9 @@ def freeze_heap() -> None:
     thousands of objects) is then not traversed by the full collections that each step's
     short-lived results trigger, which at 1,024 ranks cost as much as reading the results
     (`bench.driver_wait`). Called when the membership is set (training starts, a recovery or a
-    grow ends). A frozen object is still freed when its last reference goes; one that later
-    becomes unreachable only through a reference cycle stays (the cost: at most the cyclic
-    garbage of the objects alive at a membership change, a trade-off `gc.freeze` documents)."""
+    grow ends); `Trainer.train` unfreezes when it ends. A frozen object is still freed when its
+    last reference goes; one that becomes unreachable only through a reference cycle waits for
+    the unfreeze."""
     gc.collect()
     gc.freeze()
 
@@ -188,8 +188,16 @@ class Trainer:
     def train(self, until_step: int, after_step=None) -> None:
         """Train until `committed_step == until_step`, recovering from failures on the way.
         `after_step(trainer, step)` is called after each committed step (demos inject faults
-        there). Raises RecoveryError when recovery is impossible."""
+        there). Raises RecoveryError when recovery is impossible. The driver's heap is frozen
+        while it trains (`freeze_heap`) and unfrozen when it returns or raises, so that what
+        became cyclic garbage meanwhile (a replaced group's objects) is collected again."""
         freeze_heap()
+        try:
+            self._train(until_step, after_step)
+        finally:
+            gc.unfreeze()
+
+    def _train(self, until_step: int, after_step) -> None:
         while True:
             try:
                 if self.committed_step >= until_step:

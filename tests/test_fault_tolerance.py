@@ -35,16 +35,23 @@ def make_cfg(tmp_path, *overrides):
 
 
 def train(cfg, frozen: bool = False):
-    """Train `cfg` to its end: (trainer, state digests, dims). With `frozen`: also check that the
-    final members and each recovery's record (made during the recovery) are out of the cyclic
-    collector's reach (`trainer.freeze_heap` after each membership change)."""
+    """Train `cfg` to its end: (trainer, state digests, dims). With `frozen`: also check that at
+    the last step the members and each recovery's record (made during the recovery) are out of
+    the cyclic collector's reach (`trainer.freeze_heap` after each membership change), and back
+    in it once `train` returned (unfrozen)."""
     group = ActorGroup(cfg)
+    seen = []
+
+    def untracked(t, step):
+        if step == cfg.train.steps:
+            tracked = {id(o) for o in gc.get_objects()}
+            seen.append(not any(id(o) in tracked for o in (*group.workers, *t.recoveries)))
     try:
         trainer = Trainer(cfg, group)
-        trainer.train(cfg.train.steps)
+        trainer.train(cfg.train.steps, untracked if frozen else None)
         if frozen:
-            tracked = {id(o) for o in gc.get_objects()}
-            assert not any(id(o) in tracked for o in (*group.workers, *trainer.recoveries)), "not frozen"
+            assert seen == [True], "not frozen while training"
+            assert gc.get_freeze_count() == 0, "still frozen after train returned"
         return trainer, group.state_digests(), group.dims
     finally:
         group.shutdown()
