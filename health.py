@@ -200,11 +200,13 @@ class Heartbeats:
         self._roots = Rounds("driver")        # the rounds to the roots of the tree
         self._pings: dict = {}                # ping in flight from here -> actor key
         self._dead_agents: set[str] = set()   # agent keys whose actor died
-        self._stalled: dict[str, list] = {}   # agent key -> [its probe in flight or None, when it was stalled]
+        self._stalled: dict[str, float] = {}  # agent key -> when it was stalled (late rounds)
         # Agents that answered a probe: one not started yet (a process starting under load can
         # take longer than timeout_s) is stalled but never gone; Ray queues its calls meanwhile.
         self._started: set[str] = set()
-        self._start_probes: dict = {}         # first probe in flight -> agent key
+        # One probe (`NodeAgent.node_id`) in flight per agent not started yet or stalled:
+        # agent key -> its ObjectRef (`_probed`).
+        self._probes: dict[str, object] = {}
         self._roster: tuple = ((), [], {}, {})  # (actor ids, the actors, key -> handle, node -> [(key, handle)])
         self._trees: dict[bool, tuple] = {}    # for calls? -> (what it was made of, the tree)
         self._plan: tuple = (None, None, [], [])  # (roster ids, tree, root branches, actor keys pinged from here)
@@ -254,7 +256,7 @@ class Heartbeats:
         its first probe is starting, not gone: its calls wait for it.)"""
         now = time.monotonic()
         with self._lock:
-            return self._dead_agents | {k for k, (_, since) in self._stalled.items()
+            return self._dead_agents | {k for k, since in self._stalled.items()
                                         if now - since >= self.timeout_s and k in self._started}
 
     def agent_died(self, agent) -> None:
@@ -325,18 +327,15 @@ class Heartbeats:
                     self._pings[b.ref] = k
             in_flight.update(self._pings)
             by_key = {actor_key(a): a for a in self._agents().values()}
-            self._started.intersection_update(by_key)  # agents gone from the roster are forgotten
-            self._dead_agents.intersection_update(by_key)
-            for k in by_key.keys() - self._started - self._dead_agents - set(self._start_probes.values()):
-                self._start_probes[by_key[k].node_id.remote()] = k
-            in_flight.update({ref: ("start", k) for ref, k in self._start_probes.items()})
-            if self._stalled:
-                for k in [k for k in self._stalled if k not in by_key]:
-                    del self._stalled[k]
-                for k, st in self._stalled.items():
-                    if st[0] is None:
-                        st[0] = by_key[k].node_id.remote()
-                in_flight.update({st[0]: ("probe", k) for k, st in self._stalled.items()})
+            # agents gone from the roster are forgotten
+            for known in (self._started, self._dead_agents):
+                known.intersection_update(by_key)
+            for known in (self._stalled, self._probes):
+                for k in known.keys() - by_key.keys():
+                    del known[k]
+            for k in (by_key.keys() - self._started | self._stalled.keys()) - self._dead_agents - self._probes.keys():
+                self._probes[k] = by_key[k].node_id.remote()
+            in_flight.update({ref: ("probe", k) for k, ref in self._probes.items()})
         return in_flight
 
     def _stall(self, late: dict[str, float]) -> None:
@@ -346,7 +345,7 @@ class Heartbeats:
         with self._lock:
             for k in late:
                 if k not in self._stalled and k not in self._dead_agents:
-                    self._stalled[k] = [None, now]
+                    self._stalled[k] = now
                     log.warning("node agent %s answers no round: its node's actors are pinged from the driver, "
                                 "its children re-parented", k[:12])
 
@@ -364,51 +363,36 @@ class Heartbeats:
                     answer = summary()
                     if self._roots.ended(ref, answer, get):
                         self._record_round(answer)
-                elif isinstance(what, tuple) and what[0] == "start":
-                    self._first_probed(what[1], ref, get)
                 elif isinstance(what, tuple):
                     self._probed(what[1], ref, get)
                 else:
                     self._record(what, ref, get)
 
-    def _first_probed(self, key: str, ref, get: Callable) -> None:
-        """The first probe `ref` of agent `key` ended (`get`: its outcome): it has started when
-        it answered (else it is probed again; one that died is found by its rounds)."""
-        try:
-            get()
-            started = True
-        except Exception:  # noqa: BLE001 - not started, or died: probed again, judged by its rounds
-            started = False
-        with self._lock:
-            self._start_probes.pop(ref, None)
-            if started:
-                self._started.add(key)
-
     def _probed(self, key: str, ref, get: Callable) -> None:
-        """The probe `ref` of the stalled agent `key` answered (`get`: its outcome): it rejoins
-        the tree (or, when Ray says it died, is dead)."""
+        """The probe `ref` of agent `key` ended (`get`: its outcome). Answered: the agent has
+        started, and, if stalled, rejoins the tree. Raised that its actor died: it is dead. Any
+        other outcome (unavailable, not started yet): it is probed again next round."""
         try:
             get()
             dead = ""
         except ray.exceptions.ActorUnavailableError:
-            with self._lock:
-                if key in self._stalled:
-                    self._stalled[key][0] = None
-            return
+            dead = None
         except ray.exceptions.RayActorError as e:
             dead = str(e)[:200]
         except Exception:  # noqa: BLE001 - no answer this time: probed again
-            with self._lock:
-                if key in self._stalled:
-                    self._stalled[key][0] = None
-            return
+            dead = None
         with self._lock:
-            self._stalled.pop(key, None)
+            if self._probes.get(key) is ref:
+                del self._probes[key]
+            if dead is None:
+                return
+            stalled = self._stalled.pop(key, None) is not None
             if dead:
                 self._dead_agents.add(key)
             else:
                 self._started.add(key)
-        log.warning("node agent %s %s", key[:12], f"died: {dead}" if dead else "answers again: it rejoins the tree")
+        if dead or stalled:
+            log.warning("node agent %s %s", key[:12], f"died: {dead}" if dead else "answers again: it rejoins the tree")
 
     def _record_round(self, answer: dict) -> None:
         """Record a root's round summary (`agent_tree.summary`): each answer as if its ping had

@@ -334,7 +334,7 @@ def test_node_agents_carry_heartbeats_one_call_per_node(ray_session):
         in_flight = beats._send(time.monotonic())
         # One round per node; besides it only the agent's first probe (once: a starting agent
         # is never taken for gone).
-        assert sorted(map(str, in_flight.values())) == sorted(["round", str(("start", actor_key(agent)))])
+        assert sorted(map(str, in_flight.values())) == sorted(["round", str(("probe", actor_key(agent)))])
         beats.start()
         alive, dead, silent = beats.settle(ranks, time.monotonic())
         assert (alive, dead, silent) == ({0, 1, 2, 3}, set(), set())
@@ -349,7 +349,7 @@ def test_node_agents_carry_heartbeats_one_call_per_node(ray_session):
         assert beats.settle(ranks[2:], time.monotonic()) == ({0, 1}, set(), set())
         roster.clear()  # the dead agent left the roster: nothing of it is kept
         time.sleep(0.5)
-        assert beats._dead_agents == set() and beats._started == set()
+        assert beats._dead_agents == set() and beats._started == set() and beats._probes == {}
     finally:
         beats.stop()
         os.kill(pids[1], signal.SIGCONT)
