@@ -27,6 +27,7 @@ from keeper import keeper_node, keeps_locally, keeps_shards
 from megatron_actor import MegatronActor
 from node_agent import NodeAgent, NodeCalls
 from parallel_dims import ParallelDims, RankCoords
+from ray_batch import getters
 from snapshots import SnapshotHolder
 
 log = logging.getLogger(__name__)
@@ -471,14 +472,15 @@ class ActorGroup:
         node) are forgotten; one that does not answer within health_timeout_s is skipped."""
         held: dict[tuple, set[int]] = {}
         refs = {node: holder.steps.remote() for node, holder in self.holders.items()}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
+        got = getters(ready)
         for node, ref in refs.items():
+            if ref not in got:  # no answer in time
+                continue
             try:
-                steps = ray.get(ref, timeout=0)
+                steps = got[ref]()
             except ray.exceptions.RayActorError:
                 del self.holders[node]
-                continue
-            except ray.exceptions.GetTimeoutError:
                 continue
             for key, s in steps.items():
                 held.setdefault(tuple(key), set()).update(s)

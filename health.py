@@ -771,13 +771,13 @@ class HealthMonitor:
             refs = {r: workers[r].handle.abort.remote(self._generation()) for r in todo}
             ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
                                 timeout=max(0.0, deadline - time.monotonic()))
-            ready = set(ready)  # a list would make the membership tests below O(ranks^2)
+            got = getters(ready)  # one get for all (a dict: no O(ranks^2) membership tests)
             todo = []
             for r, ref in refs.items():
                 try:
-                    if ref not in ready:
+                    if ref not in got:
                         raise TimeoutError
-                    ray.get(ref)
+                    got[ref]()
                 except ray.exceptions.ActorUnavailableError as e:
                     if time.monotonic() + self.ft.health_interval_s < deadline:
                         todo.append(r)
