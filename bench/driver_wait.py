@@ -102,7 +102,7 @@ def main() -> None:
     keys = ("wait_cpu_per_step_s", "reduce_cpu_per_step_s", "driver_cpu_per_step_s")
     total = "driver_cpu_per_step_s"
     out = {"sizes": a.sizes, **{k: [r[k] for r in rows] for k in keys},
-           **{k.replace("_s", "_gc_default_s"): [r[k] for r in default] for k in keys},
+           **{k[:-2] + "_gc_default_s": [r[k] for r in default] for k in keys},
            "growth_exponent_driver_cpu": round(loglog_slope(a.sizes, [r[total] for r in rows]), 3),
            "growth_exponent_driver_cpu_gc_default": round(loglog_slope(a.sizes, [r[total] for r in default]), 3),
            "roots": [r["roots"] for r in rows], "heap_objects": heap,

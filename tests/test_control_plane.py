@@ -32,3 +32,17 @@ def test_control_plane_bench_runs_at_tiny_n(tmp_path):
     for key in ("driver_cpu_per_step_s", "recovery_control_s", "detect_kill_s", "detect_silent_s", "rank_pss_mb"):
         assert len(saved[key]) == 2 and all(v > 0 for v in saved[key]), key
     assert isinstance(saved["growth_exponent_driver_cpu"], float) and saved["device"].startswith("cpu")
+
+
+def test_driver_wait_bench_measures_both_gc_modes(tmp_path):
+    """`bench.driver_wait`: the driver's own work per step at each N, with the default GC and
+    with the frozen heap, every step's results read whole (the digest and loss checked there)."""
+    out = tmp_path / "dw.json"
+    proc = run_bench("driver_wait", "--sizes", "8", "32", "--steps", "5", "--out", str(out))
+    assert "frozen heap" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert saved["sizes"] == [8, 32] and saved["roots"] == [1, 4]
+    for key in ("wait_cpu_per_step_s", "reduce_cpu_per_step_s", "driver_cpu_per_step_s",
+                "driver_cpu_per_step_gc_default_s"):
+        assert len(saved[key]) == 2 and all(v > 0 for v in saved[key]), key
+    assert saved["heap_objects"] > 10_000 and saved["device"].startswith("cpu")
