@@ -333,7 +333,8 @@ class Heartbeats:
             for known in (self._stalled, self._probes):
                 for k in known.keys() - by_key.keys():
                     del known[k]
-            for k in (by_key.keys() - self._started | self._stalled.keys()) - self._dead_agents - self._probes.keys():
+            unsure = (by_key.keys() - self._started) | self._stalled.keys()  # not started, or stalled
+            for k in unsure - self._dead_agents - self._probes.keys():
                 self._probes[k] = by_key[k].node_id.remote()
             in_flight.update({ref: ("probe", k) for k, ref in self._probes.items()})
         return in_flight

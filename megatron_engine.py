@@ -395,12 +395,19 @@ class MegatronEngine:
         pos = torch.arange(mb.input_ids.shape[1], device=self.device).expand_as(mb.input_ids)
         ids, pos = cp_split(mb.input_ids, cp, cp_rank), cp_split(pos, cp, cp_rank)
         if self.rl is None:  # only the targets' log-probs are needed: the model's own cross entropy
-            out = model(ids, pos, None, labels=cp_split(F.pad(mb.input_ids[:, 1:], (0, 1)), cp, cp_rank))
+            out = model(ids, pos, None, labels=self._labels(mb))
         else:
             out = model(ids, pos, None)
         self.progress += 1
         values = token_values(self.model) if not behaviour and hasattr(self.model, "value_head") else None
         return out, functools.partial(self._loss, mb, values, behaviour)
+
+    def _labels(self, mb: TrainingBatch) -> torch.Tensor:
+        """The next token at each position, int64 [B, S/cp] (0 after the last): this CP rank's
+        part (`cp_split`)."""
+        from megatron.core import parallel_state as ps
+
+        return cp_split(F.pad(mb.input_ids[:, 1:], (0, 1)), self.dims.cp, ps.get_context_parallel_rank())
 
     def _loss(self, mb: TrainingBatch, values: torch.Tensor | None, behaviour: bool, out: torch.Tensor):
         """Last stage: the model's output -> (loss to backprop, reported dict). Without RL `out`
@@ -429,8 +436,7 @@ class MegatronEngine:
             logits = mask_padded_vocab(out.float(), self.cfg.model.vocab_size) / r.temperature
             if r.entropy_coef > 0 and not behaviour:
                 entropy = vocab_parallel_entropy(logits)                       # [B, S]
-            labels = cp_split(F.pad(mb.input_ids[:, 1:], (0, 1)), cp, ps.get_context_parallel_rank())
-            lp_next = -vocab_parallel_cross_entropy(logits, labels)            # [B, S/cp]
+            lp_next = -vocab_parallel_cross_entropy(logits, self._labels(mb))  # [B, S/cp]
         lp_next = cp_gather(lp_next, cp, ps.get_context_parallel_group())       # [B, S]
         log_probs = F.pad(lp_next[:, :-1], (1, 0))                              # [B, S]
         if behaviour:

@@ -38,7 +38,7 @@ import ray
 from agent_tree import Fanout, Rounds, actor_key, branches, summary
 from dispatch import Dispatch, call_args, get_dispatch_type
 from health import CallLost, Calls, ping_result
-from ray_batch import BATCH_S, getters, raiser
+from ray_batch import BATCH_S, getters, raiser, returner
 from parallel_dims import ParallelDims
 
 CALLS = "calls"
@@ -220,7 +220,7 @@ class AgentCalls(Calls):
         if ref in self._index:
             return super().ended(ref, get)
         ok, out, more = self._summary(ref, get)
-        return [(i, (lambda v=v: v)) for i, v in ok.items()] + out, more
+        return [(i, returner(v)) for i, v in ok.items()] + out, more
 
     def taken(self, refs: list) -> tuple[dict, list[tuple[int, Callable]], list]:
         """As `ended_all`, the results of the agents' summaries apart (`health.Calls.taken`):

@@ -78,8 +78,7 @@ def global_digest(replica_row_digests: list[list[bytes]]) -> str:
     """The global batch's `data_digest` from each DP replica's row digests (in dp order, as
     `MeshDispatch.collect` returns results): row j of the step is row j // dp of replica
     j % dp."""
-    dp = len(replica_row_digests)
-    if len({len(r) for r in replica_row_digests}) == 1:  # equal shares: one C-level interleave
-        return batch_digest(list(itertools.chain.from_iterable(zip(*replica_row_digests))))
-    rows = sum(len(r) for r in replica_row_digests)
-    return batch_digest([replica_row_digests[j % dp][j // dp] for j in range(rows)])
+    # Replica d holds ceil((B - d) / dp) rows (lengths never grow with d): interleaving row k of
+    # every replica, k = 0, 1, ..., and dropping the gaps of the shorter ones is that order (in C).
+    rows = itertools.chain.from_iterable(itertools.zip_longest(*replica_row_digests))
+    return batch_digest(list(filter(None, rows)))

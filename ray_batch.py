@@ -35,19 +35,20 @@ def getters(refs: list) -> dict:
     if not refs:
         return {}
     try:
-        return {ref: _value(v) for ref, v in zip(refs, ray.get(list(refs)))}
+        return {ref: returner(v) for ref, v in zip(refs, ray.get(list(refs)))}
     except Exception:  # noqa: BLE001 - each ref's own outcome, below
         out = {}
         for ref in refs:
             try:
-                out[ref] = _value(ray.get(ref))
+                out[ref] = returner(ray.get(ref))
             except Exception as e:  # noqa: BLE001 - kept for its reader to raise
                 out[ref] = raiser(e)
         return out
 
 
-def _value(v) -> Callable:
-    return lambda: v
+def returner(value) -> Callable:
+    """A function that returns `value`."""
+    return lambda: value
 
 
 def raiser(error: BaseException) -> Callable:
