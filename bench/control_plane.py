@@ -27,7 +27,7 @@ step's wall time on an oversubscribed host); detect for a killed rank (`ray.kill
 rank is in a held step, until `WorkerFailure`) and for a silent one (SIGSTOP), both through the tree; abort; rebuild
 (the barrier of a new generation with a spare in the killed rank's place); the restore plan;
 recovery control = detect (killed) + abort + rebuild + plan. Growth exponent: the log-log slope of driver CPU per
-step (and per round) against N, tree and flat. `--profile` prints the top functions (cProfile, the calling thread) of each
+step (and per round) against N, tree and flat. `--profile` prints the top functions (cProfile, CPU seconds of the calling thread) of each
 steps phase.
 
 Memory: per N, the proportional set size (PSS: shared pages split between the processes that
@@ -228,7 +228,7 @@ class Run:
         batch, direct = list(range(64)), mode == "_direct"
         if not direct:
             self.use(mode)
-        profile = cProfile.Profile() if self.args.profile else None
+        profile = cProfile.Profile(time.thread_time) if self.args.profile else None
         c0, t0, w0 = time.process_time(), time.thread_time(), time.monotonic()
         if profile is not None:
             profile.enable()
@@ -236,7 +236,7 @@ class Run:
             self.health.wait(self.step(s, batch, direct=direct), self.ft.step_timeout_s)
         if profile is not None:
             profile.disable()
-            pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         return {f"driver_cpu_per_step{mode}_s": (time.process_time() - c0) / count,
                 f"driver_thread_cpu_per_step{mode}_s": (time.thread_time() - t0) / count,
                 f"step_wall{mode}_s": (time.monotonic() - w0) / count}
@@ -450,7 +450,7 @@ def main(argv=None) -> dict:
     p.add_argument("--phase-timeout-s", type=float, default=180.0,
                    help="a phase of one size running longer is recorded as that size's failure")
     p.add_argument("--start-batch", type=int, default=128, help="rank actors started per batch")
-    p.add_argument("--profile", action="store_true", help="print the top functions of each steps phase (cProfile)")
+    p.add_argument("--profile", action="store_true", help="print the top functions of each steps phase (cProfile, the calling thread's CPU seconds)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "control_plane_cpu.json"))
     args = p.parse_args(argv)
     if bad := [n for n in args.sizes if n % args.tp]:
