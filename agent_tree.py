@@ -38,9 +38,14 @@ import ray
 from dispatch import Cut, Dispatch
 from parallel_dims import ParallelDims
 
-FANOUT = 16
+FANOUT = 4
 """Agents a parent (the driver or an agent) calls at most: the driver's calls per round and per
-step. At most this many nodes: the flat tree (every agent called by the driver)."""
+step. At most this many nodes: the flat tree (every agent called by the driver). Small on
+purpose: each call a parent sends costs its calling thread about the same CPU (serialising,
+submitting), and the driver's is the one thread every step waits on; a tree's latency grows as
+fanout x log_fanout(nodes) calls in sequence, least near 3, so 4 costs little time per level
+(1,024 nodes: 5 levels) and keeps the driver's calls per step fixed at 4 (`bench.control_plane`
+`--fanout` measures other arities)."""
 
 
 def actor_key(handle) -> str:

@@ -13,3 +13,12 @@ keep_run() {
   PYTHONUNBUFFERED=1 timeout -k 20 "$timeout_s" $cmd 2>&1 | tee "$dest/$name.log" | grep -vE "Warning|warn|socket.cpp" | tail -"$lines"
   echo "== $name exit ${PIPESTATUS[0]}"
 }
+
+# device_kind: the device tool's name of this machine's kind (nvidia-h200, nvidia-h200-x2,
+# nvidia-h100-x1, nvidia-h100-x2, ...) from nvidia-smi, for the names of the kept files.
+device_kind() {
+  local n gpu
+  n=$(nvidia-smi -L | wc -l)
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H200*) gpu=h200 ;; *) gpu=h100 ;; esac
+  if [ "$gpu" = h200 ] && [ "$n" -eq 1 ]; then echo nvidia-h200; else echo "nvidia-$gpu-x$n"; fi
+}

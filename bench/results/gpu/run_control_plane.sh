@@ -7,7 +7,7 @@
 #     rank actor, ~190 MB PSS each: 1,024 do not fit 128 GiB; the bench skips a size whose
 #     projected PSS exceeds 90% of MemAvailable).
 # Per size: 10 timed steps through the flat tree of node agents (the driver calls every agent)
-# and 10 through the tree of fanout 16 (agent_tree.FANOUT; --fanout K to change it), on the same
+# and 10 through the tree of fanout 4 (agent_tree.FANOUT; --fanout K to change it), on the same
 # actors, a 3 s idle window each, then detection (killed, SIGSTOPped) and recovery control
 # through the tree; a run stays under BENCH_TIMEOUT (default 580 s); every phase (the start of
 # 1,155 actors too) has a 420 s limit, recorded as the size's failure in the JSON, which is
@@ -15,7 +15,7 @@
 # recorded: every actor runs with bench.control_plane.ACTOR_ENV (Ray's gRPC pools of one thread:
 # ~24 threads per actor on 16 cores instead of ~48, each a pid: 1,155 actors need ~28k of
 # kernel.pid_max 32,768).
-# Keeps control_plane[_store]_nvidia-h200_DATE.cmd/.log/.json in bench/results/gpu/ and copies
+# Keeps control_plane[_store]_KIND_DATE (KIND: bench_lib.sh device_kind).cmd/.log/.json in bench/results/gpu/ and copies
 # them to $OUT when it is set (the device tool brings back what is there).
 # Usage (repo root, after `source .gpu/install.sh .gpu`):
 #   BENCH_TIMEOUT=580 bash bench/results/gpu/run_control_plane.sh [nostore|store] [more bench args]
@@ -25,8 +25,8 @@ mode=${1:-nostore}
 shift || true
 dest=bench/results/gpu
 case $mode in
-  nostore) name=control_plane_nvidia-h200_$(date +%F); sizes="${SIZES:-64 256 1024} --no-store" ;;
-  store) name=control_plane_store_nvidia-h200_$(date +%F); sizes="${SIZES:-64 256 512}" ;;
+  nostore) name=control_plane_$(device_kind)_$(date +%F); sizes="${SIZES:-64 256 1024} --no-store" ;;
+  store) name=control_plane_store_$(device_kind)_$(date +%F); sizes="${SIZES:-64 256 512}" ;;
   *) echo "mode must be nostore or store, got '$mode'"; exit 2 ;;
 esac
 ulimit -n "$(ulimit -Hn)" 2>/dev/null  # the driver holds a connection to each of ~1,155 actors
