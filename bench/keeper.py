@@ -25,8 +25,9 @@ median; ratio = median / off's median, with a 90% bootstrap interval (steps resa
 each case) and the median, min and max of the per-block ratios (each block against the off
 block of the same round). The holder runs on this host, so it adopts the arenas (no send);
 `--courier` has the courier send them to it through Ray instead (a keeper on another node, less
-the network). A fraction whose host memory (rollback + 2 arenas + 3 copies at the holder + 1 in
-flight, as with `--courier`) would pass half of the available memory is skipped and noted.
+the network). A fraction whose host memory (rollback + the 2 arenas, which an adopting holder
+maps; with `--courier` also 3 copies at the holder + 1 in flight) would pass half of the
+available memory is skipped and noted.
 
 Usage (repository root): python -m bench.keeper [--fractions 0.125,1] [--blocks 8] [--block-steps 6]
     [--settle 1] [--warmup 3] [--breakdown] [--courier] [--trace DIR] [--set a.b=v ...] [--out PATH]
@@ -322,8 +323,9 @@ def main(argv=None) -> dict:
         shard_b = state_nbytes(engine._shard_state())
         rollback_b = state_nbytes(engine._train_state()) if hasattr(engine, "_keeps_rollback") else 0
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if rollback_b + 6 * shard_b > avail / 2:
-            results[str(fraction)] = {"skipped": f"needs {(rollback_b + 6 * shard_b) / 1e9:.1f} GB of host memory, "
+        need = rollback_b + (6 if args.courier else 2) * shard_b
+        if need > avail / 2:
+            results[str(fraction)] = {"skipped": f"needs {need / 1e9:.1f} GB of host memory, "
                                                  f"{avail / 1e9:.1f} GB available"}
             print(f"fraction {fraction}: {results[str(fraction)]['skipped']}", flush=True)
             continue
