@@ -4,13 +4,13 @@
 # projected actor PSS exceeds --max-mem-gb 110 is skipped (each actor imports torch: ~500 MB PSS
 # on this image, measured at N <= 64), and the JSON is rewritten after every size, so a run cut
 # by the ~520 s limit keeps the sizes it finished.
-# Keeps scale_cpu_h200host_nvidia-h200_DATE.cmd/.log/.json (+ _fit.json) in bench/results/gpu/.
+# Keeps scale_cpu_host_KIND_DATE.cmd/.log/.json (+ _fit.json; KIND: bench_lib.sh device_kind) in bench/results/gpu/.
 # Usage (repo root, after `source .gpu/install.sh .gpu`):
 #   bash bench/results/gpu/run_scale.sh [more bench args]
 set -o pipefail
 source "$(dirname "$0")/bench_lib.sh"
 dest=bench/results/gpu
-name=scale_cpu_h200host_nvidia-h200_$(date +%F)
+name=scale_cpu_host_$(device_kind)_$(date +%F)
 ulimit -n "$(ulimit -Hn)" 2>/dev/null
 echo "$(nproc) cores, $(free -g | awk '/Mem:/ {print $7}') GB available, open files $(ulimit -n) soft / $(ulimit -Hn) hard"
 keep_run "$name" "$dest" "${BENCH_TIMEOUT:-520}" 40 "python3 -m bench.scale --sizes ${SIZES:-128 192 256}
