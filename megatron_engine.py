@@ -71,6 +71,9 @@ from training_batch import TrainingBatch, synthetic_batch
 log = logging.getLogger(__name__)
 
 
+TENSOR_PARTS = ("model", "optimizer", "reference")  # the parts of `_train_state` that hold tensors
+
+
 def _with_counters(into: dict, state: dict) -> dict:
     """`into` (a host copy of `state`'s tensors) with `state`'s python values: the schedule's
     update count, the step and, with RL, the rollout position."""
@@ -147,10 +150,12 @@ class MegatronEngine:
         self.fault_point = lambda point: None  # set by the actor (fault injection)
         self.delay_s = 0.0             # fault injection 'slow': extra seconds per micro-batch
         self.save_phases: dict[str, float] = {}  # seconds by part of the last save_checkpoint
-        self.step = 0                  # train steps whose update this state contains
+        self._step = 0                 # `step`
+        self._kept: dict | None = None  # host buffers of this step's `start_shard_copy` (see `step`)
         self._dirty = False            # True while a step may have partly updated the state
         self._initial: dict | None = None   # host copy of the step-0 state (taken before step 1)
         self._snapshot: dict | None = None  # host copy of the last committed step's state
+        self._rollback_buffers: dict | None = None  # the snapshot's own buffers (`_snapshot_to_host`)
         self._trained_since_connect = False
         self._arena: concurrent.futures.Future | None = None    # pinned bytes of the snapshot buffers
         self._copy_stream: torch.cuda.Stream | None = None       # side stream of the snapshot copy
@@ -168,6 +173,17 @@ class MegatronEngine:
         self._position: tuple | None = None  # (dims, rank) the model, DDP and optimizer were built for
         self._prebuilt: dict | None = None   # spare: the model `warm_up` built, its groups and RNG states
         self._tc = None                # the model's TransformerConfig
+
+    @property
+    def step(self) -> int:
+        """Train steps whose update the live state contains."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        # Whatever changes the live state sets the step (a train step, rollback, restore, load
+        # or rebuild), so a kept copy of the state before no longer stands for it.
+        self._step, self._kept = value, None
 
     # -- process groups ----------------------------------------------------------------------
     def connect(self, store, dims: ParallelDims, rank: int) -> dict[str, float]:
@@ -860,7 +876,7 @@ class MegatronEngine:
             while len(self._shard_buffers) >= 2:  # the sender's two arenas; older ones are freed
                 self._shard_buffers.pop(next(iter(self._shard_buffers)))
             self._shard_buffers[arena.data_ptr()] = into
-        into = self._host_copy_async(state, into)
+        into = self._kept = self._host_copy_async(state, into)
         return HostCopy(into, self._copy_waiter())
 
     def load_shard(self, state: dict) -> None:
@@ -871,6 +887,7 @@ class MegatronEngine:
         self._wait_snapshot_copy()
         copy_state(self._shard_state(), state)
         torch.cuda.synchronize()
+        self._kept = None  # of the shard before
 
     def host_state(self) -> dict:
         """`start_host_copy`, waiting for its buffers to be pinned and for the copy: the live
@@ -917,11 +934,28 @@ class MegatronEngine:
         step after a recovery) does not wait: pinning takes seconds, which that step must not
         pay; it keeps no snapshot until the arena is ready, so `rollback` answers False for
         it meanwhile and recovery restores it from a peer, an in-memory snapshot or a
-        checkpoint."""
+        checkpoint.
+        The parts of the state that the keeper's copy of this step holds (`start_shard_copy`
+        since the step was set: the optimizer shard, or with the local keeper every part) are
+        not copied again: the snapshot takes them from that copy's buffers, which the sender
+        overwrites two copies later (its two arenas), after the next snapshot replaced this
+        one. Why: at the keeper's shard size they are ~40% of the bytes a step copies to host."""
         state = self._train_state()
-        if self._snapshot is not None and same_layout(self._snapshot, state):
-            self._snapshot = self._host_copy_async(state, self._snapshot)
-            return
+        kept = self._kept or {}
+        own = {k: v for k, v in state.items() if k not in kept or k not in TENSOR_PARTS}
+        buffers = self._rollback_buffers
+        if buffers is None or not same_layout(buffers, own):
+            buffers = self._rollback_buffers = self._carve_rollback(own)
+            if buffers is None:
+                self._snapshot = None
+                return
+        copied = self._host_copy_async(own, buffers)
+        self._snapshot = {k: copied[k] if k in copied else kept[k] for k in state}
+
+    def _carve_rollback(self, state: dict) -> dict | None:
+        """Snapshot buffers laid out as `state`, carved from the pinned arena (pinned here when
+        there is none of its size; a rank that has not trained since it joined gets None while
+        it is pinned, see `_snapshot_to_host`)."""
         self._snapshot = None
         self._wait_snapshot_copy()  # the old buffers may be reused below
         need = state_nbytes(state)
@@ -932,8 +966,7 @@ class MegatronEngine:
             self._arena = pin_in_background(need)
         if self._trained_since_connect:
             self._arena.result()  # a rank in steady training waits for its pinning (raises if it cannot)
-        if self._arena.done():
-            self._snapshot = self._host_copy_async(state, carve(state, self._arena.result()))
+        return carve(state, self._arena.result()) if self._arena.done() else None
 
     def rollback(self, step: int) -> bool:
         """Return to the state after committed step `step` without any transfer: the live state

@@ -476,6 +476,55 @@ def _local_keeper_rank(proc: int, world: int, store, tp: int) -> dict:
     return out
 
 
+def _rollback_rank(proc: int, world: int, store) -> dict:
+    """A Megatron engine at dp=1 on gloo (no distributed optimizer: it keeps a rollback
+    snapshot) whose local keeper copied step 2's whole state into an arena: the snapshot at the
+    start of step 3 copies no tensor again (it takes them from the arena), and a rollback to
+    step 2 from it is bitwise step 2; once the step has changed (the rollback sets it) the next
+    snapshot copies the state into its own buffers again, and rolls back as bitwise."""
+    import torch.distributed as dist
+
+    from megatron_engine import MegatronEngine
+    from parallel_dims import ParallelDims
+    from test_megatron_engine import _batch, _digest
+    from test_megatron_peer_restore import _cfg, _train
+    from host_memory import state_tensors
+
+    torch.set_num_threads(1)
+    cfg = _cfg(1, 1)
+    dims = ParallelDims.from_config(cfg)
+    e = MegatronEngine(cfg)
+    e.connect(dist.PrefixStore("gen1", store), dims, proc)
+    _train(e, cfg, dims, proc, (1, 2))
+    step2 = _digest(e)
+    arena = SharedArena(e.shard_nbytes(True) + SEAL_BYTES, "shard-keeper-test-rollback")
+    e.start_shard_copy(arena.tensor[SEAL_BYTES:], True)
+    lo, hi = arena.tensor.data_ptr(), arena.tensor.data_ptr() + arena.nbytes
+
+    def in_arena() -> list[bool]:
+        return sorted({lo <= x.data_ptr() < hi for x in state_tensors(e._snapshot)})
+
+    out = {}
+    for case in ("kept", "own"):
+        e.snapshot()
+        out[case] = in_arena()
+        first = e.train_step(_batch(cfg, 3, dims, proc), 3)
+        out[case, "rollback"] = e.rollback(2) and _digest(e) == step2
+        again = e.train_step(_batch(cfg, 3, dims, proc), 3)
+        out[case, "same_step_3"] = (first["loss"], first["grad_norm"]) == (again["loss"], again["grad_norm"])
+        e.rollback(2)
+    dist.destroy_process_group()
+    return out
+
+
+def test_the_rollback_snapshot_takes_what_the_keeper_copied_of_the_same_step():
+    from ranks import spawn_ranks
+
+    (r,) = spawn_ranks(_rollback_rank, 1, timeout_s=300)
+    assert r == {"kept": [True], ("kept", "rollback"): True, ("kept", "same_step_3"): True,
+                 "own": [False], ("own", "rollback"): True, ("own", "same_step_3"): True}, r
+
+
 @pytest.mark.slow
 def test_megatron_at_tp2_dp1_resumes_bitwise_from_its_whole_state_in_an_arena():
     """The Megatron engine's side of the local keeper (CPU, gloo, fp32, no distributed optimizer:

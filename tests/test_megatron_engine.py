@@ -718,6 +718,37 @@ def test_a_kept_shard_restores_a_rank_of_the_distributed_optimizer(world):
         assert res == {"pinned": True, "rollback": True, "restored": True, "same_step_2": True}, res
 
 
+def _rollback_from_kept_shard(rank, world, store) -> dict:
+    """With the distributed optimizer and the keeper a rank's rollback snapshot (taken at the
+    start of step 2) copies the params only and takes the optimizer shard from the keeper's
+    copy of step 1 (`start_shard_copy`, a pinned shared arena): a rollback to step 1 is
+    bitwise step 1's state, and step 2 trains the same again. One GPU has no DP peer: the rank
+    keeps its rollback snapshot as one at dp >= 2 with the keeper does (`_keeps_rollback`)."""
+    from host_memory import SharedArena, state_tensors
+
+    cfg, dims, e = _trained_step_1(rank, world, store)
+    e._keeps_rollback = lambda: True
+    step1 = _digest(e)
+    arena = SharedArena(e.shard_nbytes())
+    e.start_shard_copy(arena.tensor)
+    e.snapshot()
+    lo, hi = arena.tensor.data_ptr(), arena.tensor.data_ptr() + arena.nbytes
+    in_arena = {part: sorted({lo <= x.data_ptr() < hi for x in state_tensors(e._snapshot[part])})
+                for part in ("model", "optimizer")}
+    second = e.train_step(_batch(cfg, 2, dims, rank), 2)
+    out = {"in_arena": in_arena, "restored": e.rollback(1) and _digest(e) == step1}
+    again = e.train_step(_batch(cfg, 2, dims, rank), 2)
+    out["same_step_2"] = (second["loss"], second["grad_norm"]) == (again["loss"], again["grad_norm"])
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+def test_a_rollback_takes_the_optimizer_shard_from_the_keepers_copy():
+    (res,) = spawn_ranks(_rollback_from_kept_shard, 1)
+    assert res == {"in_arena": {"model": [False], "optimizer": [True]}, "restored": True, "same_step_2": True}, res
+
+
 def _local_keeper_ranks(rank, world, store) -> dict:
     """The engine's side of the local keeper (keeper.py, dp = 1) with the distributed
     optimizer: `start_shard_copy(whole=True)` of step 1 into a pinned shared arena (after its
