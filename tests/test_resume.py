@@ -59,6 +59,7 @@ def test_a_run_stopped_between_checkpoints_resumes_bitwise(uninterrupted, tmp_pa
     assert digests == full_digests  # weights, optimizer state, LR schedule, step
 
 
+@pytest.mark.slow
 def test_raising_train_steps_continues_a_finished_run_bitwise(ray_session, tmp_path):
     """A finished 4-step run, then the same config with train.steps=6: it resumes from step 4,
     trains steps 5-6 only, and they (and the final state) equal those of a 6-step run with the
