@@ -242,11 +242,16 @@ def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=Fal
         _foreach_scale(None, None, [[g.detach() for g in grads if g is not None]] * 2, coeff)
 
 
+_CUDA_TYPES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+               torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
 def cpu_stand_ins() -> None:
     """In a process without CUDA, make the CUDA calls Megatron-Core's training path makes act
     on the CPU: `torch.cuda.current_device()` is "cpu" (where Megatron puts new buffers),
     tensor factories given device "cuda" (Megatron's optimizer, clip-grad and schedule
-    literals) and `Tensor.cuda()` make or keep CPU tensors,
+    literals) and `Tensor.cuda()` make or keep CPU tensors, `Tensor.type()` names a float
+    tensor's CUDA type (the distributed optimizer sorts parameters by it and refuses others),
     `torch.cuda.synchronize()` does nothing, and the CUDA RNG (Megatron's RNG tracker, its
     seeding, `torch.cuda.get_rng_state` / `set_rng_state` / `manual_seed`) is the CPU generator,
     so the tracker forks the CPU RNG as it forks CUDA's on a GPU: each TP rank initialises its
@@ -263,6 +268,9 @@ def cpu_stand_ins() -> None:
     for name in ("tensor", "zeros", "ones", "empty", "full"):  # Megatron's device='cuda' literals
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    as_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *args, **kwargs: (
+        as_type(self, *args, **kwargs) if args or kwargs else _CUDA_TYPES.get(self.dtype) or as_type(self))
     optimizer.clip_grad_by_total_norm_fp32 = _clip_by_total_norm
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None

@@ -517,6 +517,78 @@ def _rollback_rank(proc: int, world: int, store) -> dict:
     return out
 
 
+def _distributed_optimizer_rank(proc: int, world: int, store) -> dict:
+    """Rank `proc` of dp=2 with Megatron's distributed optimizer on gloo (`cpu_stand_ins`): it
+    trains as the plain optimizer does (the update is elementwise; only the gradient reduction
+    differs: losses within fp32 round-off); the rollback snapshot at the start of step 3 copies
+    the params only and takes the optimizer shard from the keeper's copy of step 2 (a shared
+    arena); a rollback to step 2 is bitwise step 2, and step 3 trains the same again."""
+    import torch.distributed as dist
+
+    from megatron_engine import MegatronEngine
+    from parallel_dims import ParallelDims
+    from test_megatron_engine import _batch, _digest
+    from test_megatron_peer_restore import _cfg, _train
+    from host_memory import state_tensors
+
+    torch.set_num_threads(1)
+    out = {}
+    for gen, dist_opt in enumerate((False, True)):
+        cfg = _cfg(world, 1, dist_opt)
+        dims = ParallelDims.from_config(cfg)
+        e = MegatronEngine(cfg)
+        e.connect(dist.PrefixStore(f"gen{gen}", store), dims, proc)
+        out[dist_opt] = _train(e, cfg, dims, proc, (1, 2))
+        if dist_opt:
+            step2 = _digest(e)
+            arena = SharedArena(e.shard_nbytes(), "shard-keeper-test-distopt")
+            e.start_shard_copy(arena.tensor)
+            e.snapshot()
+            lo, hi = arena.tensor.data_ptr(), arena.tensor.data_ptr() + arena.nbytes
+            out["in_arena"] = {part: sorted({lo <= x.data_ptr() < hi for x in state_tensors(e._snapshot[part])})
+                               for part in ("model", "optimizer")}
+            first = e.train_step(_batch(cfg, 3, dims, proc), 3)
+            out["rollback"] = e.rollback(2) and _digest(e) == step2
+            again = e.train_step(_batch(cfg, 3, dims, proc), 3)
+            out["same_step_3"] = (first["loss"], first["grad_norm"]) == (again["loss"], again["grad_norm"])
+        e.disconnect()  # ends its process group
+    return out
+
+
+def test_megatron_s_distributed_optimizer_rolls_back_from_the_keepers_copy_on_cpu():
+    from ranks import spawn_ranks
+
+    for r in spawn_ranks(_distributed_optimizer_rank, 2, timeout_s=300):
+        flat = {k: [x for step in r[k] for x in step] for k in (True, False)}  # (loss, grad norm) per step
+        assert flat[True] == pytest.approx(flat[False], rel=1e-5), r
+        assert r["in_arena"] == {"model": [False], "optimizer": [True]} and r["rollback"] and r["same_step_3"], r
+
+
+def test_megatron_actors_with_the_distributed_optimizer_restore_a_killed_rank_from_a_peer_and_its_keeper(
+        ray_session, tmp_path):
+    """The default GPU configuration's path (the Megatron engine, its distributed optimizer, the
+    shard keeper) with `MegatronActor`s on CPU (gloo, `conftest.megatron_cpu_cfg`), dp=2, 2
+    workers + 1 spare: rank 1 killed after step 3 comes back as `peer+keeper` (the params from
+    its DP peer, its optimizer shard from its keeper; rank 0 rolled back from its snapshot,
+    whose shard is its own keeper copy), 0 steps lost, losses and final states bitwise as the
+    run without failure."""
+    cfg = megatron_cpu_cfg(tmp_path, "model.distributed_optimizer=true", "cluster.num_workers=2",
+                           "cluster.num_spares=1", "train.steps=5", "fault_tolerance.refill_spares=false")
+    ref_losses, ref_digests = reference_run(cfg, 5)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(3)
+        wait_for_shards(group, 3)
+        ray.kill(group.workers[1].handle, no_restart=True)
+        trainer.train(5)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("peer+keeper", 0, 3)
+        assert trainer.losses == ref_losses and group.state_digests() == ref_digests
+    finally:
+        group.shutdown()
+
+
 def test_the_rollback_snapshot_takes_what_the_keeper_copied_of_the_same_step():
     from ranks import spawn_ranks
 
@@ -527,8 +599,8 @@ def test_the_rollback_snapshot_takes_what_the_keeper_copied_of_the_same_step():
 
 @pytest.mark.slow
 def test_megatron_at_tp2_dp1_resumes_bitwise_from_its_whole_state_in_an_arena():
-    """The Megatron engine's side of the local keeper (CPU, gloo, fp32, no distributed optimizer:
-    Megatron-Core's refuses CPU tensors): both rank positions of tp=2 at dp=1 replaced and loaded
+    """The Megatron engine's side of the local keeper (CPU, gloo, fp32, no distributed
+    optimizer: at dp=1 the local keeper copies the whole state either way): both rank positions of tp=2 at dp=1 replaced and loaded
     from their arenas train steps 3-4 exactly as the uninterrupted run."""
     from ranks import spawn_ranks
 

@@ -20,12 +20,12 @@ from ranks import spawn_ranks
 from test_megatron_engine import _batch, _state_digest
 
 
-def _cfg(dp: int, tp: int):
-    """A tiny fp32 GPT (2 layers, hidden 64, vocab 128), no distributed optimizer (peer restore
-    needs every DP rank to hold its shard's whole optimizer state)."""
+def _cfg(dp: int, tp: int, dist_opt: bool = False):
+    """A tiny fp32 GPT (2 layers, hidden 64, vocab 128), by default without the distributed
+    optimizer (peer restore alone needs every DP rank to hold its shard's whole optimizer state)."""
     from config import load_config, resolve
 
-    sets = [f"parallel.tp={tp}", f"cluster.num_workers={dp * tp}", "model.distributed_optimizer=false",
+    sets = [f"parallel.tp={tp}", f"cluster.num_workers={dp * tp}", f"model.distributed_optimizer={dist_opt}",
             "model.dtype=float32", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
             "model.ffn_hidden_size=128", "model.vocab_size=128", "model.max_seq_len=16", "train.seq_len=16",
             "train.global_batch_size=12", "train.mini_batch_size=12", "train.micro_batch_size=1",
