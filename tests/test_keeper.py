@@ -564,23 +564,32 @@ def test_megatron_s_distributed_optimizer_rolls_back_from_the_keepers_copy_on_cp
         assert r["in_arena"] == {"model": [False], "optimizer": [True]} and r["rollback"] and r["same_step_3"], r
 
 
-def test_megatron_actors_with_the_distributed_optimizer_restore_a_killed_rank_from_a_peer_and_its_keeper(
-        ray_session, tmp_path):
+@pytest.mark.parametrize("tp, dp, killed", [
+    (1, 2, (1,)),
+    pytest.param(2, 3, (3,), marks=pytest.mark.slow),
+    pytest.param(1, 3, (0, 2), marks=pytest.mark.slow),
+])
+def test_megatron_actors_with_the_distributed_optimizer_restore_killed_ranks_from_peers_and_keepers(
+        ray_session, tmp_path, tp, dp, killed):
     """The default GPU configuration's path (the Megatron engine, its distributed optimizer, the
-    shard keeper) with `MegatronActor`s on CPU (gloo, `conftest.megatron_cpu_cfg`), dp=2, 2
-    workers + 1 spare: rank 1 killed after step 3 comes back as `peer+keeper` (the params from
-    its DP peer, its optimizer shard from its keeper; rank 0 rolled back from its snapshot,
-    whose shard is its own keeper copy), 0 steps lost, losses and final states bitwise as the
-    run without failure."""
-    cfg = megatron_cpu_cfg(tmp_path, "model.distributed_optimizer=true", "cluster.num_workers=2",
-                           "cluster.num_spares=1", "train.steps=5", "fault_tolerance.refill_spares=false")
+    shard keeper) with `MegatronActor`s on CPU (gloo, `conftest.megatron_cpu_cfg`), tp x dp
+    workers + one spare per rank killed after step 3: the killed ranks come back as
+    `peer+keeper` (the params from a DP peer, each optimizer shard from its keeper; survivors
+    rolled back from their snapshots, whose shards are their own keeper copies), 0 steps lost,
+    losses and final states bitwise as the run without failure. CI: dp=2; slow: tp=2 at dp=3,
+    and two ranks of one DP group at dp=3."""
+    cfg = megatron_cpu_cfg(tmp_path, "model.distributed_optimizer=true", f"parallel.tp={tp}",
+                           f"cluster.num_workers={tp * dp}", f"cluster.num_spares={len(killed)}", "train.steps=5",
+                           "fault_tolerance.refill_spares=false", f"train.global_batch_size={2 * dp}",
+                           f"train.mini_batch_size={2 * dp}")
     ref_losses, ref_digests = reference_run(cfg, 5)
     group = ActorGroup(cfg)
     try:
         trainer = Trainer(cfg, group)
         trainer.train(3)
         wait_for_shards(group, 3)
-        ray.kill(group.workers[1].handle, no_restart=True)
+        for r in killed:
+            ray.kill(group.workers[r].handle, no_restart=True)
         trainer.train(5)
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("peer+keeper", 0, 3)
