@@ -165,6 +165,12 @@ class Engine(Protocol):
         shard; the rest of the state is already at its step (`broadcast_from`). Raises
         ValueError when it is of another step."""
 
+    def sync_params(self) -> None:
+        """Collective over this rank's DP group, after a restore (`fault_tolerance`): make the
+        params consistent with the restored optimizer shards where the engine derives them from
+        the shards (Megatron's distributed optimizer: `rollback` and `broadcast_from` then set
+        the shards only); a no-op for an engine that restores the params whole."""
+
     def broadcast_from(self, src_rank: int, ranks: list[int] | None = None) -> None:
         """Collective over this rank's DP group: receive the training state of `src_rank`.
         `ranks`: only these members take part (the source and the replaced ranks), where the

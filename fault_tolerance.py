@@ -235,6 +235,14 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
         return [snaps.get(local_key(str(dims), r, s.node_id), set()) for r, s in enumerate(group.workers)]
 
     sharded = group.cfg.model.distributed_optimizer and dims.dp > 1
+
+    def synced(step: int) -> int:
+        """`step`, once every rank made its params consistent with its restored optimizer shard
+        (a collective: a sharded optimizer's rollback and broadcast set the shards only)."""
+        if sharded:
+            group.wait(group.submit("sync_params"), timeout)
+        return step
+
     # Megatron broadcasts over its DP groups as made: a subgroup of NCCL communicators split from
     # the eagerly initialised world is a collective of every rank (docs/recovery.md, "Restore").
     plan = plan_restore(ft.restore, committed, dims.group_ranks("dp"), survivors, clean,
@@ -259,7 +267,7 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
             timeline.restore_source = plan.source
             if plan.source == "peer+keeper":  # fence off survivors' shards of the abandoned steps
                 group.drop_snapshots_after(committed)
-            return committed
+            return synced(committed)
         timeline.notes.append("a keeper lost the optimizer shard it held")  # on to the checkpoint
     if plan.source in ("local", "memory"):
         call = ("restore_local", plan.step) if plan.source == "local" else \
@@ -275,7 +283,7 @@ def _restore(group: ActorGroup, ckpt: CheckpointManager, committed: int, survivo
             timeline.restore_source = plan.source if plan.step == committed else f"{plan.source} step {plan.step}"
             if plan.step < committed or plan.source == "local":  # local: fence off survivors' copies of later steps
                 group.drop_snapshots_after(plan.step)
-            return plan.step
+            return synced(plan.step)
         if ft.restore == "memory":
             raise RecoveryError(NO_MEMORY_RESTORE)
         timeline.notes.append(f"{plan.source} restore impossible")

@@ -511,6 +511,12 @@ class MegatronActor:
         self._check(generation)
         return self.engine.rollback(step)
 
+    def sync_params(self, generation: int) -> None:
+        """Collective over this rank's DP group: rebuild the params from the optimizer shards
+        after a restore that set the shards only (`Engine.sync_params`)."""
+        self._check(generation)
+        self.engine.sync_params()
+
     def broadcast_state(self, generation: int, src_rank: int, ranks: list[int] | None = None) -> None:
         """Collective over this rank's DP group: receive the training state of `src_rank`.
         `ranks`: only these members take part (the source and the replaced ranks; survivors

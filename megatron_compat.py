@@ -66,6 +66,14 @@ PATCHES = (
     ("local_param_groups", "megatron.core.optimizer", ("_get_param_groups", "get_megatron_optimizer"),
      "get_megatron_optimizer -> _get_param_groups all_gather_object's every rank's param-group keys "
      "over the world (torch.distributed.all_gather_object, looked up at call time)"),
+    ("params_from_main_params", "megatron.core.optimizer.distrib_optimizer",
+     ("DistributedOptimizer._copy_main_params_to_model_params",),
+     "called outside an update: copies each main-param shard (cast) into its range of the DDP's "
+     "param buffer, which DistributedDataParallel.start_param_sync(force_sync=True) then all-gathers"),
+    ("cpu_stand_ins", "megatron.core.optimizer.distrib_optimizer",
+     ("DistributedOptimizer._build_model_and_main_param_groups",),
+     "DistributedOptimizer._build_model_and_main_param_groups sorts parameters by Tensor.type() "
+     "('torch.cuda.FloatTensor' / HalfTensor / BFloat16Tensor) and raises TypeError for others"),
     ("cpu_stand_ins", "megatron.core.optimizer.optimizer", ("clip_grad_by_total_norm_fp32",),
      "the optimizer's clip_grad_by_total_norm_fp32(params, max_norm, total_norm, use_decoupled_grad), "
      "imported by name, asserts CUDA gradients: replaced on CPU by the same scaling"),
@@ -240,6 +248,15 @@ def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=Fal
     coeff = max_norm / (total_norm + 1.0e-6)
     if coeff < 1.0:
         _foreach_scale(None, None, [[g.detach() for g in grads if g is not None]] * 2, coeff)
+
+
+def params_from_main_params(optimizer, ddp) -> None:
+    """Make the params of `ddp` (Megatron's DistributedDataParallel) the cast of `optimizer`'s
+    main params (a ChainedOptimizer of DistributedOptimizers), all-gathered over DP: what the
+    distributed optimizer does after each update. A collective of the DP group."""
+    for o in optimizer.chained_optimizers:
+        o._copy_main_params_to_model_params()
+    ddp.start_param_sync(force_sync=True)
 
 
 _CUDA_TYPES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",

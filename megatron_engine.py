@@ -59,7 +59,8 @@ from keeper import keeps_shards
 from host_memory import (STAGING_BYTES, HostCopy, carve, carve_shard, configure_host_allocator, copy_state,
                          copy_to_host, pin_in_background, pinned_empty, same_layout, state_nbytes, state_tensors)
 from megatron_checkpoint import SavePlanCache, load_sharded, reserve_save_arena, save_sharded
-from megatron_compat import cpu_stand_ins, foreach_grad_norm, local_param_groups, patch_distributed_optimizer
+from megatron_compat import (cpu_stand_ins, foreach_grad_norm, local_param_groups, params_from_main_params,
+                             patch_distributed_optimizer)
 from megatron_groups import StaleGroups, make_groups, rebind
 from megatron_model import build_gpt_model, hf_bridge, hf_model_args
 from megatron_ops import (add_value_head, cp_gather, cp_split, mask_padded_vocab, sample_rollouts, token_values,
@@ -153,6 +154,7 @@ class MegatronEngine:
         self._step = 0                 # `step`
         self._kept: dict | None = None  # host buffers of this step's `start_shard_copy` (see `step`)
         self._dirty = False            # True while a step may have partly updated the state
+        self._params_pending = False   # the params wait for `sync_params` (only the shard was restored)
         self._initial: dict | None = None   # host copy of the step-0 state (taken before step 1)
         self._snapshot: dict | None = None  # host copy of the last committed step's state
         self._rollback_buffers: dict | None = None  # the snapshot's own buffers (`_snapshot_to_host`)
@@ -239,7 +241,7 @@ class MegatronEngine:
             self._build(parts)
             t2 = time.perf_counter()
             if old is None:  # a fresh build: the seeded step-0 state, clean
-                self.step, self._dirty = 0, False
+                self.step, self._dirty, self._params_pending = 0, False, False
             else:
                 self._set_train_state(old)
                 self._set_rng_state(rng)
@@ -530,6 +532,9 @@ class MegatronEngine:
 
         if not self._connected:
             raise RuntimeError("train_step called before connect(): no process group generation")
+        if self._params_pending:
+            raise RuntimeError("train_step called before sync_params(): the params of a restored optimizer "
+                               "shard were not rebuilt")
         t = self.cfg.train
         micro, last = t.micro_batch_size, ps.is_pipeline_last_stage()
         # Phases (with device syncs) are timed on the first step after a connect only: that is
@@ -591,14 +596,16 @@ class MegatronEngine:
         return state
 
     def _set_train_state(self, state: dict) -> None:
-        """Copy `state` (same structure as `_train_state`) into the live tensors in place; an
-        empty `optimizer` list leaves the live optimizer state as it is (`broadcast_from`)."""
+        """Copy `state` (the structure of `_train_state`) into the live tensors in place; a part
+        it lacks or holds empty is left as it is: the optimizer (`broadcast_from` with the
+        distributed optimizer) or the model params, which then wait for `sync_params` (a
+        rollback from a snapshot that takes them from the shard)."""
         self._wait_snapshot_copy()  # it may still be reading them
         live = self._train_state()
-        if not state["optimizer"]:
-            live["optimizer"] = []
-        copy_state(live, state)
+        parts = [k for k in TENSOR_PARTS if k in live and state.get(k)]
+        copy_state({k: live[k] for k in parts}, {k: state[k] for k in parts})
         torch.cuda.synchronize()
+        self._params_pending = "model" not in parts
         self.scheduler.num_steps = int(state["sched_steps"])
         self.scheduler.step(increment=0)  # sets lr / weight decay of that update count
         if "rollout" in state:
@@ -939,11 +946,15 @@ class MegatronEngine:
         since the step was set: the optimizer shard, or with the local keeper every part) are
         not copied again: the snapshot takes them from that copy's buffers, which the sender
         overwrites two copies later (its two arenas), after the next snapshot replaced this
-        one. Why: each copy in flight slows the step's kernel launches, and these bytes would
-        be copied twice (at dp = 8 the shard is a third of what a step copies to host)."""
+        one. With the distributed optimizer the model params are not copied either when the
+        shard is kept: they are the cast of its main params, gathered over DP, so a rollback
+        restores the shard and leaves the params to `sync_params`. Why: each copy in flight
+        slows the step's kernel launches (at dp = 8 the params are 57% of the bytes left)."""
         state = self._train_state()
         kept = self._kept or {}
-        own = {k: v for k, v in state.items() if k not in kept or k not in TENSOR_PARTS}
+        derived = {"model"} if "optimizer" in kept and "model" not in kept and self.cfg.model.distributed_optimizer \
+            else set()
+        own = {k: v for k, v in state.items() if k not in TENSOR_PARTS or k not in kept and k not in derived}
         buffers = self._rollback_buffers
         if buffers is None or not same_layout(buffers, own):
             buffers = self._rollback_buffers = self._carve_rollback(own)
@@ -951,7 +962,7 @@ class MegatronEngine:
                 self._snapshot = None
                 return
         copied = self._host_copy_async(own, buffers)
-        self._snapshot = {k: copied[k] if k in copied else kept[k] for k in state}
+        self._snapshot = {k: copied[k] if k in copied else kept[k] for k in state if k not in derived}
 
     def _carve_rollback(self, state: dict) -> dict | None:
         """Snapshot buffers laid out as `state`, carved from the pinned arena (pinned here when
@@ -974,7 +985,8 @@ class MegatronEngine:
         if it is that step and clean, the snapshot, or `reset()` for step 0. Returns False when
         this rank holds no copy of that step, and always for step > 0 with the distributed
         optimizer and no keeper (a replaced rank's optimizer shard exists on no peer: restore
-        from checkpoint)."""
+        from checkpoint). A snapshot without params (`_snapshot_to_host`) restores the shard
+        only: the DP group then calls `sync_params`."""
         if step == 0:
             return self.reset()
         if not self._keeps_rollback():
@@ -986,6 +998,20 @@ class MegatronEngine:
             self._set_train_state(self._snapshot)
             return True
         return False
+
+    def sync_params(self) -> None:
+        """Collective over the DP group (every member calls): with the distributed optimizer,
+        make the model params the cast of the optimizer's main params, all-gathered over DP,
+        as its update does after each step (`megatron_compat.params_from_main_params`). It
+        completes a restore that set the optimizer shards only (`rollback` from a snapshot
+        without params, `broadcast_from`); `train_step` refuses to run before it. Without the
+        distributed optimizer the params were restored whole: nothing to do."""
+        if not self.cfg.model.distributed_optimizer:
+            return
+        self._wait_snapshot_copy()  # the param buffer it may still be reading
+        params_from_main_params(self.optimizer, self.ddp)
+        torch.cuda.synchronize()
+        self._params_pending = False
 
     def dp_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum `values` over Megatron's DP group (see `Engine.dp_sum`); counts progress."""
@@ -1005,8 +1031,11 @@ class MegatronEngine:
         callers: with eagerly initialised NCCL a new group is split from the world's
         communicator, which every rank of the world must call; the DP group's communicator
         exists already, and a broadcast's time is set by the bytes, not by the receivers.
-        With the distributed optimizer the optimizer shards are not broadcast (each rank's is
-        its own: a replaced rank gets its from its keeper, `load_shard`).
+        With the distributed optimizer at dp > 1 neither the optimizer shards are broadcast
+        (each rank's is its own: a replaced rank gets its from its keeper, `load_shard`) nor
+        the model params (the cast of the shards' main params: `sync_params`, which every
+        member calls once the shards are in place, rebuilds them), only the step, schedule and
+        rollout position and, with RL, the reference policy.
         Raises ValueError when `ranks` is a strict subset of the DP group (those outside it
         would never call: the broadcast would hang)."""
         from megatron.core import parallel_state as ps
@@ -1019,7 +1048,7 @@ class MegatronEngine:
         self.fault_point("during_restore")  # fault injection: before the first transfer
         state = self._train_state()
         if self.cfg.model.distributed_optimizer and self.dims.dp > 1:
-            state["optimizer"] = []
+            state["optimizer"] = state["model"] = []  # each rank's shard, and the params `sync_params` rebuilds
         for x in state_tensors(state):
             buf = x if x.is_cuda else x.to(self.device)
             dist.broadcast(buf, src=src_rank, group=group)
@@ -1131,5 +1160,5 @@ class MegatronEngine:
         self.scheduler.step(increment=0)
         if same:
             self._set_rng_state(loaded["rng"])
-        self.step, self._dirty = int(loaded["step"]), False
+        self.step, self._dirty, self._params_pending = int(loaded["step"]), False, False
 

@@ -641,6 +641,9 @@ class TorchEngine:
         """Make `state` (a `start_host_copy` state, possibly of another process) the live state."""
         self._set_train_state(copy.deepcopy(state))
 
+    def sync_params(self) -> None:
+        """Nothing to do: this engine restores the params whole (`Engine.sync_params`)."""
+
     def broadcast_from(self, src_rank: int, ranks: list[int] | None = None) -> None:
         """Make this rank's training state equal to `src_rank`'s (a member of the same DP group):
         the tensors of the state are broadcast (one flat broadcast per dtype: `flat_collective`),

@@ -521,8 +521,10 @@ def _distributed_optimizer_rank(proc: int, world: int, store) -> dict:
     """Rank `proc` of dp=2 with Megatron's distributed optimizer on gloo (`cpu_stand_ins`): it
     trains as the plain optimizer does (the update is elementwise; only the gradient reduction
     differs: losses within fp32 round-off); the rollback snapshot at the start of step 3 copies
-    the params only and takes the optimizer shard from the keeper's copy of step 2 (a shared
-    arena); a rollback to step 2 is bitwise step 2, and step 3 trains the same again."""
+    no tensor: it takes the optimizer shard from the keeper's copy of step 2 (a shared arena)
+    and no params (they are the cast of the shard's main params); after a rollback to step 2 a
+    step is refused until `sync_params` (both ranks) rebuilt the params, then the state is
+    bitwise step 2's, and step 3 trains the same again."""
     import torch.distributed as dist
 
     from megatron_engine import MegatronEngine
@@ -546,9 +548,15 @@ def _distributed_optimizer_rank(proc: int, world: int, store) -> dict:
             e.snapshot()
             lo, hi = arena.tensor.data_ptr(), arena.tensor.data_ptr() + arena.nbytes
             out["in_arena"] = {part: sorted({lo <= x.data_ptr() < hi for x in state_tensors(e._snapshot[part])})
-                               for part in ("model", "optimizer")}
+                               for part in ("model", "optimizer") if part in e._snapshot}
             first = e.train_step(_batch(cfg, 3, dims, proc), 3)
-            out["rollback"] = e.rollback(2) and _digest(e) == step2
+            out["rollback"] = e.rollback(2)
+            try:
+                e.train_step(_batch(cfg, 3, dims, proc), 3)
+            except RuntimeError as exc:
+                out["refused"] = "sync_params" in str(exc)
+            e.sync_params()
+            out["restored"] = _digest(e) == step2
             again = e.train_step(_batch(cfg, 3, dims, proc), 3)
             out["same_step_3"] = (first["loss"], first["grad_norm"]) == (again["loss"], again["grad_norm"])
         e.disconnect()  # ends its process group
@@ -561,7 +569,8 @@ def test_megatron_s_distributed_optimizer_rolls_back_from_the_keepers_copy_on_cp
     for r in spawn_ranks(_distributed_optimizer_rank, 2, timeout_s=300):
         flat = {k: [x for step in r[k] for x in step] for k in (True, False)}  # (loss, grad norm) per step
         assert flat[True] == pytest.approx(flat[False], rel=1e-5), r
-        assert r["in_arena"] == {"model": [False], "optimizer": [True]} and r["rollback"] and r["same_step_3"], r
+        assert r["in_arena"] == {"optimizer": [True]} and r["rollback"] and r["refused"], r
+        assert r["restored"] and r["same_step_3"], r
 
 
 @pytest.mark.parametrize("tp, dp, killed", [
