@@ -517,6 +517,24 @@ def _rollback_rank(proc: int, world: int, store) -> dict:
     return out
 
 
+def assert_restored_after_step_3(cfg, kill, source: str) -> None:
+    """Train `cfg` to step 3, `kill(group)` (after waiting for what the kill must not race),
+    train to step 5: one recovery, from `source`, of step 3 (0 steps lost), and the losses and
+    final states bitwise as the run of `cfg` without failure."""
+    ref_losses, ref_digests = reference_run(cfg, 5)
+    group = ActorGroup(cfg)
+    try:
+        trainer = Trainer(cfg, group)
+        trainer.train(3)
+        kill(group)
+        trainer.train(5)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == (source, 0, 3)
+        assert trainer.losses == ref_losses and group.state_digests() == ref_digests
+    finally:
+        group.shutdown()
+
+
 def _distributed_optimizer_rank(proc: int, world: int, store) -> dict:
     """Rank `proc` of dp=2 with Megatron's distributed optimizer on gloo (`cpu_stand_ins`): it
     trains as the plain optimizer does (the update is elementwise; only the gradient reduction
@@ -591,20 +609,12 @@ def test_megatron_actors_with_the_distributed_optimizer_restore_killed_ranks_fro
                            f"cluster.num_workers={tp * dp}", f"cluster.num_spares={len(killed)}", "train.steps=5",
                            "fault_tolerance.refill_spares=false", f"train.global_batch_size={2 * dp}",
                            f"train.mini_batch_size={2 * dp}")
-    ref_losses, ref_digests = reference_run(cfg, 5)
-    group = ActorGroup(cfg)
-    try:
-        trainer = Trainer(cfg, group)
-        trainer.train(3)
+
+    def kill(group):
         wait_for_shards(group, 3)
         for r in killed:
             ray.kill(group.workers[r].handle, no_restart=True)
-        trainer.train(5)
-        (tl,) = trainer.recoveries
-        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("peer+keeper", 0, 3)
-        assert trainer.losses == ref_losses and group.state_digests() == ref_digests
-    finally:
-        group.shutdown()
+    assert_restored_after_step_3(cfg, kill, "peer+keeper")
 
 
 def test_the_rollback_snapshot_takes_what_the_keeper_copied_of_the_same_step():
@@ -635,19 +645,11 @@ def test_megatron_actors_at_tp2_dp1_restore_a_sigkilled_rank_from_its_nodes_hold
     run without failure."""
     cfg = megatron_cpu_cfg(tmp_path, "cluster.num_workers=2", "cluster.num_spares=1", "parallel.tp=2",
                            "train.steps=5", "fault_tolerance.refill_spares=false")
-    ref_losses, ref_digests = reference_run(cfg, 5)
-    group = ActorGroup(cfg)
-    try:
-        trainer = Trainer(cfg, group)
-        trainer.train(3)
+
+    def kill(group):
         wait_for_local(group, 3)
         os.kill(ray.get(group.workers[1].handle.__ray_call__.remote(lambda a: os.getpid())), signal.SIGKILL)
-        trainer.train(5)
-        (tl,) = trainer.recoveries
-        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local", 0, 3)
-        assert trainer.losses == ref_losses and group.state_digests() == ref_digests
-    finally:
-        group.shutdown()
+    assert_restored_after_step_3(cfg, kill, "local")
 
 
 # -- two nodes: the courier ------------------------------------------------------------------------
