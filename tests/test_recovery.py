@@ -129,7 +129,7 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_an_older_one(reference, t
     assert digests == reference[1]
 
 
-@pytest.mark.parametrize("allow", [False, True])
+@pytest.mark.parametrize("allow", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_no_source_of_the_committed_step_stops_unless_a_restart_from_scratch_is_allowed(reference, tmp_path, allow):
     """Every rank is killed after step 2 with no checkpoint and no memory snapshot: nothing holds
     the committed step. By default the run stops with a RecoveryError naming the field to set;
@@ -189,9 +189,10 @@ def test_a_memory_restore_after_a_rewind_never_takes_the_abandoned_timeline(refe
         group.shutdown()
 
 
-# CI keeps S3; GCS (slow) is the same restore through another fsspec backend, whose saves and
-# loads test_checkpoint.py runs in CI
-@pytest.mark.parametrize("storage", ["s3", pytest.param("gcs", marks=pytest.mark.slow)])
+# slow: test_slow_storage.py restores from S3 in CI (through a throttled link), and
+# test_checkpoint.py saves and loads through both fsspec backends
+@pytest.mark.slow
+@pytest.mark.parametrize("storage", ["s3", "gcs"])
 def test_checkpoint_restore_from_object_storage(reference, tmp_path, storage, request):
     """Resumed from an S3 / GCS checkpoint (loopback servers), async save: same losses as the
     run without failure (and so as a resume from local disk, tested above)."""
@@ -353,6 +354,7 @@ def test_a_checkpoint_restore_during_a_long_outage_stops_with_one_line(ray_sessi
     assert "\n" not in line and s3_server.uri(tmp_path.name) in line and "checkpoint.retry_budget_s=1" in line, line
 
 
+@pytest.mark.slow  # the CI test beside it names a missing key on the driver
 def test_keys_only_the_checkpoint_holds_are_named_on_the_driver(reference, tmp_path, caplog):
     """Checkpoint step 2's model shard holds a key the model does not have: it loads (the
     rest fits), and the driver, not only the rank's worker log, warns naming the key."""
