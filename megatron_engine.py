@@ -39,6 +39,7 @@ Padded entries take part in the softmax, as in Megatron's own training (RL masks
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -159,6 +160,7 @@ class MegatronEngine:
         self._snapshot: dict | None = None  # host copy of the last committed step's state
         self._rollback_buffers: dict | None = None  # the snapshot's own buffers (`_snapshot_to_host`)
         self._trained_since_connect = False
+        self._sockets: dict[int, str] = {}  # what this generation's gloo groups opened (`abort`)
         self._arena: concurrent.futures.Future | None = None    # pinned bytes of the snapshot buffers
         self._copy_stream: torch.cuda.Stream | None = None       # side stream of the snapshot copy
         self._copy_done: torch.cuda.Event | None = None          # the snapshot copy in flight
@@ -211,18 +213,20 @@ class MegatronEngine:
         t_pg = time.perf_counter()
         # Hangs are the health monitor's to find (step deadline, extended by progress) and end
         # (abort); NCCL's watchdog is the backstop: past collective_timeout_s it tears the process
-        # down (mode 3, stated rather than inherited), which recovery sees as a crash. gloo (CPU
-        # tests) keeps step_timeout_s: its collectives have no abort, the timeout ends them.
+        # down (mode 3, stated rather than inherited), which recovery sees as a crash. gloo (CPU)
+        # keeps step_timeout_s as its backstop: it has no abort (`abort` shuts its sockets down).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         timeout = ft.collective_timeout_s if self.backend == "nccl" else ft.step_timeout_s
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=dims.world_size,
-                                timeout=datetime.timedelta(seconds=timeout),
-                                device_id=self.device if ft.nccl_eager_init and self.backend == "nccl" else None)
-        parts = {"process_group_s": time.perf_counter() - t_pg}
-        self._wait_snapshot_copy()  # a rebuild frees tensors it may still be reading
-        t0 = time.perf_counter()
-        old_groups, self._groups = self._groups, make_groups(dims)
-        parts["groups_s"] = time.perf_counter() - t0
+        sockets = comms.recording_new_sockets(self._sockets) if self.backend == "gloo" else contextlib.nullcontext()
+        with sockets:  # every gloo group connects its pairs when made: `abort` shuts them down
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=dims.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout),
+                                    device_id=self.device if ft.nccl_eager_init and self.backend == "nccl" else None)
+            parts = {"process_group_s": time.perf_counter() - t_pg}
+            self._wait_snapshot_copy()  # a rebuild frees tensors it may still be reading
+            t0 = time.perf_counter()
+            old_groups, self._groups = self._groups, make_groups(dims)
+            parts["groups_s"] = time.perf_counter() - t0
         same_position = self.ddp is not None and self._position == (dims, rank)
         self.dims, self.rank = dims, rank
         if not (same_position and self._rebind([self.ddp, self.optimizer, self.ref_model], old_groups, parts)):
@@ -285,8 +289,13 @@ class MegatronEngine:
         """Control thread: `interrupt`, then abort every communicator of this process
         (`comms.abort_process_groups`), which frees a compute thread blocked in a collective.
         `grace_s` is not waited for: NCCL's abort ends its collectives, so the compute thread
-        is never left inside one."""
+        is never left inside one. gloo has no abort: its groups' sockets are shut down first
+        (`comms.shutdown_sockets`), which fails a collective blocked on a peer that is alive
+        but gone elsewhere (a TP peer that left the step for the abort), at once rather than
+        at the group's timeout."""
         self.interrupt()
+        comms.shutdown_sockets(self._sockets)
+        self._sockets = {}
         if dist.is_initialized():
             comms.abort_process_groups()
 
@@ -297,6 +306,7 @@ class MegatronEngine:
         thread (`comms.close_open_nccl_groups`): else the next generation's communicators would
         wait for a group end that never comes."""
         self._connected = False
+        self._sockets = {}
         if dist.is_initialized():
             comms.abort_process_groups()
         if self.backend == "nccl":
@@ -958,8 +968,7 @@ class MegatronEngine:
         buffers = self._rollback_buffers
         if buffers is None or not same_layout(buffers, own):
             buffers = self._rollback_buffers = self._carve_rollback(own)
-            if buffers is None:
-                self._snapshot = None
+            if buffers is None:  # pinning in progress: no snapshot this step (dropped by the carve)
                 return
         copied = self._host_copy_async(own, buffers)
         self._snapshot = {k: copied[k] if k in copied else kept[k] for k in state if k not in derived}

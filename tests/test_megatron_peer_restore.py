@@ -192,3 +192,48 @@ def test_megatron_dp_sum_adds_over_the_dp_group_only():
         want = [float(sum(r + 1 for r in group)), float(sum(10 * (r + 1) for r in group))]
         for r in group:
             assert results[r] == {"sum": want, "dtype": "torch.float64", "device": "cpu", "progress": 1}, (r, results)
+
+
+def _abort_rank(proc: int, world: int, store) -> dict:
+    """tp=2 on gloo (group timeout 20 s): rank 0 enters a TP all-reduce that rank 1, alive,
+    never joins (as when a TP peer left its step for an abort); rank 0's control thread then
+    aborts its engine. Returns whether the all-reduce was freed within 3 s and its error."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    e, _, _ = engine_on_gloo(proc, store, 1, 2)
+    if proc == 1:
+        store.wait(["done"], datetime.timedelta(seconds=60))
+        return {}
+    errors = []
+
+    def compute():
+        try:
+            dist.all_reduce(torch.ones(4), group=ps.get_tensor_model_parallel_group())
+        except RuntimeError as err:
+            errors.append(str(err))
+
+    t = threading.Thread(target=compute, daemon=True)
+    t.start()
+    t.join(1.0)
+    blocked = t.is_alive()
+    t0 = time.perf_counter()
+    e.abort(5.0)
+    t.join(3.0)
+    out = {"blocked_before": blocked, "freed": not t.is_alive(), "freed_s": time.perf_counter() - t0,
+           "errors": errors}
+    store.set("done", "1")
+    return out
+
+
+def test_megatron_abort_frees_a_tp_collective_whose_peer_left_on_gloo():
+    """gloo has no abort: without the shutdown of the Megatron groups' sockets a rank in a TP
+    all-reduce whose peer had left the step stayed there until the group's timeout, and was
+    replaced as hung (a tp=2 dp=3 recovery ran out of spares that way)."""
+    result = spawn_ranks(_abort_rank, 2, timeout_s=120)[0]
+    assert result["blocked_before"], result
+    assert result["freed"] and result["errors"], result
