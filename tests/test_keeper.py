@@ -174,7 +174,7 @@ def holder_copy(holder, wrap) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("dp", [2, 3])
 def test_a_lost_zero_rank_comes_back_from_a_peer_and_the_keeper_of_its_node(dp, reference, tmp_path):
-    """dp=2 (and 3, slow), ZeRO-1, one node: each rank's keeper is its own node's holder, which
+    """dp=2 and 3, ZeRO-1, one node: each rank's keeper is its own node's holder, which
     adopts the rank's shard arenas (no courier started; every step listed once sealed). Rank 1
     killed after step 2: parameters from rank 0, the shard through a mapping of the arena the
     holder adopted (the holder's copy path fails if asked), 0 steps lost, losses and every

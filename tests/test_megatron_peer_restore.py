@@ -232,8 +232,8 @@ def _abort_rank(proc: int, world: int, store) -> dict:
 
 def test_megatron_abort_frees_a_tp_collective_whose_peer_left_on_gloo():
     """gloo has no abort: without the shutdown of the Megatron groups' sockets a rank in a TP
-    all-reduce whose peer had left the step stayed there until the group's timeout, and was
-    replaced as hung (a tp=2 dp=3 recovery ran out of spares that way)."""
+    all-reduce whose peer (alive) had left the step stayed there until the group's timeout,
+    to be replaced as hung."""
     result = spawn_ranks(_abort_rank, 2, timeout_s=120)[0]
     assert result["blocked_before"], result
     assert result["freed"] and result["errors"], result
