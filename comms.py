@@ -97,9 +97,9 @@ def _socket_links() -> dict[int, str]:
 
 def shutdown_sockets(sockets: dict[int, str]) -> int:
     """`shutdown(SHUT_RDWR)` each connected TCP socket of `sockets` (from `recording_new_sockets`)
-    that is still the same socket (its fd may have been closed and reused since); the fds stay
-    open for their owner to close. Both ends of each connection then fail their pending reads
-    and writes. Returns how many were shut down."""
+    that is still the same socket (its fd may have been closed and reused since), then empty
+    `sockets`; the fds stay open for their owner to close. Both ends of each connection then
+    fail their pending reads and writes. Returns how many were shut down."""
     import socket
 
     live, n = _socket_links(), 0
@@ -115,6 +115,7 @@ def shutdown_sockets(sockets: dict[int, str]) -> int:
                     n += 1
         except OSError:  # closed meanwhile, or not connected
             pass
+    sockets.clear()
     return n
 
 

@@ -295,7 +295,6 @@ class MegatronEngine:
         at the group's timeout."""
         self.interrupt()
         comms.shutdown_sockets(self._sockets)
-        self._sockets = {}
         if dist.is_initialized():
             comms.abort_process_groups()
 

@@ -224,7 +224,6 @@ class TorchEngine:
         collective (`comms.left_collective`). Raises RuntimeError when it has not."""
         self.interrupt()
         shutdown_sockets(self._sockets)
-        self._sockets = {}
         if dist.is_initialized():
             abort_process_groups()
         if not left_collective(self, grace_s):
