@@ -1,7 +1,7 @@
 """Process-group lifecycle of one process: the network interface its groups bind, abort every
 communicator (each in its own thread), free gloo collectives by shutting down their sockets,
-close NCCL group calls left open by an aborted step, and tell a lost node (its raylet refuses
-connections) from an unreachable one.
+close NCCL group calls left open by an aborted step, make gloo waits end at an abort, and tell a
+lost node (its raylet refuses connections) from an unreachable one.
 
 Why these exist: torch aborts communicators one after another and gloo has no abort at all,
 so a rank blocked in a collective whose peer died would otherwise wait for the process-group
@@ -10,6 +10,7 @@ timeout. See docs/recovery.md for the measurements behind each.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 import threading
@@ -117,6 +118,46 @@ def shutdown_sockets(sockets: dict[int, str]) -> int:
             pass
     sockets.clear()
     return n
+
+
+WAIT_SLICE = datetime.timedelta(milliseconds=50)
+"""How long an untimed `Work.wait` blocks between two checks (`interruptible_waits`)."""
+
+_wait_check: list = []  # [check] of the engine that installed `interruptible_waits`
+
+
+def interruptible_waits(check) -> None:
+    """Make every untimed `Work.wait()` of this process (the wait of each synchronous
+    collective, and of each handle an async one returns) wait in `WAIT_SLICE` slices and call
+    `check()` between them; `check` raises to end the wait (`engine.StepInterrupt.check`:
+    `Interrupted` once the generation was aborted). Timed waits and completed works are
+    unchanged; a work that failed raises its own error. Installed once per process (a patch of
+    torch's `Work.wait`); a later call replaces `check`. For gloo only: an NCCL wait does not
+    block the host.
+
+    Why: a gloo wait ends only when its work does, and the socket shutdown of an abort
+    (`shutdown_sockets`) does not end every work: a send queued behind a partial write is not
+    failed (`left_collective`), and a rank was seen still waiting in a TP all-reduce with all
+    of its group's connections closed. The compute thread must leave the aborted step for the
+    rank to join the next generation; else it is replaced as hung."""
+    from torch._C._distributed_c10d import Work
+
+    if not _wait_check:
+        untimed, wait = datetime.timedelta(0), Work.wait
+
+        def sliced_wait(work, timeout: datetime.timedelta = untimed) -> bool:
+            if timeout != untimed:
+                return wait(work, timeout)
+            while True:
+                try:
+                    return wait(work, WAIT_SLICE)
+                except RuntimeError:
+                    if work.is_completed():  # done meanwhile, or failed: its own result or error
+                        return wait(work)
+                    _wait_check[0]()
+
+        Work.wait = sliced_wait
+    _wait_check[:] = [check]
 
 
 def left_collective(engine, timeout_s: float, poll_s: float = 0.01) -> bool:

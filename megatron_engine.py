@@ -210,6 +210,8 @@ class MegatronEngine:
         if (dims.tp, dims.pp, dims.cp) != (self.cfg.parallel.tp, self.cfg.parallel.pp, self.cfg.parallel.cp):
             raise ValueError(f"dims {dims} do not match the config's parallel sizes {self.cfg.parallel}")
         ft = self.cfg.fault_tolerance
+        # From here this generation's collectives may run: an abort after it interrupts them again.
+        self._interrupt.clear()
         t_pg = time.perf_counter()
         # Hangs are the health monitor's to find (step deadline, extended by progress) and end
         # (abort); NCCL's watchdog is the backstop: past collective_timeout_s it tears the process
@@ -217,6 +219,8 @@ class MegatronEngine:
         # keeps step_timeout_s as its backstop: it has no abort (`abort` shuts its sockets down).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         timeout = ft.collective_timeout_s if self.backend == "nccl" else ft.step_timeout_s
+        if self.backend == "gloo":
+            comms.interruptible_waits(self._interrupt.check)  # a gloo wait blocks: `abort` must end it
         sockets = comms.recording_new_sockets(self._sockets) if self.backend == "gloo" else contextlib.nullcontext()
         with sockets:  # every gloo group connects its pairs when made: `abort` shuts them down
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=dims.world_size,
@@ -256,7 +260,6 @@ class MegatronEngine:
             self._snapshot = None  # its optimizer shard is the old position's
         self._position = (dims, rank)
         self._trained_since_connect = False
-        self._interrupt.clear()
         self._connected = True
         # Pinned host memory the first steps would otherwise wait for, pinned in the background.
         self.reserve_host_memory(self.snapshot_nbytes())  # the rollback snapshot (none with dist-opt and no keeper)
@@ -281,8 +284,9 @@ class MegatronEngine:
         """Make the running step (or rollout) raise `engine.Interrupted` at its next
         module forward or parameter gradient (`StepInterrupt`); called from another thread when
         the generation is aborted (an aborted NCCL collective returns without raising, so the
-        step would run on). Kernels already queued still run; `rollback` or a restore follows.
-        Cleared by `connect`."""
+        step would run on); on gloo also at once from any wait for a collective
+        (`comms.interruptible_waits`). Kernels already queued still run; `rollback` or a
+        restore follows. Cleared by `connect`."""
         self._interrupt.set()
 
     def abort(self, grace_s: float) -> None:
@@ -292,7 +296,7 @@ class MegatronEngine:
         is never left inside one. gloo has no abort: its groups' sockets are shut down first
         (`comms.shutdown_sockets`), which fails a collective blocked on a peer that is alive
         but gone elsewhere (a TP peer that left the step for the abort), at once rather than
-        at the group's timeout."""
+        at the group's timeout; a wait the shutdown does not fail ends at the interrupt."""
         self.interrupt()
         comms.shutdown_sockets(self._sockets)
         if dist.is_initialized():

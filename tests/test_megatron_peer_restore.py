@@ -194,10 +194,11 @@ def test_megatron_dp_sum_adds_over_the_dp_group_only():
             assert results[r] == {"sum": want, "dtype": "torch.float64", "device": "cpu", "progress": 1}, (r, results)
 
 
-def _abort_rank(proc: int, world: int, store) -> dict:
+def _abort_rank(proc: int, world: int, store, how: str) -> dict:
     """tp=2 on gloo (group timeout 20 s): rank 0 enters a TP all-reduce that rank 1, alive,
     never joins (as when a TP peer left its step for an abort); rank 0's control thread then
-    aborts its engine. Returns whether the all-reduce was freed within 3 s and its error."""
+    aborts its engine (`how` 'abort') or only interrupts it ('interrupt': no socket shut down,
+    no group aborted). Returns whether the all-reduce was freed within 3 s and its error."""
     import datetime
     import threading
     import time
@@ -215,14 +216,14 @@ def _abort_rank(proc: int, world: int, store) -> dict:
         try:
             dist.all_reduce(torch.ones(4), group=ps.get_tensor_model_parallel_group())
         except RuntimeError as err:
-            errors.append(str(err))
+            errors.append(f"{type(err).__name__}: {err}")
 
     t = threading.Thread(target=compute, daemon=True)
     t.start()
     t.join(1.0)
     blocked = t.is_alive()
     t0 = time.perf_counter()
-    e.abort(5.0)
+    e.abort(5.0) if how == "abort" else e.interrupt()
     t.join(3.0)
     out = {"blocked_before": blocked, "freed": not t.is_alive(), "freed_s": time.perf_counter() - t0,
            "errors": errors}
@@ -234,6 +235,17 @@ def test_megatron_abort_frees_a_tp_collective_whose_peer_left_on_gloo():
     """gloo has no abort: without the shutdown of the Megatron groups' sockets a rank in a TP
     all-reduce whose peer (alive) had left the step stayed there until the group's timeout,
     to be replaced as hung."""
-    result = spawn_ranks(_abort_rank, 2, timeout_s=120)[0]
+    result = spawn_ranks(_abort_rank, 2, "abort", timeout_s=120)[0]
     assert result["blocked_before"], result
     assert result["freed"] and result["errors"], result
+
+
+def test_the_interrupt_alone_ends_a_gloo_wait_of_the_megatron_engine():
+    """A wait the socket shutdown does not end (a send behind a partial write; a TP all-reduce
+    seen waiting with its group's connections all closed) ends at the abort's interrupt
+    (`comms.interruptible_waits`): shown here with no socket shut down and no group aborted.
+    Before, the wait lasted to the group's timeout and the rank was replaced as hung."""
+    result = spawn_ranks(_abort_rank, 2, "interrupt", timeout_s=120)[0]
+    assert result["blocked_before"], result
+    assert result["freed"] and result["freed_s"] < 1.0, result
+    assert result["errors"] and result["errors"][0].startswith("Interrupted"), result
