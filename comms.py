@@ -136,10 +136,9 @@ def interruptible_waits(check) -> None:
     block the host.
 
     Why: a gloo wait ends only when its work does, and the socket shutdown of an abort
-    (`shutdown_sockets`) does not end every work: a send queued behind a partial write is not
-    failed (`left_collective`), and a rank was seen still waiting in a TP all-reduce with all
-    of its group's connections closed. The compute thread must leave the aborted step for the
-    rank to join the next generation; else it is replaced as hung."""
+    (`shutdown_sockets`) does not end every work (a send queued behind a partial write is not
+    failed: `left_collective`; see docs/recovery.md, "Abort"). The compute thread must leave
+    the aborted step for the rank to join the next generation; else it is replaced as hung."""
     from torch._C._distributed_c10d import Work
 
     if not _wait_check:
