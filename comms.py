@@ -120,40 +120,48 @@ def shutdown_sockets(sockets: dict[int, str]) -> int:
     return n
 
 
-WAIT_SLICE = datetime.timedelta(milliseconds=50)
-"""How long an untimed `Work.wait` blocks between two checks (`interruptible_waits`)."""
+WAIT_SLICE = datetime.timedelta(milliseconds=10)
+"""How long `wait_work` blocks between two checks."""
 
+_torch_wait: list = []  # [torch's own Work.wait], once `interruptible_waits` replaced it
 _wait_check: list = []  # [check] of the engine that installed `interruptible_waits`
 
 
-def interruptible_waits(check) -> None:
-    """Make every untimed `Work.wait()` of this process (the wait of each synchronous
-    collective, and of each handle an async one returns) wait in `WAIT_SLICE` slices and call
-    `check()` between them; `check` raises to end the wait (`engine.StepInterrupt.check`:
-    `Interrupted` once the generation was aborted). Timed waits and completed works are
-    unchanged; a work that failed raises its own error. Installed once per process (a patch of
-    torch's `Work.wait`); a later call replaces `check`. For gloo only: an NCCL wait does not
-    block the host.
+def wait_work(work, check) -> bool:
+    """Wait for the collective `work` and return or raise as its own untimed `wait()` would;
+    meanwhile call `check()` every `WAIT_SLICE`, which raises to end the wait
+    (`engine.StepInterrupt.check`: `Interrupted` once the generation was aborted).
 
     Why: a gloo wait ends only when its work does, and the socket shutdown of an abort
     (`shutdown_sockets`) does not end every work (a send queued behind a partial write is not
     failed: `left_collective`; see docs/recovery.md, "Abort"). The compute thread must leave
     the aborted step for the rank to join the next generation; else it is replaced as hung."""
+    wait = _torch_wait[0] if _torch_wait else type(work).wait
+    while True:
+        try:
+            return wait(work, WAIT_SLICE)
+        except RuntimeError:
+            if work.is_completed():  # done meanwhile, or failed: its own result or error
+                return wait(work)
+            check()
+
+
+def interruptible_waits(check) -> None:
+    """Make every untimed `Work.wait()` of this process (the wait of each synchronous
+    collective, and of each handle an async one returns) a `wait_work` with `check`; timed
+    waits are unchanged. Installed once per process (a patch of torch's `Work.wait`); a later
+    call replaces `check`. For gloo only: an NCCL wait does not block the host. Why: the
+    collectives of Megatron-Core's layers and optimizer wait inside its own code."""
     from torch._C._distributed_c10d import Work
 
-    if not _wait_check:
-        untimed, wait = datetime.timedelta(0), Work.wait
+    if not _torch_wait:
+        _torch_wait.append(Work.wait)
+        untimed = datetime.timedelta(0)
 
         def sliced_wait(work, timeout: datetime.timedelta = untimed) -> bool:
             if timeout != untimed:
-                return wait(work, timeout)
-            while True:
-                try:
-                    return wait(work, WAIT_SLICE)
-                except RuntimeError:
-                    if work.is_completed():  # done meanwhile, or failed: its own result or error
-                        return wait(work)
-                    _wait_check[0]()
+                return _torch_wait[0](work, timeout)
+            return wait_work(work, _wait_check[0])
 
         Work.wait = sliced_wait
     _wait_check[:] = [check]

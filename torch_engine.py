@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import check_compatible
 from config import Config
-from comms import abort_process_groups, left_collective, recording_new_sockets, shutdown_sockets
+from comms import abort_process_groups, left_collective, recording_new_sockets, shutdown_sockets, wait_work
 from engine import StepInterrupt, state_digest
 from host_memory import HostCopy, carve_shard, state_nbytes, state_tensors
 from parallel_dims import ParallelDims
@@ -290,18 +290,9 @@ class TorchEngine:
 
     def _wait(self, work) -> None:
         """Wait for the collective `work` (async_op=True), and re-raise its error; raises
-        `Interrupted` within 10 ms of `interrupt` instead. Why: the abort's socket shutdown
-        (`MegatronActor.abort`) does not fail every gloo operation: a send queued behind a
-        partial write waits out the group's timeout (`step_timeout_s`; reproduced with two
-        ranks in tests/test_scenarios.py; gloo's tcp/pair.cc signals a failing pair's
-        bound-buffer sends only), and a survivor stuck there would be replaced as hung (see
-        docs/recovery.md, "Abort")."""
+        `Interrupted` within 10 ms of `interrupt` instead (`comms.wait_work` says why)."""
         self._work = work
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
-        while not done.wait(0.01):
-            self._interrupt.check()
-        work.wait()
+        wait_work(work, self._interrupt.check)
 
     def disconnect(self) -> None:
         """Forget the DDP wrapper and groups of an aborted generation (no collective). A gloo
