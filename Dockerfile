@@ -16,6 +16,8 @@ RUN grep -v '^torch==' requirements.txt > /tmp/requirements-no-torch.txt \
     && PIP_CONSTRAINT= pip install --no-cache-dir -r /tmp/requirements-no-torch.txt \
     && python -c "import transformer_engine.pytorch, torch; print('TE', transformer_engine.__version__, 'torch', torch.__version__)"
 COPY . .
+# The library (ftrain/) installed in place, its dependencies already there: importable from anywhere.
+RUN PIP_CONSTRAINT= pip install --no-cache-dir --no-deps -e .
 # NVLink multicast off on shared hosts (see README).
 ENV NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # `docker run --gpus all IMAGE`: the GPU demo on a local Ray (4 workers + 4 spares at 0.5 GPU:

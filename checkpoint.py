@@ -45,22 +45,17 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import fsspec
@@ -68,70 +63,25 @@ import fsspec.callbacks
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-import torch.utils.serialization
-from torch.distributed.checkpoint.metadata import StorageMeta
 
-from config import CheckpointConfig, Config, ConfigError
+from ftrain.config import CheckpointConfig, ConfigError
+from ftrain.state.checkpoint_io import (IO, as_checkpoint_error, check_local_file, describe, hashed_beside,
+                                        is_transient, no_zip_crc32, sha256_local, sha256_of)
+from ftrain.state.manifest import (LATEST, MANIFEST, CheckpointError, CheckpointMismatch, FileEntry, Manifest,
+                                   parse_manifest, step_dir)
+from ftrain.state.safe_load import SafeReader
 
 logger = logging.getLogger(__name__)
 # DCP warns on every no_dist call that it "assumes a single process": that is the intent here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-MANIFEST = "manifest.json"
-LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _WRITE_THREADS = 1  # >1 loses errors: DCP (torch 2.13) only prints exceptions of its extra writer threads
-_HASH_CHUNK = 8 << 20  # bytes
 _COMPOSE_MAX = 32  # source objects of one GCS compose request, at most
 _PART_STREAMS = 16  # GCS part objects uploaded at once
 _PART_BLOCK = 16 << 20  # bytes: a part's read size and its gcsfs write block (a multiple of 256 KiB)
 PROBE_BUDGET_S = 10.0  # retries of the start-up storage probe: a wrong endpoint is reported in seconds
-
-
-@dataclass
-class FileEntry:
-    """One file of a checkpoint: ``path`` relative to the step directory, ``size`` in bytes."""
-
-    path: str
-    size: int
-    sha256: str
-
-
-@dataclass
-class Manifest:
-    """What ``commit`` wrote to ``manifest.json``; ``created_at`` is Unix time in seconds."""
-
-    step: int
-    layout: dict
-    files: list[FileEntry]
-    extra: dict
-    created_at: float
-
-    @property
-    def run_id(self) -> str | None:
-        """The id of the run that committed it (``extra["run"]["id"]``), None if it names none."""
-        run = self.extra.get("run")
-        return run.get("id") if isinstance(run, dict) else None
-
-    def share(self, part: int, parts: int) -> list[FileEntry]:
-        """Part ``part`` of ``parts`` of the files (every ``parts``-th file from ``part``): rank r
-        of n checks and hashes this share of a checkpoint, before the load (sizes, or sha256
-        where the engine does not hash while loading) and beside it. The shares of parts
-        0..parts-1 hold every file exactly once. Raises ValueError unless 0 <= part < parts."""
-        if not 0 <= part < parts:
-            raise ValueError(f"share {part} of {parts}: part must be in [0, {parts})")
-        return self.files[part::parts]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved, committed, read or verified; the message names the URI."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """A checkpoint does not fit the state it is loaded into (a key missing or of another
-    shape), or its bytes do not match its manifest's sha256 (found while loading): the
-    checkpoint is bad for this run, the loading rank is not."""
 
 
 class _NotCommitted(CheckpointError):
@@ -140,55 +90,6 @@ class _NotCommitted(CheckpointError):
 
 class _InvalidManifest(_NotCommitted):
     """manifest.json is there but does not parse or names another step: a damaged checkpoint."""
-
-
-class IOProgress:
-    """Progress of this process's checkpoint I/O, for the health monitor (`io_progress()` in
-    each heartbeat: a slow save, verify or load is not a hang). Storage operations run inside
-    `operation(stall_s)`; the transfer loops report bytes (`moved(n)`: written, uploaded,
-    downloaded, hashed) at the granularity their client gives (a chunk, a part, a file).
-    `counter()` is monotonic: the bytes moved, plus one per call while some operation is within
-    its own deadline (`stall_s` seconds since it started or last moved bytes; a single request
-    of a slow upload reports its bytes only when it ends). An operation silent past its own
-    deadline stops the count, so the step deadline can name the rank hung. Thread-safe."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._bytes = self._ticks = 0
-        self._ops: dict[int, list[float]] = {}  # id -> [stall_s, last movement (monotonic)]
-
-    def moved(self, n: int) -> None:
-        with self._lock:
-            self._bytes += n
-            now = time.monotonic()
-            for op in self._ops.values():
-                op[1] = now
-
-    @contextlib.contextmanager
-    def operation(self, stall_s: float):
-        key = object()
-        with self._lock:
-            self._ops[id(key)] = [stall_s, time.monotonic()]
-        try:
-            yield
-        finally:
-            with self._lock:
-                del self._ops[id(key)]
-
-    def counter(self) -> int:
-        with self._lock:
-            now = time.monotonic()
-            if any(now - last <= stall for stall, last in self._ops.values()):
-                self._ticks += 1
-            return self._bytes + self._ticks
-
-
-IO = IOProgress()  # the process's checkpoint I/O (every manager of the process reports here)
-
-
-def io_progress() -> int:
-    """`IO.counter()`: this process's checkpoint I/O progress, for its heartbeat."""
-    return IO.counter()
 
 
 class _ProgressCallback(fsspec.callbacks.Callback):
@@ -258,10 +159,10 @@ class CheckpointManager:
     # ---------------------------------------------------------------- paths
     def step_uri(self, step: int) -> str:
         """URI of the directory of checkpoint ``step``."""
-        return f"{self.uri}/{_step_dir(step)}"
+        return f"{self.uri}/{step_dir(step)}"
 
     def _step_path(self, step: int) -> str:
-        return f"{self.root}/{_step_dir(step)}"
+        return f"{self.root}/{step_dir(step)}"
 
     # ---------------------------------------------------------------- save
     def save_shard(self, step: int, name: str, state_dict: dict) -> list[FileEntry]:
@@ -305,7 +206,7 @@ class CheckpointManager:
         unhashed = [n for n in paths if n not in hashed]
         # hashlib releases the GIL on large buffers: files hash in parallel.
         with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(unhashed))), thread_name_prefix="ckpt-hash") as pool:
-            digests = dict(zip(unhashed, pool.map(_sha256_local, [paths[n] for n in unhashed])))
+            digests = dict(zip(unhashed, pool.map(sha256_local, [paths[n] for n in unhashed])))
         entries = [FileEntry(f"{name}/{n}", os.path.getsize(p), hashed[n][1] if n in hashed else digests[n])
                    for n, p in paths.items()]
         if self._local:
@@ -365,7 +266,7 @@ class CheckpointManager:
             except FileNotFoundError:
                 pass
             except Exception as exc:  # noqa: BLE001 (not in the manifest; deleted with their step)
-                logger.warning("could not delete the upload parts of %s: %s", remote, _describe(exc))
+                logger.warning("could not delete the upload parts of %s: %s", remote, describe(exc))
 
     def get_files(self, step: int, files: list[FileEntry], stage_dir: str) -> None:
         """Download ``files`` (manifest entries of ``step``) from object storage into
@@ -380,7 +281,7 @@ class CheckpointManager:
             os.makedirs(d, exist_ok=True)
         self._retry(f"downloading {len(files)} files of {self.step_uri(step)}", self.fs.get, remote, local,
                     callback=_ProgressCallback())
-        problems = [p for f in files if (p := _check_local_file(stage_dir, f))]
+        problems = [p for f in files if (p := check_local_file(stage_dir, f))]
         if problems:  # a bad checkpoint, not storage down
             raise CheckpointMismatch(f"{self.step_uri(step)} failed verification: " + "; ".join(problems))
 
@@ -455,7 +356,7 @@ class CheckpointManager:
         cache), and a mismatch raises CheckpointMismatch once the load is done: the state it
         loaded into is then to be discarded (the caller loads another checkpoint)."""
         if expected is not None:
-            problems = [p for f in expected if (p := _check_local_file(step_dir, f, hash_file=False))]
+            problems = [p for f in expected if (p := check_local_file(step_dir, f, hash_file=False))]
             if problems:
                 raise CheckpointError(f"shard {name!r} at {where} failed verification: " + "; ".join(problems))
         reader = SafeReader(os.path.join(step_dir, name))
@@ -497,7 +398,7 @@ class CheckpointManager:
         try:
             self.fs.exists(f"{self.root}/{LATEST}")
         except Exception as exc:  # noqa: BLE001 (a warm-up; storage may be down now)
-            logger.debug("warming the storage client of %s: %s", self.uri, _describe(exc))
+            logger.debug("warming the storage client of %s: %s", self.uri, describe(exc))
 
     def endpoint(self) -> str:
         """The storage endpoint this manager talks to, for messages (no credentials)."""
@@ -537,7 +438,7 @@ class CheckpointManager:
             data = json.dumps(dataclasses.asdict(manifest), indent=1, sort_keys=True).encode()
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"cannot commit {where}: layout/extra not JSON-serializable: {exc}") from exc
-        manifest = _parse_manifest(data)  # as readers will see it (tuples become lists, ...)
+        manifest = parse_manifest(data)  # as readers will see it (tuples become lists, ...)
         self._retry(f"writing {where}/{MANIFEST}", self._write_atomic, f"{self._step_path(step)}/{MANIFEST}", data)
         self._retry(f"writing {self.uri}/{LATEST}", self._write_atomic, f"{self.root}/{LATEST}", str(step).encode())
         try:
@@ -605,7 +506,7 @@ class CheckpointManager:
                 raise _NotCommitted(f"no {MANIFEST} at {self.step_uri(step)}: step {step} is not committed") from None
             raise
         try:
-            manifest = _parse_manifest(data)
+            manifest = parse_manifest(data)
         except (ValueError, KeyError, TypeError) as exc:
             raise _InvalidManifest(f"invalid {where}: {exc!r}") from exc
         if manifest.step != step:
@@ -681,15 +582,15 @@ class CheckpointManager:
             except (Exception, dcp.CheckpointException) as exc:
                 elapsed = time.monotonic() - start
                 delay = self.retry_backoff_s * 2**attempt
-                if not _is_transient(exc):
-                    raise CheckpointError(f"{what} failed: {_describe(exc)}") from exc
+                if not is_transient(exc):
+                    raise CheckpointError(f"{what} failed: {describe(exc)}") from exc
                 if attempt >= self.max_retries or elapsed + delay > self.retry_budget_s:
                     raise CheckpointError(
                         f"{what} failed after {attempt + 1} attempts in {elapsed:.1f} s "
-                        f"(max_retries={self.max_retries}, retry_budget_s={self.retry_budget_s}): {_describe(exc)}"
+                        f"(max_retries={self.max_retries}, retry_budget_s={self.retry_budget_s}): {describe(exc)}"
                     ) from exc
                 attempt += 1
-                logger.warning("%s: transient error %s; retry %d/%d in %.2f s", what, _describe(exc), attempt, self.max_retries, delay)
+                logger.warning("%s: transient error %s; retry %d/%d in %.2f s", what, describe(exc), attempt, self.max_retries, delay)
                 time.sleep(delay)
                 self.fs.invalidate_cache()
 
@@ -729,7 +630,7 @@ class CheckpointManager:
 
     def _sha256(self, path: str) -> str:
         with self.fs.open(path, "rb") as f:
-            return _sha256_of(f)
+            return sha256_of(f)
 
     def _write_atomic(self, path: str, data: bytes) -> None:
         """Readers see the old content or all of ``data``: rename locally; one PUT remotely."""
@@ -762,98 +663,6 @@ def check_uri(k: CheckpointConfig, budget_s: float = PROBE_BUDGET_S) -> None:
         raise ConfigError(f"checkpoint.uri: {e}; check the URI, endpoint and credentials") from None
 
 
-def model_signature(cfg: Config) -> dict:
-    """What a checkpoint must match to be loaded into this run's model (recorded in manifests)."""
-    m = cfg.model
-    return {"engine": m.engine, "hf_path": m.hf_path, "vocab_size": m.vocab_size,
-            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
-            "ffn_hidden_size": m.ffn_hidden_size,
-            **({"rl": {"value_head": cfg.rl.advantage == "gae", "reference": cfg.rl.kl_coef > 0}}
-               if cfg.rl.enabled else {})}
-
-
-def check_compatible(cfg: Config, manifest: Manifest) -> None:
-    """Raise ConfigError naming both sides when `manifest` (a committed checkpoint) was written by
-    another model or a layout this engine cannot load."""
-    saved = manifest.extra.get("model")
-    ours = model_signature(cfg)
-    if saved is not None and saved != ours:
-        diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
-        raise ConfigError(f"model: checkpoint step {manifest.step} was written by another model "
-                          f"(field: checkpoint value vs this run: {diff}); point checkpoint.uri elsewhere "
-                          f"or use the model it was written with")
-    layout = manifest.layout
-    if ours["engine"] == "torch" and any(layout.get(k, 1) != 1 for k in ("tp", "pp", "cp")):
-        raise ConfigError(f"parallel: checkpoint step {manifest.step} has layout {layout}; the torch "
-                          f"engine loads data-parallel checkpoints only (tp=pp=cp=1)")
-
-
-def _step_dir(step: int) -> str:
-    return f"step_{int(step):08d}"
-
-
-def _parse_manifest(data: bytes) -> Manifest:
-    raw = json.loads(data)
-    manifest = Manifest(
-        step=int(raw["step"]),
-        layout=dict(raw["layout"]),
-        files=[FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in raw["files"]],
-        extra=dict(raw["extra"]),
-        created_at=float(raw["created_at"]),
-    )
-    for f in manifest.files:  # a manifest must not point outside its step directory
-        if f.path.startswith("/") or ".." in f.path.split("/") or "\\" in f.path:
-            raise ValueError(f"file path {f.path!r} escapes the checkpoint directory")
-    return manifest
-
-
-# What a DCP `.metadata` pickle may reference (read off torch 2.13's own files). Anything else,
-# e.g. `os.system`, is refused: a checkpoint must never run code when loaded.
-_METADATA_GLOBALS = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if ((module, name) in _METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata"
-                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-                or _is_plain_data(module, name)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata references {module}.{name}: refused")
-
-
-_PLAIN_DATA_MODULES = ("torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.filesystem")
-
-
-def _is_plain_data(module: str, name: str) -> bool:
-    """Whether `module.name` is a dataclass or an enum of DCP's planner or file-system modules
-    (`SavePlan`, `WriteItem`, `_StoragePrefix`, ...: Megatron's torch_dist metadata keeps its
-    save plans), which unpickle as data only, never running code."""
-    import enum
-    import importlib
-
-    if module not in _PLAIN_DATA_MODULES:
-        return False
-    cls = getattr(importlib.import_module(module), name, None)
-    return isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum))
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's FileSystemReader, with `.metadata` read by a restricted unpickler (DCP itself reads
-    tensors and objects with `torch.load(weights_only=True)`, but the metadata with `pickle`).
-    Every reader of checkpoint files derives from it (Megatron's too: `megatron_compat._Reader`).
-    `read_metadata` raises pickle.UnpicklingError naming a global outside the allow-list."""
-
-    def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        self.metadata = metadata  # kept: the caller compares its keys with what it loaded
-        return metadata
-
-
 def _protocols(fs) -> tuple:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
@@ -863,26 +672,6 @@ def _check_name(name: str) -> None:
         raise ValueError(f"invalid shard name {name!r}: use letters, digits, '_', '.', '-'")
 
 
-def as_checkpoint_error(what: str, fn: Callable, *args, error: type = CheckpointError, **kwargs) -> Any:
-    """``fn(*args, **kwargs)``; any error it raises, DCP's CheckpointException (a
-    BaseException) included, becomes ``error``("{what} failed: ..."), except that one caused by a
-    CheckpointError raised inside stays of its kind: CheckpointMismatch (a bad checkpoint) or a
-    plain CheckpointError (storage past its retry budget)."""
-    try:
-        return fn(*args, **kwargs)
-    except (Exception, dcp.CheckpointException) as exc:
-        inner = [e for e, _ in exc.failures.values()] if isinstance(exc, dcp.CheckpointException) else [exc]
-        cls = next((c for c in (CheckpointMismatch, CheckpointError) if any(isinstance(e, c) for e in inner)), error)
-        raise cls(f"{what} failed: {_describe(exc)}") from exc
-
-
-def _describe(exc: BaseException) -> str:
-    """repr of the error; for DCP's CheckpointException, of the errors it wraps (no tracebacks)."""
-    if isinstance(exc, dcp.CheckpointException):
-        return "; ".join(repr(e) for e, _ in exc.failures.values()) or repr(exc)
-    return repr(exc)
-
-
 def _dcp_save_fresh(state_dict: dict, directory: str, sync_files: bool) -> None:
     """DCP save into an emptied local directory (no stale files of an earlier attempt)."""
     shutil.rmtree(directory, ignore_errors=True)
@@ -890,79 +679,6 @@ def _dcp_save_fresh(state_dict: dict, directory: str, sync_files: bool) -> None:
     writer = dcp.FileSystemWriter(directory, thread_count=_WRITE_THREADS, sync_files=sync_files)
     with no_zip_crc32():
         dcp.save(state_dict, storage_writer=writer, no_dist=True)
-
-
-_crc_lock = threading.Lock()
-_crc_users = 0
-_crc_saved = True
-
-
-@contextlib.contextmanager
-def no_zip_crc32():
-    """torch.save (which DCP runs per tensor) computes a zip CRC32 of every byte, a full CPU pass
-    (~1/3 of DCP's save time on CPU) that torch.load never checks; our integrity check is the
-    manifest's sha256. The switch is process-global, so it is refcounted across saver threads
-    and restored when the last one ends."""
-    global _crc_users, _crc_saved
-    cfg = torch.utils.serialization.config.save
-    with _crc_lock:
-        if _crc_users == 0:
-            _crc_saved = cfg.compute_crc32
-            cfg.compute_crc32 = False
-        _crc_users += 1
-    try:
-        yield
-    finally:
-        with _crc_lock:
-            _crc_users -= 1
-            if _crc_users == 0:
-                cfg.compute_crc32 = _crc_saved
-
-
-def _sha256_of(f) -> str:
-    """Hex sha256 of the binary file object `f` read to its end; the bytes count as I/O progress."""
-    h = hashlib.sha256()
-    while chunk := f.read(_HASH_CHUNK):
-        h.update(chunk)
-        IO.moved(len(chunk))
-    return h.hexdigest()
-
-
-def _sha256_local(path: str) -> str:
-    with open(path, "rb") as f:
-        return _sha256_of(f)
-
-
-@contextlib.contextmanager
-def hashed_beside(step_dir: str, files: list[FileEntry], what: str):
-    """Hash `files` (manifest entries under the local `step_dir`) in threads while the body
-    runs: a load reading the same bytes waits for no hashing pass (the second reader finds them
-    in the page cache). Raises CheckpointMismatch naming `what` and the files after the body
-    when a sha256 differs, also when the body raised (changed bytes can make the load fail
-    first; the mismatch is the cause to name): the state the body loaded is then to be discarded."""
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(files))), thread_name_prefix="ckpt-hash") as pool:
-        digests = pool.map(lambda f: _sha256_local(os.path.join(step_dir, f.path)), files)
-        failure = None
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001 (re-raised below unless a mismatch explains it)
-            failure = e
-        if bad := [f"{f.path}: sha256 mismatch" for f, d in zip(files, digests) if d != f.sha256]:
-            raise CheckpointMismatch(f"{what} failed verification: {'; '.join(bad)}; "
-                                     f"the state loaded from it is to be discarded") from failure
-        if failure is not None:
-            raise failure
-
-
-def _check_local_file(step_dir: str, f: FileEntry, hash_file: bool = True) -> str | None:
-    path = os.path.join(step_dir, f.path)
-    if not os.path.isfile(path):
-        return f"{f.path}: missing"
-    if (size := os.path.getsize(path)) != f.size:
-        return f"{f.path}: size {size} bytes, expected {f.size}"
-    if hash_file and _sha256_local(path) != f.sha256:
-        return f"{f.path}: sha256 mismatch"
-    return None
 
 
 def _snapshot(obj: Any) -> Any:
@@ -978,27 +694,3 @@ def _snapshot(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-_TRANSIENT_BY_NAME = {
-    "botocore.exceptions.ConnectionError",  # refused, connect timeout, proxy
-    "botocore.exceptions.HTTPClientError",  # read timeout, connection closed
-    "botocore.exceptions.IncompleteReadError",
-    "aiohttp.client_exceptions.ClientError",
-}
-_PERMANENT_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
-def _is_transient(exc: BaseException) -> bool:
-    """Whether retrying may help: network/timeout/5xx-like errors, not missing files or bugs."""
-    if isinstance(exc, dcp.CheckpointException):
-        return any(_is_transient(e) for e, _ in exc.failures.values())
-    if isinstance(exc, _PERMANENT_OS_ERRORS):
-        return False
-    if isinstance(exc, (OSError, TimeoutError)):  # incl. aiohttp connection errors, s3fs-mapped errors
-        return True
-    names = {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
-    if names & _TRANSIENT_BY_NAME:
-        return True
-    if "gcsfs.retry.HttpError" in names:
-        code = getattr(exc, "code", None)
-        return code is None or code == 429 or (isinstance(code, int) and code >= 500)
-    return False

@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from config import Config, ConfigError, gpus_visible, load_config, resolve
-from parallel_dims import ParallelDims
+from ftrain.config import Config, ConfigError, gpus_visible, load_config, resolve
+from ftrain.distributed.parallel_dims import ParallelDims
 
 log = logging.getLogger("main")
 
@@ -46,7 +46,7 @@ def start_ray(cfg: Config, log_to_driver: bool = False) -> None:
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     c = cfg.cluster
     if c.ray_address:
-        from driver_failover import namespace
+        from ftrain.control.driver_failover import namespace
         ns = namespace(cfg.run_name) if cfg.fault_tolerance.driver_failover else None
         ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=log_to_driver, namespace=ns)
         return
@@ -78,8 +78,8 @@ def placement_plan(cfg: Config) -> list[dict]:
     (local index // actors per GPU), actors per GPU = 1 / cluster.gpus_per_actor; then the run's
     own `assign_roles` picks ranks (one per device first) and spares. Ray decides the real
     nodes and GPUs at run time; they are logged as `event=placement` lines."""
-    from actor_group import assign_roles
-    from actor_slot import ActorSlot
+    from ftrain.control.actor_group import assign_roles
+    from ftrain.control.actor_slot import ActorSlot
 
     c = cfg.cluster
     per_gpu = max(1, int(1 / c.gpus_per_actor + 1e-9))
@@ -123,7 +123,7 @@ def write_plots(cfg: Config, series: dict, recoveries: list[dict], replayed: dic
                 rewards: tuple[dict, dict] | None = None) -> None:
     """loss.png, recoveries.png and, with `rewards` ({step: reward}, {step: replayed rewards}),
     reward.png in `run_dir` (see plots.py)."""
-    from plots import plot_loss, plot_recoveries
+    from ftrain.ops.plots import plot_loss, plot_recoveries
 
     run_dir = Path(cfg.run_dir)
     paths = [plot_loss(run_dir / "loss.png", series, recoveries, replayed),
@@ -140,13 +140,15 @@ def run_steps(cfg: Config, kill_replica: int | None, kill_ranks: list[int] | Non
     After step 2 it kills the ranks `kill_ranks`, else every rank of DP replica `kill_replica`
     (None and None: no failure), once the spares have finished warming: the recovery it
     measures is the one of a warm pool."""
-    from actor_group import ActorGroup
-    from trainer import Trainer
+    from checkpoint import CheckpointManager
+    from ftrain.control.actor_group import ActorGroup
+    from ftrain.trainer import Trainer
+    from megatron_actor import MegatronActor
 
-    group = ActorGroup(cfg)
+    group = ActorGroup(MegatronActor, cfg)
     try:
         log_placement(group)
-        trainer = Trainer(cfg, group)
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
         trainer.train(1)
         trainer.save(1)
         trainer.train(2)
@@ -264,8 +266,9 @@ def plan_train_start(cfg: Config, fresh: bool):
     """How `train` starts (`run_identity.plan_start`), read from checkpoint.uri before Ray
     starts; with `fresh`, the checkpoints there are deleted first. Raises ConfigError (another
     run's checkpoints, storage past its retry budget)."""
-    from checkpoint import CheckpointError, CheckpointManager
-    from run_identity import plan_start
+    from checkpoint import CheckpointManager
+    from ftrain.state.manifest import CheckpointError
+    from ftrain.state.run_identity import plan_start
 
     ckpt = CheckpointManager.from_config(cfg.checkpoint)
     try:
@@ -284,12 +287,14 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    import driver_failover
-    from actor_group import ActorGroup
-    from fault_tolerance import reattach
-    from metrics import RunMetrics
-    from run_lease import DriverLease, LeaseHeld, LeaseLost, first_generation
-    from trainer import Trainer
+    from checkpoint import CheckpointManager
+    from ftrain.control import driver_failover
+    from ftrain.control.actor_group import ActorGroup
+    from ftrain.control.run_lease import DriverLease, LeaseHeld, LeaseLost, first_generation
+    from ftrain.ops.metrics import RunMetrics
+    from ftrain.recovery.fault_tolerance import reattach
+    from ftrain.trainer import Trainer
+    from megatron_actor import MegatronActor
 
     start = start or plan_train_start(cfg, fresh=False)
     cfg = start.cfg or cfg  # train.lr_decay_steps: the run's LR horizon
@@ -309,17 +314,17 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
         record = driver_failover.find(cfg, start.run, start.resume_step is not None)  # ConfigError: another run's actors
         failover = driver_failover.DriverFailover(cfg, epoch)
     try:
-        group = ActorGroup(cfg, attach=record, first_generation=first_generation(epoch), data=data)
+        group = ActorGroup(MegatronActor, cfg, attach=record, first_generation=first_generation(epoch), data=data)
     except driver_failover.CannotReattach as e:
         log.warning("driver failover: cannot reattach (%s): removing what is left, starting as a new driver", e)
         driver_failover.remove(list(record["actors"]), ns, keep_lease=True)
-        record, group = None, ActorGroup(cfg, first_generation=first_generation(epoch), data=data)
+        record, group = None, ActorGroup(MegatronActor, cfg, first_generation=first_generation(epoch), data=data)
     ended = superseded = False
     try:
         log_placement(group)
         with tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True,
                   disable=args.quiet or not sys.stderr.isatty()) as bar, logging_redirect_tqdm():
-            trainer = Trainer(cfg, group, RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar),
+            trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint), RunMetrics(cfg.train.global_batch_size * cfg.train.seq_len, bar),
                               run=start.run)
             if trainer.data is not None:
                 log.info(trainer.data.describe(cfg.train.steps))
@@ -387,7 +392,7 @@ def cmd_stop(cfg: Config) -> int:
     (fault_tolerance.driver_failover) from the cluster `cluster.ray_address`."""
     import ray
 
-    import driver_failover
+    from ftrain.control import driver_failover
 
     ns = driver_failover.namespace(cfg.run_name)
     try:
@@ -466,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(plan_args: list[str]) -> int:
     """`main.py plan ARGS`: the capacity planner (planner.py) with ARGS (its own --help)."""
-    import planner
+    from ftrain.ops import planner
 
     planner.main(plan_args)
     return 0
@@ -474,7 +479,7 @@ def cmd_plan(plan_args: list[str]) -> int:
 
 def setup_logging(args) -> None:
     """Key=value event lines on stderr at the level of --log-level, else -q / -v / INFO."""
-    from metrics import KeyValueFormatter
+    from ftrain.ops.metrics import KeyValueFormatter
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(KeyValueFormatter())
@@ -487,7 +492,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["plan"]:
         return cmd_plan(argv[1:])
     if argv[:1] == ["data"]:
-        import data_prepare
+        from ftrain.data import prepare as data_prepare
         return data_prepare.main(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args)
@@ -498,10 +503,10 @@ def main(argv=None) -> int:
         gpus = raw.cluster.gpus_per_node if args.dry_run and raw.cluster.gpus_per_node else None
         cfg = resolve(raw, num_gpus=gpus)
         if cfg.data.kind == "prompts" and "://" in cfg.data.path and not cfg.data.path.startswith("file://"):
-            from data import check_reachable
+            from ftrain.data.dataset import check_reachable
             check_reachable(cfg.data.path, "data.path")  # in one line, before the prompt set is read
         if cfg.rl.enabled:
-            from rl import check_task
+            from ftrain.rl.rollouts import check_task
             check_task(cfg)
         dims = ParallelDims.from_config(cfg)
         if args.mode == "demo" and args.kill_ranks:
@@ -518,13 +523,14 @@ def main(argv=None) -> int:
             from checkpoint import check_uri
             check_uri(cfg.checkpoint)  # storage needs no cluster: checked before Ray starts
             if cfg.cluster.ray_address is None:
-                import local_ray
-                from actor_group import preflight
+                from ftrain.control import local_ray
+                from ftrain.control.actor_group import preflight
+
                 # A local Ray's size is known before it starts: refuse a layout that cannot fit now.
                 preflight(cfg, {"CPU": local_ray_cpus(cfg), "GPU": gpus_visible()})
                 local_ray.reap(cfg.run_dir)  # what a killed driver of this run left running
             if cfg.data.kind in ("mock", "indexed", "sft"):  # every data file checked before Ray starts (prompts: check_task)
-                from data import open_data
+                from ftrain.data.dataset import open_data
                 data = open_data(cfg)
             if args.mode == "train":
                 start = plan_train_start(cfg, args.fresh)
@@ -535,13 +541,13 @@ def main(argv=None) -> int:
     if args.dry_run:
         print_dry_run(cfg)
         return 0
-    from failures import ClusterError, DataError, RecoveryError
+    from ftrain.failures import ClusterError, DataError, RecoveryError
 
     start_ray(cfg, log_to_driver=args.verbose)
     if args.mode == "stop":
         return cmd_stop(cfg)
     if cfg.cluster.ray_address is None:
-        import local_ray
+        from ftrain.control import local_ray
         local_ray.record(cfg.run_dir)
     try:
         return cmd_demo(cfg, args) if args.mode == "demo" else cmd_train(cfg, args, start, data)

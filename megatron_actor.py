@@ -1,6 +1,8 @@
 """`MegatronActor`: the Ray actor of one rank (or of one pre-warmed spare). It drives an engine
 (`engine.Engine`: `TorchEngine` on CPU, `MegatronEngine` on GPU) through one membership
-generation after another; the driver's `actor_group.ActorGroup` creates and calls it.
+generation after another; the driver's `ftrain.control.actor_group.ActorGroup` creates and calls it
+(`ActorGroup(MegatronActor, cfg)`), each call split over the ranks as the method declares
+(`dispatch.register`).
 
 Control plane vs data plane: compute methods (`build`, `join`, `train_step`, checkpoint and
 restore) run on the actor's default thread and may block inside a collective; control methods
@@ -25,17 +27,20 @@ import time
 
 import ray
 
-from checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, Manifest, io_progress
-from config import CHAOS_KINDS, CHAOS_POINTS, Config
-from comms import collective_counts, use_node_interface
-from failures import InjectedFault, StaleGenerationError
-from host_memory import SharedArena, process_gone
-from keeper import (MAPPED_AHEAD, LocalMaps, ShardSender, keeps_locally, keeps_shards, load_adopted_shard, load_local,
-                    local_key, shard_key)
-from lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
-from parallel_dims import ParallelDims
-from rendezvous import arrive, release, wait_formed
-from snapshots import SnapshotSender, from_wire
+from checkpoint import CheckpointManager
+from dispatch import register
+from ftrain.config import CHAOS_KINDS, CHAOS_POINTS, Config
+from ftrain.control.lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
+from ftrain.control.rendezvous import arrive, release, wait_formed
+from ftrain.distributed.comms import collective_counts, use_node_interface
+from ftrain.distributed.parallel_dims import ParallelDims
+from ftrain.failures import InjectedFault, StaleGenerationError
+from ftrain.state.checkpoint_io import io_progress
+from ftrain.state.host_memory import SharedArena, process_gone
+from ftrain.state.keeper import (MAPPED_AHEAD, LocalMaps, ShardSender, keeps_locally, keeps_shards, load_adopted_shard,
+                                 load_local, local_key, shard_key)
+from ftrain.state.manifest import CheckpointError, CheckpointMismatch, Manifest
+from ftrain.state.snapshots import SnapshotSender, from_wire
 
 CONTROL = "control"
 FAULT_KINDS = tuple(k for k in CHAOS_KINDS if k != "node")  # node loss is done by the driver
@@ -84,7 +89,7 @@ class MegatronActor:
         while time.monotonic() - self._last_ping < timeout:
             time.sleep(min(1.0, timeout / 4))
         if self._pinged:
-            from driver_failover import remove
+            from ftrain.control.driver_failover import remove
             remove([])
         os._exit(0)
 
@@ -173,16 +178,16 @@ class MegatronActor:
         Returns seconds."""
         t0 = time.perf_counter()
         if data is not None:
-            from rank_rows import RankRows
+            from ftrain.data.rank_rows import RankRows
             self.rows = RankRows(data)
         if self.cfg.model.engine == "megatron":
-            from megatron_engine import MegatronEngine as Engine
+            from ftrain.engines.megatron_engine import MegatronEngine as Engine
         else:
-            from torch_engine import TorchEngine as Engine
+            from ftrain.engines.torch_engine import TorchEngine as Engine
         self.engine = Engine(self.cfg)
         self.engine.fault_point = self.fault_point
         if self.cfg.cluster.device == "cuda":
-            self.engine.warm_up()
+            self.engine.warm_up(CheckpointManager)
         self.life.move(SPARE)
         return time.perf_counter() - t0
 
@@ -203,7 +208,7 @@ class MegatronActor:
         self.life.move(WARMING)
         self._store_client(host, port)
         self.engine.reserve_host_memory(*host_nbytes)
-        self.engine.warm_up()
+        self.engine.warm_up(CheckpointManager)
         self.ckpt.warm_client()
         if local_holder is not None:  # last, in the background: only a faster restore waits on it
             self._local_maps.start(local_holder)
@@ -215,7 +220,8 @@ class MegatronActor:
         healthy, else the reason in one line."""
         import torch
 
-        from device_probe import probe_device
+        from ftrain.control.device_probe import probe_device
+
         # Ray's CUDA_VISIBLE_DEVICES leaves an actor its own GPU(s) only: device 0 is its own.
         return probe_device(torch.device("cuda", 0) if self.cfg.cluster.device == "cuda" else torch.device("cpu"))
 
@@ -319,6 +325,7 @@ class MegatronActor:
             raise StaleGenerationError(
                 f"rank {self.rank}: call for generation {generation}, actor is in {self.generation}")
 
+    @register("mesh")
     def train_step(self, generation: int, step: int, batch=None) -> dict:
         """Run train step `step` on this rank's part of the batch (see the engine); `batch`
         None: this rank reads its DP replica's rows itself (`RankRows.train_batch`; a row that
@@ -415,6 +422,7 @@ class MegatronActor:
                 got["unmap_s"] = time.perf_counter() - t0
         return {k: got[k] for k in ("how", "taken_over", "find_s", "load_s", "unmap_s")}
 
+    @register("mesh")
     def generate(self, generation: int, step: int, prompts, stop_ids: tuple[int, ...], pad_id: int) -> dict:
         """RL rollout of step `step`: sample completions of this DP replica's prompt rows (a
         TrainingBatch of right-padded prompts, rows d, d+dp, ... of the global batch as
@@ -425,6 +433,7 @@ class MegatronActor:
         dp, d = self.dims.dp, self.dims.coords(self.rank).dp
         return self.engine.generate(prompts, step, list(range(d, d + len(prompts) * dp, dp)), stop_ids, pad_id)
 
+    @register("pass_through")
     def save_checkpoint(self, generation: int, step: int, async_save: bool = False) -> list | str | dict:
         """Write this rank's shards of step `step`; returns the files written, or the message of
         a storage error (CheckpointError: storage down past the retry budget), which is not a
@@ -458,6 +467,7 @@ class MegatronActor:
             else:
                 concurrent.futures.wait([save])
 
+    @register("pass_through")
     @ray.method(concurrency_group=CONTROL)
     def checkpoint_written(self, generation: int) -> bool:
         """Whether the background part of the async save in flight, if any, has ended (written,
@@ -466,6 +476,7 @@ class MegatronActor:
         self._check(generation)
         return all(f.done() for f in self._pending_save or [])
 
+    @register("pass_through")
     def finish_checkpoint(self, generation: int) -> list | str:
         """Wait for the background write started by `save_checkpoint(async_save=True)`; returns
         its files, or the message of its storage error."""
@@ -489,6 +500,7 @@ class MegatronActor:
         except CheckpointError as e:
             return str(e)
 
+    @register("pass_through")
     def load_checkpoint(self, generation: int, manifest: Manifest) -> dict | str:
         """Load this rank's state from a committed, verified checkpoint; returns {"step": its
         step, "warnings": what the load noticed without stopping (keys only the checkpoint holds),
@@ -505,6 +517,7 @@ class MegatronActor:
             return {"storage": str(e)}
         return {"step": manifest.step, "warnings": list(self.ckpt.load_warnings)}
 
+    @register("pass_through")
     def rollback(self, generation: int, step: int) -> bool:
         """Return to committed step `step` from local state (in-memory snapshot, or the initial
         state for step 0). False when this rank cannot (a spare that holds no trained state)."""

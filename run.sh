@@ -10,13 +10,14 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=cuda; else flavour=cpu; fi
-stamp=".venv/.installed-$flavour-$(cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)"
+stamp=".venv/.installed-$flavour-$(cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   if [ "$flavour" = cpu ]; then
     .venv/bin/python -m pip install -q "torch==2.13.0" ${PIP_TORCH_INDEX:+--index-url "$PIP_TORCH_INDEX"}
   fi
   .venv/bin/python -m pip install -q -r requirements-dev.txt
+  .venv/bin/python -m pip install -q --no-deps -e .  # the library, ftrain/: importable from anywhere
   touch "$stamp"
 fi
 mode=${1:-demo}

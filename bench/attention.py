@@ -32,7 +32,7 @@ def measure(cfg, sdpa: bool, ids, repeats: int) -> tuple[dict, object]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_model import build_gpt_model
+    from ftrain.engines.megatron_model import build_gpt_model
 
     torch.manual_seed(cfg.train.seed)
     model_parallel_cuda_manual_seed(cfg.train.seed)
@@ -70,8 +70,8 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from config import load_config, resolve
-    from flops import flops_per_token, matmul_params
+    from ftrain.config import load_config, resolve
+    from ftrain.ops.flops import flops_per_token, matmul_params
 
     cfg = resolve(load_config(None, [*MODEL_1B, "cluster.num_workers=1", "cluster.num_spares=0", *args.overrides]))
     torch.cuda.set_device(0)

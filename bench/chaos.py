@@ -77,7 +77,7 @@ def chaos_events(faults: list[dict]) -> list[dict]:
 
 
 def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list):
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
     return resolve(load_config(ROOT / "config.yaml", [
         "cluster.num_nodes=3", "cluster.num_workers=2", f"cluster.num_spares={spares}",
         "cluster.cpus_per_actor=0.5", f"train.steps={steps}", f"checkpoint.interval={INTERVAL}",
@@ -101,9 +101,12 @@ def corrupt_newest(ckpt) -> int:
 def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     import ray
     from ray.cluster_utils import Cluster
-    from local_storage import S3Server
-    from actor_group import ActorGroup
-    from trainer import Trainer
+
+    from checkpoint import CheckpointManager
+    from ftrain.control.actor_group import ActorGroup
+    from ftrain.testbeds.local_storage import S3Server
+    from ftrain.trainer import Trainer
+    from megatron_actor import MegatronActor
 
     faults = schedule(n_faults, seed)
     steps = faults[-1]["step"] + GAP
@@ -123,15 +126,15 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
     tag = f"chaos-{int(time.time())}"
     try:
         ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, 0, [])
-        group = ActorGroup(ref_cfg)
+        group = ActorGroup(MegatronActor, ref_cfg)
         try:
-            ref = Trainer(ref_cfg, group)
+            ref = Trainer(ref_cfg, group, CheckpointManager.from_config(ref_cfg.checkpoint))
             ref.train(steps)
         finally:
             group.shutdown()
 
         cfg = make_cfg(s3.uri(f"{tag}/run"), f"/tmp/{tag}/run", steps, 6, chaos_events(faults))
-        group = ActorGroup(cfg)
+        group = ActorGroup(MegatronActor, cfg)
         by_step = {f["step"]: f for f in faults}
         corrupted: set[int] = set()
         outage: list[threading.Thread] = []
@@ -160,7 +163,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3) -> dict:
 
         try:
             t0 = time.perf_counter()
-            run = Trainer(cfg, group)
+            run = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
             run.train(steps, after_step=after_step)
             wall = time.perf_counter() - t0
         finally:

@@ -77,10 +77,11 @@ import torch
 
 from bench import write_json
 from checkpoint import CheckpointManager
-from config import Config
-from local_storage import GCSServer, S3Server, free_port  # sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT before gcsfs loads
-from parallel_dims import ParallelDims
-from torch_engine import TorchEngine
+from ftrain.config import Config
+from ftrain.distributed.parallel_dims import ParallelDims
+from ftrain.engines.torch_engine import TorchEngine
+from ftrain.testbeds.local_storage import (GCSServer,  # sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT before gcsfs loads
+                                           S3Server, free_port)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -182,7 +183,7 @@ class ServerProcess:
     def __init__(self, kind: str):
         cls = {"s3": S3Server, "gcs": GCSServer}[kind]
         self.server = cls(port=free_port())
-        code = (f"import time; from local_storage import {cls.__name__} as C; C(port={self.server.port}).start(); "
+        code = (f"import time; from ftrain.testbeds.local_storage import {cls.__name__} as C; C(port={self.server.port}).start(); "
                 "print('ready', flush=True); time.sleep(1e9)")
         # the emulators print a traceback per client that closes a connection early: keep it in a log
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{kind}-server-", suffix=".log", delete=False)
@@ -302,10 +303,10 @@ def bench_megatron(args, tmp: str, report) -> dict:
 
     import torch.distributed as dist
 
-    from config import load_config, resolve
-    from host_memory import state_tensors
-    from megatron_engine import MegatronEngine
-    from training_batch import synthetic_batch
+    from ftrain.config import load_config, resolve
+    from ftrain.data.training_batch import synthetic_batch
+    from ftrain.engines.megatron_engine import MegatronEngine
+    from ftrain.state.host_memory import state_tensors
 
     cfg = resolve(load_config(args.config, ["model.engine=megatron", "cluster.num_workers=1", "cluster.num_spares=0",
                                             "checkpoint.async_save=true", *args.overrides]))

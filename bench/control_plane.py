@@ -71,19 +71,20 @@ from pathlib import Path
 
 import ray
 
-from actor_slot import ActorSlot
-from agent_tree import FANOUT, depth
 from bench import actor_env, write_json
 from bench.control_rank import ControlRank
 from bench.scale import loglog_slope, mem_available_gb, pss_mb
-from config import load_config
-from dispatch import dispatch_remote
-from failures import WorkerFailure
-from fault_tolerance import plan_restore
-from health import HealthMonitor
-from node_agent import NodeAgent, NodeCalls
-from parallel_dims import ParallelDims
-from trainer import freeze_heap
+from dispatch import MeshDispatch
+from ftrain.config import load_config
+from ftrain.control.actor_slot import ActorSlot
+from ftrain.control.agent_tree import FANOUT, depth
+from ftrain.control.health import HealthMonitor
+from ftrain.control.node_agent import NodeAgent, NodeCalls
+from ftrain.distributed.fanout import dispatch_remote
+from ftrain.distributed.parallel_dims import ParallelDims
+from ftrain.failures import WorkerFailure
+from ftrain.recovery.fault_tolerance import plan_restore
+from ftrain.trainer import freeze_heap
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTE = "control plane only: the rank actors' engine does no math"
@@ -208,8 +209,8 @@ class Run:
         dims = ParallelDims(tp=self.args.tp, pp=1, cp=1, dp=self.n // self.args.tp)
         args = (self.generation, step, batch, hold_s)
         if direct:
-            return dispatch_remote([s.handle for s in self.workers], "train_step", dims, "mesh", *args, put=ray.put)
-        return self.calls.start(self.workers, "train_step", dims, "mesh", args)
+            return dispatch_remote([s.handle for s in self.workers], "train_step", dims, MeshDispatch, *args, put=ray.put)
+        return self.calls.start(self.workers, "train_step", dims, MeshDispatch, args)
 
     def use(self, mode: str) -> None:
         """Heartbeats and step calls through the tree of arity `--fanout` from now on (`mode`

@@ -15,8 +15,8 @@ import time
 
 import ray
 
-from failures import StaleGenerationError
-from rendezvous import arrive, release, wait_formed
+from ftrain.control.rendezvous import arrive, release, wait_formed
+from ftrain.failures import StaleGenerationError
 
 CONTROL = "control"
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench import write_json  # noqa: E402
-from host_memory import pinned_empty  # noqa: E402
+from ftrain.state.host_memory import pinned_empty  # noqa: E402
 
 
 def main(argv=None):

@@ -29,8 +29,8 @@ import ray
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import driver_failover  # noqa: E402
 from bench import actor_env  # noqa: E402
+from ftrain.control import driver_failover  # noqa: E402
 
 STEPS, KILL_AT, INTERVAL = 10, 6, 4
 SETS = ["cluster.num_workers=2", "cluster.num_spares=1", f"train.steps={STEPS}",

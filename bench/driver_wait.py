@@ -37,14 +37,14 @@ import time
 
 import ray
 
-from agent_tree import FANOUT
 from bench import write_json
 from bench.scale import loglog_slope
-from config import FaultToleranceConfig
-from health import HealthMonitor
-from node_agent import AgentCalls
-from rank_rows import global_digest
-from trainer import freeze_heap
+from ftrain.config import FaultToleranceConfig
+from ftrain.control.agent_tree import FANOUT
+from ftrain.control.health import HealthMonitor
+from ftrain.control.node_agent import AgentCalls
+from ftrain.data.rank_rows import global_digest
+from ftrain.trainer import freeze_heap
 
 
 def step_results(n: int, rows: int, step: int) -> list[dict]:

@@ -37,10 +37,11 @@ def _variant(name: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    import megatron_engine
-    from config import load_config, resolve
-    from parallel_dims import ParallelDims
-    from training_batch import synthetic_batch
+    from checkpoint import CheckpointManager
+    from ftrain.config import load_config, resolve
+    from ftrain.data.training_batch import synthetic_batch
+    from ftrain.distributed.parallel_dims import ParallelDims
+    from ftrain.engines import megatron_engine
 
     cfg = resolve(load_config(None, MODEL), num_gpus=1)
     megatron_engine.configure_host_allocator()
@@ -66,7 +67,7 @@ def _variant(name: str) -> dict:
         megatron_engine.MegatronEngine._snapshot_to_host = lambda self: None
     t0 = time.perf_counter()
     e = megatron_engine.MegatronEngine(cfg)
-    warm_up_s = e.warm_up() if name == "warm_up" else 0.0
+    warm_up_s = e.warm_up(CheckpointManager) if name == "warm_up" else 0.0
     join(e, 1)
     build_s = time.perf_counter() - t0
     if name in ("spare_reserved", "warm_up"):  # before any failure: not part of the steps timed below

@@ -31,7 +31,7 @@ import json
 import statistics
 from pathlib import Path
 
-from planner import DATA, PHASES, fit_phase
+from ftrain.ops.planner import DATA, PHASES, fit_phase
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GPU_RUN = "recovery_1b_exactpin_nvidia-h200-x2_2026-11-30c.json"  # newest GPU recovery benchmark (1.36B)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench import write_json  # noqa: E402
-from host_memory import SharedArena, pinned_empty  # noqa: E402
+from ftrain.state.host_memory import SharedArena, pinned_empty  # noqa: E402
 
 
 def host_buffer(kind: str, nbytes: int) -> torch.Tensor:

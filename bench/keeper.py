@@ -64,12 +64,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import write_json  # noqa: E402
-from config import load_config, resolve  # noqa: E402
-from host_memory import state_nbytes  # noqa: E402
-from keeper import ShardSender, shard_key  # noqa: E402
-from parallel_dims import ParallelDims  # noqa: E402
-from snapshots import SnapshotHolder  # noqa: E402
-from training_batch import synthetic_batch  # noqa: E402
+from ftrain.config import load_config, resolve  # noqa: E402
+from ftrain.data.training_batch import synthetic_batch  # noqa: E402
+from ftrain.distributed.parallel_dims import ParallelDims  # noqa: E402
+from ftrain.state.host_memory import state_nbytes  # noqa: E402
+from ftrain.state.keeper import ShardSender, shard_key  # noqa: E402
+from ftrain.state.snapshots import SnapshotHolder  # noqa: E402
 
 
 def cut(state, fraction: float):
@@ -290,9 +290,9 @@ def main(argv=None) -> dict:
     cfg = resolve(load_config(args.config, ["cluster.num_workers=1", "cluster.num_spares=0",
                                             "model.distributed_optimizer=true", f"train.steps={steps}", *args.sets]))
     if cfg.model.engine == "megatron":
-        from megatron_engine import MegatronEngine as Engine
+        from ftrain.engines.megatron_engine import MegatronEngine as Engine
     else:
-        from torch_engine import TorchEngine as Engine
+        from ftrain.engines.torch_engine import TorchEngine as Engine
     engine = Engine(cfg)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -46,7 +46,7 @@ SETTINGS = ["cluster.num_nodes=2", "cluster.num_workers=2", "cluster.num_spares=
 
 
 def make_cfg(run_dir: str, *overrides: str):
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
 
     return resolve(load_config(str(ROOT / "config.yaml"), [
         *SETTINGS, f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt", *overrides]), num_gpus=0)
@@ -57,11 +57,13 @@ def run_case(bed, fault: str | None, run_dir: str) -> dict:
     on the host of rank 1 (None: no fault). Returns the losses and the measurements."""
     import ray
 
-    from actor_group import ActorGroup
-    from trainer import Trainer
+    from checkpoint import CheckpointManager
+    from ftrain.control.actor_group import ActorGroup
+    from ftrain.trainer import Trainer
+    from megatron_actor import MegatronActor
 
     cfg = make_cfg(run_dir, *(["checkpoint.interval=2"] if fault == "cut_save" else []))
-    group = ActorGroup(cfg)
+    group = ActorGroup(MegatronActor, cfg)
     # The spares warm up in the background (store connect, warm-up step); a fault this early in
     # a run would otherwise meet them still warming: wait until their compute threads are free.
     ray.get([s.handle.noop.remote() for s in group.pool.spares], timeout=120)
@@ -69,7 +71,7 @@ def run_case(bed, fault: str | None, run_dir: str) -> dict:
     ends: list[float] = []
     row: dict = {}
     try:
-        trainer = Trainer(cfg, group)
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
         host = next(i for i, h in enumerate(bed.hosts) if h.ip == group.workers[1].node_ip)
 
         def hit(action) -> None:
@@ -115,7 +117,7 @@ def run_case(bed, fault: str | None, run_dir: str) -> dict:
 
 
 def measure(faults: list[str]) -> list[dict]:
-    from network_testbed import RAY_ENV, TestBed, available
+    from ftrain.testbeds.network_testbed import RAY_ENV, TestBed, available
 
     reason = available()
     if reason:

@@ -20,11 +20,13 @@ import json
 import time
 from pathlib import Path
 
-from actor_group import ActorGroup
-from config import load_config, resolve
+from checkpoint import CheckpointManager
+from ftrain.config import load_config, resolve
+from ftrain.control.actor_group import ActorGroup
+from ftrain.distributed.parallel_dims import ParallelDims
+from ftrain.trainer import Trainer
 from main import start_ray
-from parallel_dims import ParallelDims
-from trainer import Trainer
+from megatron_actor import MegatronActor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,9 +40,9 @@ def failures(steps: int) -> list[dict]:
 def run(cfg) -> dict:
     """Train `cfg` for train.steps steps; returns rewards, losses, recoveries and seconds."""
     t0 = time.perf_counter()
-    group = ActorGroup(cfg)
+    group = ActorGroup(MegatronActor, cfg)
     try:
-        trainer = Trainer(cfg, group)
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
         trainer.train(cfg.train.steps)
     finally:
         group.shutdown()

@@ -91,12 +91,12 @@ def make_engine(cfg):
     """The run's engine (`model.engine`), connected as the only rank of a process group of one."""
     import torch.distributed as dist
 
-    from parallel_dims import ParallelDims
+    from ftrain.distributed.parallel_dims import ParallelDims
 
     if cfg.model.engine == "megatron":
-        from megatron_engine import MegatronEngine as Engine
+        from ftrain.engines.megatron_engine import MegatronEngine as Engine
     else:
-        from torch_engine import TorchEngine as Engine
+        from ftrain.engines.torch_engine import TorchEngine as Engine
     engine = Engine(cfg)
     engine.connect(dist.HashStore(), ParallelDims(tp=1, pp=1, cp=1, dp=1), 0)
     return engine
@@ -106,8 +106,8 @@ def step_batch(cfg, step: int):
     """The trainer's batch of `step` (`synthetic_batch`) with its loss weights at dp = 1."""
     import dataclasses
 
-    from ppo import global_loss_weights
-    from training_batch import synthetic_batch
+    from ftrain.data.training_batch import synthetic_batch
+    from ftrain.objectives.ppo import global_loss_weights
 
     t, m = cfg.train, cfg.model
     batch = synthetic_batch(t.seed, step, t.global_batch_size, t.seq_len, m.vocab_size)
@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
         p.error("--steps must be >= 1, --warmup >= 0")
     import torch
 
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
 
     big = resolve(load_config(None, args.overrides)).cluster.device == "cuda" and not args.small
     batch = args.global_batch or (16 if big else None)

@@ -48,12 +48,14 @@ from pathlib import Path
 
 import ray
 
-from actor_group import ActorGroup
-from config import load_config, resolve
-from keeper import keeps_locally, local_key
+from checkpoint import CheckpointManager
+from ftrain.config import load_config, resolve
+from ftrain.control.actor_group import ActorGroup
+from ftrain.distributed.parallel_dims import ParallelDims
+from ftrain.state.keeper import keeps_locally, local_key
+from ftrain.trainer import Trainer
 from main import losses_match, start_ray
-from parallel_dims import ParallelDims
-from trainer import Trainer
+from megatron_actor import MegatronActor
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a run with the defaults may still set: the cluster's size, the model's shape, the steps.
@@ -125,9 +127,9 @@ def full_restart(cfg, detect_s: float) -> float:
     """Seconds from the failure to the first step done after a whole-job restart from the newest
     checkpoint (the steps since that checkpoint are lost on top of this)."""
     t0 = time.perf_counter()
-    group = ActorGroup(cfg)
+    group = ActorGroup(MegatronActor, cfg)
     try:
-        trainer = Trainer(cfg, group)
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
         manifest = trainer.ckpt.latest_verified()
         group.call("load_checkpoint", manifest)
         trainer.committed_step = manifest.step
@@ -142,9 +144,9 @@ def reference_run(cfg, steps: int) -> tuple[dict, list[str]]:
     large model's checkpoints would crowd the disk): (losses, state digests)."""
     uri = cfg.checkpoint.uri + "-reference"
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, uri=uri))
-    group = ActorGroup(cfg)
+    group = ActorGroup(MegatronActor, cfg)
     try:
-        trainer = Trainer(cfg, group)
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
         trainer.train(steps)
         return trainer.losses, group.state_digests()
     finally:
@@ -177,8 +179,8 @@ def main(argv=None) -> dict:
     steps = 3 + 3 * args.repeats
     ref_losses, ref_digests = (None, None) if args.no_reference else reference_run(cfg, steps)
 
-    group = ActorGroup(cfg)
-    trainer = Trainer(cfg, group)
+    group = ActorGroup(MegatronActor, cfg)
+    trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
     trainer.train(3)
     committed_at_kill = []
     for i in range(args.repeats):

@@ -55,7 +55,7 @@ def train_speed(cfg, rows: int, compiled: bool, steps: int, warmup: int, peak: f
     train.micro_batch_size."""
     import torch
 
-    from flops import flops_per_token, matmul_params, total_params
+    from ftrain.ops.flops import flops_per_token, matmul_params, total_params
 
     m, t = cfg.model, cfg.train
     micro = min(t.micro_batch_size, rows)
@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1, --warmup >= 0")
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
 
     cfg = resolve(load_config(args.config, args.overrides))
     cuda = cfg.cluster.device == "cuda"

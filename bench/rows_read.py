@@ -53,7 +53,7 @@ def evict(prefix: str) -> None:
 def main() -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from data import Data, IndexedFile, Windows
+    from ftrain.data.dataset import Data, IndexedFile, Windows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1 << 25)

@@ -43,11 +43,13 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-from actor_group import ActorGroup
 from bench import actor_env
-from config import load_config, resolve
-from failures import RecoveryTimeline
-from trainer import Trainer
+from checkpoint import CheckpointManager
+from ftrain.config import load_config, resolve
+from ftrain.control.actor_group import ActorGroup
+from ftrain.failures import RecoveryTimeline
+from ftrain.trainer import Trainer
+from megatron_actor import MegatronActor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,7 +111,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict,
     group = None
     try:
         t0 = time.perf_counter()
-        group = ActorGroup(cfg, placement_timeout_s=120)
+        group = ActorGroup(MegatronActor, cfg, placement_timeout_s=120)
         start_s = time.perf_counter() - t0
         pids = ray.get([s.handle.info.remote() for s in group.workers + group.pool.spares])
         actor_mb = statistics.mean(pss_mb(i["pid"]) for i in pids)
@@ -118,7 +120,7 @@ def run_n(n: int, nodes: int, repeats: int, overrides: list[str], env: dict,
               flush=True)
         for line in group.placement_report:
             print("  " + line)
-        trainer = Trainer(cfg, group)
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
         trainer.train(4)  # steps 2-4: the steady step time
         spares = len(group.pool)
         for i in range(repeats if "actor" in failures else 0):  # (a) one killed actor

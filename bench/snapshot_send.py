@@ -36,8 +36,8 @@ import ray
 import torch
 
 from bench import write_json
-from host_memory import HostCopy
-from snapshots import SnapshotHolder, SnapshotSender, join_parts
+from ftrain.state.host_memory import HostCopy
+from ftrain.state.snapshots import SnapshotHolder, SnapshotSender, join_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TENSOR_BYTES = 64 << 20

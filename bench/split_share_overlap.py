@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from local_storage import free_port
+from ftrain.testbeds.local_storage import free_port
 
 
 def _timed(fn, repeats: int) -> float:

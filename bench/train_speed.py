@@ -89,10 +89,10 @@ import time
 from pathlib import Path
 
 from bench.reference_llama import run_reference
-from flops import FORMULA, flops_per_token, matmul_params, total_params
-from keeper import keeps_shards
-from parallel_dims import ParallelDims
-from ppo import behaviour_pass_needed
+from ftrain.distributed.parallel_dims import ParallelDims
+from ftrain.objectives.ppo import behaviour_pass_needed
+from ftrain.ops.flops import FORMULA, flops_per_token, matmul_params, total_params
+from ftrain.state.keeper import keeps_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_FLOPS = 989e12  # FLOP/s per GPU: H100 SXM / H200 dense bf16 (no sparsity)
@@ -103,7 +103,7 @@ def model_flops(cfg) -> dict:
     """{"params", "params_matmul", "tokens_per_step", "flops_per_token", "flops_per_step",
     "vocab"} of a resolved config; FLOPs in FLOP, tokens in tokens. The old-log-prob pass is
     counted only where the engines run it (`ppo.behaviour_pass_needed`)."""
-    from megatron_model import padded_vocab_size  # pure function, no Megatron import
+    from ftrain.engines.megatron_model import padded_vocab_size  # pure function, no Megatron import
 
     m, t = cfg.model, cfg.train
     vocab = padded_vocab_size(m.vocab_size) if m.engine == "megatron" else m.vocab_size
@@ -122,7 +122,8 @@ def lean_step(trainer, step: int) -> float:
     over DP replicas. Blocks until every rank is done."""
     import ray
 
-    from dispatch import MeshDispatch, dispatch_remote
+    from dispatch import MeshDispatch
+    from ftrain.distributed.fanout import dispatch_remote
 
     def engine_step(actor, step, batch):  # runs on the actor's compute thread
         return actor.engine.train_step(actor.own_batch(step) if batch is None else batch, step)
@@ -231,7 +232,7 @@ def state_bytes(group) -> int:
     import ray
 
     def nbytes(actor):
-        from host_memory import state_nbytes
+        from ftrain.state.host_memory import state_nbytes
         return state_nbytes(actor.engine._train_state())
 
     return max(ray.get([h.__ray_call__.remote(nbytes) for h in group.handles]))
@@ -376,10 +377,12 @@ def main(argv=None) -> dict:
 
     import ray
 
-    from config import load_config, resolve
+    from checkpoint import CheckpointManager
+    from ftrain.config import load_config, resolve
+    from ftrain.control.actor_group import ActorGroup
+    from ftrain.trainer import Trainer
     from main import start_ray
-    from actor_group import ActorGroup
-    from trainer import Trainer
+    from megatron_actor import MegatronActor
 
     run_dir = f"/tmp/bench_train_speed_{os.getpid()}_{int(time.time())}"
     cfg = resolve(load_config(args.config, [
@@ -395,10 +398,10 @@ def main(argv=None) -> dict:
     started = not ray.is_initialized()
     if started:
         start_ray(cfg)
-    group = ActorGroup(cfg)
+    group = ActorGroup(MegatronActor, cfg)
     runs: dict[str, list[dict]] = {}
     try:
-        data = Trainer(cfg, group)  # the OFF phase takes its batches from here (Trainer.batch)
+        data = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))  # the OFF phase takes its batches from here (Trainer.batch)
         # MFU's device count: distinct GPUs of the workers; on CPU the machine is one device.
         gpus = len({s.device for s in group.workers}) if cuda else 1
         device = f"{gpus} x {gpu_name(group)}" if cuda else "cpu"
@@ -417,7 +420,7 @@ def main(argv=None) -> dict:
                 else:
                     if group.holders:
                         set_holders(group, enabled=name == "on")
-                    trainer = Trainer(cfg, group)
+                    trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
                     res = run_phase(name, ft_step, trainer, args.warmup, args.steps, args.max_host_mem)
                     # Waiting for the holders also drains the sends before the next phase runs.
                     res.update(snapshot_lag_s=snapshot_lag(group, max(res["losses"]), args.lag_timeout)

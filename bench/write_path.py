@@ -55,7 +55,8 @@ import torch
 
 from bench import write_json
 from bench.checkpoint_io import ROOT, _mount_of, drop_cache, raw_read, raw_write
-from checkpoint import CheckpointManager, no_zip_crc32
+from checkpoint import CheckpointManager
+from ftrain.state.checkpoint_io import no_zip_crc32
 
 HIDDEN, FFN, VOCAB = 1024, 2816, 32000
 WEIGHTS = {"qkv": (3 * HIDDEN, HIDDEN), "proj": (HIDDEN, HIDDEN), "fc1": (2 * FFN, HIDDEN),
@@ -147,7 +148,7 @@ def one_repeat(ckpt: CheckpointManager, step: int, state: dict, host: list, temp
     """One repeat (see the module docstring): checkpoints `step` (async) and `step` + 1 (sync);
     `host`: the state's tensors in host memory; `raw_first`: the raw I/O before the checkpoint
     I/O, else after it."""
-    from megatron_checkpoint import load_sharded, save_sharded
+    from ftrain.engines.megatron_checkpoint import load_sharded, save_sharded
 
     r = {"payload_bytes": sum(t.numel() * t.element_size() for t in host), "raw_first": raw_first}
     if raw_first:

@@ -1,5 +1,6 @@
-"""Shared fixtures: the repository root on sys.path, a local Ray session, storage servers; and
-`run_bench`, how tests run a benchmark (as a program: tests do not import bench/)."""
+"""Shared fixtures: the repository root and the test folders on sys.path, a local Ray session,
+storage servers; and `run_bench`, how tests run a benchmark (as a program: tests do not import
+bench/)."""
 import dataclasses
 import json
 import os
@@ -8,12 +9,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# Test modules sit in a folder per part of the library (basenames unique): helpers here and
+# in other test modules are imported by plain name from any folder.
+sys.path[:0] = [TESTS, *sorted(e.path for e in os.scandir(TESTS) if e.is_dir() and e.name not in ("fixtures", "__pycache__"))]
 
 import pytest  # noqa: E402
 
-from local_storage import GCSServer, S3Server  # noqa: E402
-
+from ftrain.testbeds.local_storage import GCSServer, S3Server  # noqa: E402
 
 SECRET = f"secret-{os.urandom(8).hex()}"  # a credential that must never appear in any log
 
@@ -136,7 +139,7 @@ def wait_for_shards(group, step: int, timeout_s: float = 30.0) -> None:
     the background after the step, so a kill right after it could race the send)."""
     import time
 
-    from keeper import shard_key
+    from ftrain.state.keeper import shard_key
 
     deadline = time.monotonic() + timeout_s
     while not all(step in group.held_snapshots().get(shard_key(str(group.dims), r), ())
@@ -154,8 +157,10 @@ def reference_run(cfg, steps: int) -> tuple[dict, list]:
     Run once per session for the same ranks and math (`cluster.num_workers`, `cluster.device`
     and the parallel, model, train, ppo, rl and data sections; spares, nodes, checkpoints and timeouts
     change no result), so modules with the same reference share one run."""
-    from actor_group import ActorGroup
-    from trainer import Trainer
+    from checkpoint import CheckpointManager
+    from ftrain.control.actor_group import ActorGroup
+    from ftrain.trainer import Trainer
+    from megatron_actor import MegatronActor
 
     assert not cfg.chaos.events, "a reference has no failure"
     fields = dataclasses.asdict(cfg)
@@ -163,9 +168,9 @@ def reference_run(cfg, steps: int) -> tuple[dict, list]:
     key = json.dumps([steps, cfg.cluster.num_workers, cfg.cluster.device, *math], sort_keys=True, default=str)
     if key not in _references:
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_spares=0))
-        group = ActorGroup(cfg)
+        group = ActorGroup(MegatronActor, cfg)
         try:
-            trainer = Trainer(cfg, group)
+            trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
             trainer.train(steps)
             _references[key] = trainer.losses, group.state_digests()
         finally:
@@ -176,7 +181,7 @@ def reference_run(cfg, steps: int) -> tuple[dict, list]:
 def uninterrupted_losses(path, sets: list[str], steps: int) -> dict:
     """Losses of `reference_run` of config.yaml with `sets`, run_dir and checkpoint.uri under
     `path`: the reference a killed-driver run is compared to."""
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
 
     cfg = resolve(load_config("config.yaml", [*sets, f"run_dir={path}", f"checkpoint.uri={path}/ckpt"]), num_gpus=0)
     return reference_run(cfg, steps)[0]
@@ -187,7 +192,7 @@ def stdlib_corpus(tmp_path_factory):
     """(tokenizer dir, dataset prefix) of the offline corpus (`data_prepare.stdlib_corpus`): a
     2048-token byte-level BPE trained on pydoc_data/topics.py and the first 40 standard-library
     .py files prepared with it (about 11,000 windows of 32 tokens); made once per session."""
-    from data_prepare import stdlib_corpus as make
+    from ftrain.data.prepare import stdlib_corpus as make
 
     tok, prefix = make(tmp_path_factory.mktemp("stdlib"), max_files=40)
     return str(tok), prefix
@@ -204,7 +209,7 @@ def megatron_cpu_cfg(tmp_path, *sets: str):
     `sets`): resolved as for one GPU so the engine is Megatron, then the cluster set to CPU."""
     import dataclasses
 
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
 
     cfg = resolve(load_config("config.yaml", [*TINY_MEGATRON, *sets, f"run_dir={tmp_path}",
                                               f"checkpoint.uri={tmp_path}/ckpt"]), num_gpus=1)

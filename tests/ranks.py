@@ -6,7 +6,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from local_storage import free_port
+from ftrain.testbeds.local_storage import free_port
 
 # Without GPUs the ranks are forked from one server process that imported these once: a
 # spawned rank spends seconds of CPU importing them again (most of a CPU test's time). With

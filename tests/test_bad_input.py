@@ -3,10 +3,12 @@ field and the fix."""
 import pytest
 import torch
 
-from actor_group import ActorGroup
-from checkpoint import CheckpointManager, check_compatible, model_signature
-from config import ConfigError, load_config, resolve
-from local_storage import free_port
+from checkpoint import CheckpointManager
+from ftrain.config import ConfigError, load_config, resolve
+from ftrain.control.actor_group import ActorGroup
+from ftrain.state.manifest import check_compatible, model_signature
+from ftrain.testbeds.local_storage import free_port
+from megatron_actor import MegatronActor
 
 
 def cfg_with(tmp_path, *overrides):
@@ -18,7 +20,7 @@ def test_cluster_too_small_reports_what_is_there(ray_session, tmp_path):
     cfg = cfg_with(tmp_path, "cluster.num_workers=32", "cluster.num_spares=8", "train.mini_batch_size=32",
                    "train.global_batch_size=32", "train.micro_batch_size=1")
     with pytest.raises(ConfigError, match=r"^cluster.num_workers: .*need 10 CPU.*cluster has 8 CPU"):
-        ActorGroup(cfg)
+        ActorGroup(MegatronActor, cfg)
     assert ray_session.available_resources().get("CPU") == 8  # nothing was placed or started
 
 
@@ -64,7 +66,7 @@ def test_the_cli_reports_a_cluster_too_small_in_one_line(tmp_path):
 
 
 def test_a_tp_group_wider_than_a_node_is_refused_in_one_line(tmp_path):
-    from config import ConfigError
+    from ftrain.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^parallel.tp: 16 ranks of a tensor-parallel group cannot stay inside "
                                           r"one node of cluster.gpus_per_node=8 GPUs"):
@@ -77,13 +79,13 @@ def test_a_placement_that_cannot_be_placed_is_a_cluster_error(ray_session, tmp_p
     placement timeout, a ClusterError saying what was asked and what the cluster has."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from failures import ClusterError
+    from ftrain.failures import ClusterError
 
     hog = placement_group([{"CPU": 8}])
     ray_session.get(hog.ready(), timeout=60)
     try:
         with pytest.raises(ClusterError, match=r"^cluster too small: 8 bundles .*cluster.num_spares=4"):
-            ActorGroup(cfg_with(tmp_path), placement_timeout_s=2)
+            ActorGroup(MegatronActor, cfg_with(tmp_path), placement_timeout_s=2)
     finally:
         remove_placement_group(hog)
 
@@ -113,8 +115,8 @@ def test_a_malformed_batch_fails_on_the_driver_naming_the_field(monkeypatch, fie
     """The trainer validates each batch it makes (`Trainer.batch`) before any rank sees it."""
     from types import SimpleNamespace
 
-    import trainer
-    from training_batch import synthetic_batch
+    from ftrain import trainer
+    from ftrain.data.training_batch import synthetic_batch
 
     def malformed(*args):
         b = synthetic_batch(*args)

@@ -6,9 +6,9 @@ import typing
 import pytest
 import yaml
 
-import config
-from config import Config, ConfigError, load_config, resolve
-from parallel_dims import ParallelDims
+from ftrain import config
+from ftrain.config import Config, ConfigError, load_config, resolve
+from ftrain.distributed.parallel_dims import ParallelDims
 
 
 def test_default_file_loads_and_matches_dataclass_defaults():
@@ -100,7 +100,7 @@ def test_gpus_per_actor_auto_fits_actors_on_the_gpus(gpus, sets, expected):
 
 
 def test_preflight_refuses_two_ranks_on_one_gpu():
-    from actor_group import preflight
+    from ftrain.control.actor_group import preflight
 
     cfg = resolve(load_config("config.yaml", ["checkpoint.uri=/tmp/ft-preflight-test"]), num_gpus=2)
     assert cfg.cluster.gpus_per_actor == 0.25  # 8 actors on 2 GPUs
@@ -120,12 +120,12 @@ def test_every_field_has_a_docstring():
         hints = typing.get_type_hints(cls)
         undocumented = [prefix + f.name for f in dataclasses.fields(cls)
                         if not dataclasses.is_dataclass(hints[f.name]) and f.name not in config.field_docs(cls)]
-        assert not undocumented, f"write a docstring under each field of config.py: {undocumented}"
+        assert not undocumented, f"write a docstring under each field of ftrain/config.py: {undocumented}"
 
 
 def test_reference_doc_is_current():
     assert config.REFERENCE.read_text() == config.reference(), \
-        "docs/configuration.md is out of date; regenerate it with `python config.py`"
+        "docs/configuration.md is out of date; regenerate it with `python -m ftrain.config`"
 
 
 def test_config_yaml_sets_every_field_to_its_default_with_a_comment():
@@ -135,7 +135,7 @@ def test_config_yaml_sets_every_field_to_its_default_with_a_comment():
     data, defaults = yaml.safe_load(text), Config().to_dict()
     assert data.keys() == defaults.keys()
     for key, value in defaults.items():
-        assert data[key] == value, f"config.yaml {key}: set it to the defaults of config.py"
+        assert data[key] == value, f"config.yaml {key}: set it to the defaults of ftrain/config.py"
     section, above, uncommented = "", False, []
     for line in text.splitlines():
         body, hash_, _ = line.partition("#")

@@ -13,7 +13,7 @@ def check_resumable(entrypoint: str, persistent: str):
     """A retried job resumes its run: the entrypoint trains a named run whose checkpoints and
     run_dir are on storage that outlives an attempt (`persistent`), and never starts fresh
     (--fresh deletes the checkpoints). Returns its resolved config."""
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
     assert shlex.split(entrypoint)[2] == "train" and "--fresh" not in shlex.split(entrypoint)
     sets = entrypoint_overrides(entrypoint)
     assert any(s.startswith("run_name=") for s in sets)
@@ -96,7 +96,7 @@ def test_dockerfile_cmd_is_valid_and_venv_stays_out():
     cmd = json.loads(next(line for line in (ROOT / "Dockerfile").read_text().splitlines()
                           if line.startswith("CMD "))[4:])
     assert cmd[:2] == ["python", "main.py"] and (ROOT / cmd[1]).is_file()
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
     resolve(load_config(ROOT / "config.yaml", [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]), num_gpus=4)
     assert ".venv" in (ROOT / ".dockerignore").read_text().split()
 
@@ -105,7 +105,7 @@ def test_the_demo_verdict_needs_the_final_state_too(capsys):
     """Equal losses are not enough on CPU: the first update of a step runs at ratio 1, where the
     PPO loss does not depend on the weights. The demo also compares each rank's final training
     state (`Engine.state_digest`)."""
-    from config import load_config, resolve
+    from ftrain.config import load_config, resolve
     from main import print_report
 
     cfg = resolve(load_config(None, []), num_gpus=0)
@@ -117,3 +117,28 @@ def test_the_demo_verdict_needs_the_final_state_too(capsys):
     assert print_report(ref, run, cfg)
     assert not print_report(ref, {**run, "state_digests": ["a", "c"]}, cfg)
     assert "final training state (weights + optimizer, per rank): differs" in capsys.readouterr().out
+
+
+def test_the_job_ships_the_library_and_the_example_to_its_actors(tmp_path):
+    """job.yaml's `working_dir` and `excludes` as Ray's runtime_env, from a driver outside the
+    repository (its own local Ray): an actor imports `ftrain` and the example's modules from the
+    copy Ray shipped, not from the repository; the image (Dockerfile) installs the package too."""
+    job = yaml.safe_load((ROOT / "job.yaml").read_text())
+    env = {"working_dir": str(ROOT / job["working_dir"]), "excludes": job["excludes"]}
+    code = f"""
+import ray
+ray.init(address="local", num_cpus=1, include_dashboard=False, runtime_env={env!r})
+
+@ray.remote
+def where():
+    import ftrain.trainer, megatron_actor
+    return ftrain.trainer.__file__, megatron_actor.__file__
+
+print(*ray.get(where.remote()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trainer, actor = out.stdout.split()
+    assert "working_dir_files" in trainer and "working_dir_files" in actor and not trainer.startswith(str(ROOT))
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert dockerfile.index("COPY . .") < dockerfile.index("pip install --no-cache-dir --no-deps -e .")

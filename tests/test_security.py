@@ -4,10 +4,13 @@ from pathlib import Path
 
 import ray
 
+from checkpoint import CheckpointManager
+from ftrain.config import load_config, resolve
+from ftrain.control.actor_group import ActorGroup
+from ftrain.trainer import Trainer
+from megatron_actor import MegatronActor
+
 from conftest import SECRET
-from config import load_config, resolve
-from actor_group import ActorGroup
-from trainer import Trainer
 
 
 def test_credentials_never_logged(ray_session, tmp_path, s3_server, caplog):
@@ -17,9 +20,9 @@ def test_credentials_never_logged(ray_session, tmp_path, s3_server, caplog):
         f"checkpoint.uri={s3_server.uri(tmp_path.name)}",
         "chaos.events=[{step: 2, rank: 1, kind: kill, point: step_start}]",
         "fault_tolerance.restore=checkpoint"]), num_gpus=0)
-    group = ActorGroup(cfg)
+    group = ActorGroup(MegatronActor, cfg)
     try:
-        trainer = Trainer(cfg, group)
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
         trainer.train(3)               # saves and loads through S3 with the secret in the env
         repr_text = repr(trainer.ckpt) + repr(cfg)
     finally:
