@@ -69,7 +69,9 @@ class SavePlanCache:
     saves skip DCP's planning collectives; and the check that every shard has exactly one
     writer (`validate_access_integrity`, an all-gather of every rank's shard metadata) runs in
     the first save only. Valid while the model, optimizer and process groups are those it was
-    made for (`matches`); the engine makes a new one after a rebuild or a checkpoint load."""
+    made for (`matches`), and only if every rank of the group uses its own cache of the same
+    saves (planning and validation are collectives): the engine makes a new one at every join
+    of a generation, on every member, and after a checkpoint load."""
 
     def __init__(self, owner):
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy

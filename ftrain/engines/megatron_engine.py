@@ -232,6 +232,9 @@ class MegatronEngine:
             t0 = time.perf_counter()
             old_groups, self._groups = self._groups, make_groups(dims)
             parts["groups_s"] = time.perf_counter() - t0
+        # Every member of a generation plans its first save afresh (the plans hold the old
+        # groups; a survivor reusing them while a new member plans would wait in other collectives).
+        self._save_plans = None
         same_position = self.ddp is not None and self._position == (dims, rank)
         self.dims, self.rank = dims, rank
         if not (same_position and self._rebind([self.ddp, self.optimizer, self.ref_model], old_groups, parts)):
@@ -252,7 +255,9 @@ class MegatronEngine:
             if old is None:  # a fresh build: the seeded step-0 state, clean
                 self.step, self._dirty, self._params_pending = 0, False, False
             else:
+                dirty = self._dirty  # a step cut short stays so: `rollback` must not take it for committed
                 self._set_train_state(old)
+                self._dirty = dirty
                 self._set_rng_state(rng)
                 torch.cuda.synchronize()
             del old
@@ -1125,9 +1130,10 @@ class MegatronEngine:
         `dist_checkpointing` (torch_dist) as shard `megatron` of `step` (`save_sharded`). Returns
         the FileEntry list of the files this rank wrote; with `async_save`, a one-element list
         of `PendingSave` whose `result()` (collective) returns it. Raises CheckpointError on
-        storage failure past the retry limits. Save plans are reused from save to save while
-        the optimizer (so the model, layout and groups) is the one they were made for and no
-        checkpoint was loaded since (`SavePlanCache`). Async: the device-to-host copy of the
+        storage failure past the retry limits. Save plans are reused from save to save within one
+        generation while the optimizer (so the model and layout) is the one they were made for
+        and no checkpoint was loaded since (`SavePlanCache`); `connect` drops them, on every
+        member alike. Async: the device-to-host copy of the
         state runs on the snapshot side stream beside the next step's forward and backward
         passes, whose update waits for it; the host buffers are pinned when the rank joins."""
         if self._save_plans is None or not self._save_plans.matches(self.optimizer):

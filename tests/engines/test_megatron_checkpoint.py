@@ -463,3 +463,44 @@ def test_megatron_recovery_falls_back_past_a_checkpoint_whose_bytes_changed(ray_
         assert notes == ["checkpoint step 2 does not load"] and group.state_digests() == after_1
     finally:
         group.shutdown()
+
+
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_every_save_after_a_recovery_commits_at_dp2(ray_session, tmp_path, async_save):
+    """MegatronActors on CPU (gloo), dp=2 with the distributed optimizer and the shard keeper,
+    a checkpoint every step; rank 1 killed after step 3. The replacement joins a rebuilt
+    generation beside a survivor that kept its model and optimizer: every save after the
+    recovery still commits (the save is planned afresh by every rank of the new generation:
+    a survivor reusing its old plans, without the collectives the replacement's planning
+    runs, would leave the two waiting in different collectives), none fails, one recovery,
+    and the losses and final state are bitwise the run without failure. CI: sync saves;
+    slow: async saves."""
+    import dataclasses
+
+    import ray
+
+    from conftest import megatron_cpu_cfg, reference_run, wait_for_shards
+    from ftrain.control.actor_group import ActorGroup
+    from ftrain.trainer import Trainer
+    from megatron_actor import MegatronActor
+
+    cfg = megatron_cpu_cfg(tmp_path, "model.distributed_optimizer=true", "cluster.num_workers=2",
+                           "cluster.num_spares=1", "train.steps=6", "checkpoint.interval=1",
+                           f"checkpoint.async_save={str(async_save).lower()}", "fault_tolerance.refill_spares=false",
+                           "fault_tolerance.health_timeout_s=30")
+    elsewhere = dataclasses.replace(cfg.checkpoint, uri=str(tmp_path / "reference"))
+    ref_losses, ref_digests = reference_run(dataclasses.replace(cfg, checkpoint=elsewhere), 6)
+    group = ActorGroup(MegatronActor, cfg)
+    try:
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
+        trainer.train(3)
+        wait_for_shards(group, 3)
+        ray.kill(group.workers[1].handle, no_restart=True)
+        trainer.train(6)
+        (tl,) = trainer.recoveries
+        assert (tl.failed_ranks, tl.steps_lost) == ([1], 0), tl
+        assert trainer.failed_saves == [] and trainer.checkpoints[-3:] == [4, 5, 6], trainer.checkpoints
+        assert trainer.ckpt.committed_steps()[-1] == 6
+        assert trainer.losses == ref_losses and group.state_digests() == ref_digests
+    finally:
+        group.shutdown()

@@ -103,6 +103,28 @@ def test_empty_pool_shrinks_dp_when_allowed(reference, tmp_path):
     assert trainer.steady_step_s() == statistics.median([times[1], *times[3:]])
 
 
+
+def test_a_megatron_step_cut_short_is_rerun_from_the_committed_step_after_a_shrink(ray_session, tmp_path):
+    """MegatronActors on CPU (gloo), dp=2 without the distributed optimizer, no spare,
+    `fault_tolerance.min_dp=1`, two updates per step; rank 1 killed right after the first
+    update of step 3 (`after_optimizer_step`), which the survivor had applied too. DP shrinks to
+    1: the survivor carries its live state into the new layout still marked as cut short, so it
+    rolls back to committed step 2 and step 3 is re-run from there; every loss equals the run
+    that never shrank, within fp32 round-off (a half-applied step taken for step 2 would train
+    step 3 from a state one update ahead)."""
+    from conftest import megatron_cpu_cfg, reference_run
+
+    base = ("cluster.num_workers=2", "cluster.num_spares=0", "fault_tolerance.min_dp=1",
+            "fault_tolerance.refill_spares=false", "fault_tolerance.health_timeout_s=30", "train.steps=5",
+            "train.global_batch_size=8", "train.mini_batch_size=4")
+    ref_losses, _ = reference_run(megatron_cpu_cfg(tmp_path / "reference", *base), 5)
+    cfg = megatron_cpu_cfg(tmp_path, *base, "chaos.events=[{step: 3, rank: 1, kind: kill, point: after_optimizer_step}]")
+    trainer, _, dims = train(cfg)
+    (tl,) = trainer.recoveries
+    assert dims.dp == 1 and (tl.failed_ranks, tl.restored_step) == ([1], 2), tl
+    assert [trainer.losses[s] for s in (1, 2)] == [ref_losses[s] for s in (1, 2)]
+    assert [trainer.losses[s] for s in range(3, 6)] == pytest.approx([ref_losses[s] for s in range(3, 6)], rel=1e-5)
+
 def test_empty_pool_without_shrink_stops_with_clear_error(ray_session, tmp_path):
     cfg = make_cfg(tmp_path, "cluster.num_spares=0", "fault_tolerance.refill_spares=false",
                    "chaos.events=[{step: 2, rank: 0, kind: kill, point: step_start}]")
