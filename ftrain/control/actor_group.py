@@ -430,6 +430,7 @@ class ActorGroup:
         and `spare_warm_wait_s` when a spare taken from the pool was still warming (its join
         waits for that). Raises WorkerFailure if a member dies while joining."""
         self.generation += 1
+        self._forget_lost_holders()
         warming = [self._warming.pop(id(s)) for s in self.workers if id(s) in self._warming]
         t0 = time.perf_counter()
         if warming:
@@ -450,6 +451,14 @@ class ActorGroup:
         """Results of `refs` (one per rank, or one per rank of `ranks`); raises WorkerFailure
         naming the failed ranks (`HealthMonitor.wait`)."""
         return self.health.wait(refs, timeout, ranks)
+
+    def _forget_lost_holders(self) -> None:
+        """Drop the holders of lost nodes (raylet refusing connections, or no longer listed alive:
+        `HealthMonitor.lost_nodes`) from the ring before a generation forms, so that no member
+        is given one of them as its keeper or snapshot holder."""
+        for node in self.health.lost_nodes(set(self.holders)):
+            log.warning("snapshot holder of lost node %s leaves the keepers' ring", node)
+            del self.holders[node]
 
     def holder_for(self, node_id: str):
         """The SnapshotHolder a rank on `node_id` sends its snapshots to: the next node's in

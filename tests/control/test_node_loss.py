@@ -159,7 +159,8 @@ def test_a_lost_node_s_optimizer_shards_come_back_from_their_keepers(cluster, tm
     """dp=4 with a sharded optimizer (the torch engine's ZeRO-1): each rank's shard is kept by
     the holder of another node (keeper.py). The node holding two ranks is removed: both come
     back from a DP peer (parameters) and their keeper (shard), 0 steps lost, no checkpoint read,
-    losses and final state bitwise as the run without failure."""
+    losses and final state bitwise as the run without failure; after the recovery every rank's
+    shard is kept again (the lost node's holder left the ring before the new generation formed)."""
     c, nodes = cluster[0], three_live_nodes(cluster)
     sets = ("cluster.num_workers=4", "model.distributed_optimizer=true", "fault_tolerance.health_timeout_s=5")
     ref = reference_run(make_cfg(tmp_path / "ref", 0, *sets), 4)
@@ -181,5 +182,6 @@ def test_a_lost_node_s_optimizer_shards_come_back_from_their_keepers(cluster, tm
         assert (tl.restore_source, tl.restored_step, tl.steps_lost) == ("peer+keeper", 2, 0)
         assert trainer.losses == ref[0]
         assert group.state_digests() == ref[1]
+        wait_for_shards(group, 4)  # every rank kept again after the recovery: none given the lost node's holder
     finally:
         group.shutdown()
