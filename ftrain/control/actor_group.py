@@ -224,7 +224,8 @@ class ActorGroup:
                  first_generation: int = 0, data=None):
         """`actor_cls`: the Ray actor class of a rank (the example's `megatron_actor.MegatronActor`),
         started as `actor_cls.options(...).remote(cfg, bundle_index)` on each bundle; its methods
-        declare how `call` fans out to the ranks (`ftrain.distributed.fanout.dispatch_of`). `attach`: the record of a run whose driver died (`driver_failover.find`): its named
+        declare how `call` fans out to the ranks (`ftrain.distributed.fanout.dispatch_of`).
+        `attach`: the record of a run whose driver died (`driver_failover.find`): its named
         actors and placement group are taken over (none is started or built); the caller then
         forms a generation and restores (`fault_tolerance.reattach`). `self.dead`: the ranks
         of that record whose actor is gone. `first_generation`: generations are numbered from
@@ -505,11 +506,12 @@ class ActorGroup:
 
     def call(self, method: str, *args, dispatch: type[Dispatch] | None = None, timeout: float | None = None):
         """Call `method(generation, *args)` on every worker as its dispatch splits it (the one the
-        method declares, `dispatch_of`, unless `dispatch` is given), sent
-        through the node agents' fan-out tree with the call's arguments cut once (`NodeCalls`:
-        one call per root; each agent forwards it to its children and derives its ranks'
-        arguments, `Dispatch.for_rank`; directly to a rank whose node has no agent in the tree), wait with a deadline, and return the dispatch's collected results. Raises
-        WorkerFailure."""
+        method declares, `dispatch_of`, unless `dispatch` is given), sent through the node
+        agents' fan-out tree with the call's arguments cut once (`NodeCalls`: one call per root;
+        each agent forwards it to its children and derives its ranks' arguments,
+        `Dispatch.for_rank`; directly to a rank whose node has no agent in the tree), wait with a
+        deadline, and return the dispatch's collected results. Raises WorkerFailure, and
+        TypeError when `method` declares no dispatch."""
         kind = dispatch or dispatch_of(self.actor_cls, method)
         results = self.wait(self.node_calls.start(self.workers, method, self.dims, kind, (self.generation, *args)),
                             timeout or self.cfg.fault_tolerance.step_timeout_s)
