@@ -2,7 +2,7 @@
 # bench/checkpoint_io.py with the Megatron engine on the ~1.4B GPT of run_recovery_1b.sh (24 layers,
 # hidden 2048, 16 heads, ffn 5632, vocab 32000, seq 2048; 1.364B params), one GPU, world size 1
 # (a single-rank NCCL group in the bench process), main.py's default distributed optimizer (the
-# save/load path of tests/test_megatron_engine.py; with dp=1 it holds the whole state). Train steps
+# save/load path of tests/engines/test_megatron_engine.py; with dp=1 it holds the whole state). Train steps
 # of bench/train_speed.py's shape (16 x 2048 tokens, micro-batch 8): one so the Adam moments
 # exist, then per repeat: raw write/read of the state (~19 GB: bf16 params + fp32 main params +
 # exp_avg + exp_avg_sq) with plain fsync'd file writes, the async save with the next step
