@@ -148,6 +148,26 @@ def wait_for_shards(group, step: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+
+def kill_then_await_refill(timeout_s: float):
+    """An `after_step` for `Trainer.train` at dp=2 with no spare (`fault_tolerance.min_dp=1`):
+    kill rank 0 after step 2; after step 3 (DP shrunk to 1, no grow yet) wait until the killed
+    rank's bundle is refilled into the pool, so that the grow back comes at the next boundary."""
+    import time
+
+    def after_step(trainer, step):
+        if step == 2:
+            trainer.group.kill([0])
+        if step == 3:
+            assert trainer.group.dims.dp == 1 and not trainer.grows
+            deadline = time.monotonic() + timeout_s
+            while len(trainer.group.pool) < 1:
+                assert time.monotonic() < deadline, "the killed rank's bundle was not refilled"
+                trainer.group.poll_refills()
+                time.sleep(0.1)
+    return after_step
+
+
 _references: dict[str, tuple[dict, list]] = {}
 
 

@@ -512,9 +512,7 @@ def test_every_save_after_a_shrink_and_a_grow_back_commits(ray_session, tmp_path
     MegatronActors on gloo at dp=2 with no spare (`fault_tolerance.min_dp=1`), a checkpoint every
     step; rank 0 killed after step 2, DP shrinks to 1, and once its bundle's refill is warm DP
     grows back to 2 at a step boundary. Every save after each change commits, none fails."""
-    import time
-
-    from conftest import megatron_cpu_cfg
+    from conftest import kill_then_await_refill, megatron_cpu_cfg
     from ftrain.control.actor_group import ActorGroup
     from ftrain.trainer import Trainer
     from megatron_actor import MegatronActor
@@ -522,16 +520,7 @@ def test_every_save_after_a_shrink_and_a_grow_back_commits(ray_session, tmp_path
     cfg = megatron_cpu_cfg(tmp_path, "cluster.num_workers=2", "cluster.num_spares=0", "fault_tolerance.min_dp=1",
                            "train.steps=6", "checkpoint.interval=1", "fault_tolerance.health_timeout_s=30")
 
-    def after_step(trainer, step):
-        if step == 2:
-            trainer.group.kill([0])
-        if step == 3:  # shrunk; wait for the refill so that the grow comes next
-            assert trainer.group.dims.dp == 1 and not trainer.grows
-            deadline = time.monotonic() + 180
-            while len(trainer.group.pool) < 1:
-                assert time.monotonic() < deadline, "the killed rank's bundle was not refilled"
-                trainer.group.poll_refills()
-                time.sleep(0.1)
+    after_step = kill_then_await_refill(timeout_s=180)
 
     group = ActorGroup(MegatronActor, cfg)
     try:

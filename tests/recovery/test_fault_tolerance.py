@@ -177,20 +177,11 @@ def test_dp_grows_back_to_its_size_once_spares_are_back(reference, tmp_path):
     run goes on at dp=2: the losses of every step equal the run that never shrank within fp32
     round-off, and both replicas end with the same state. (Also the DP shrink's end-to-end test
     in CI: `test_empty_pool_shrinks_dp_when_allowed` is slow.)"""
-    import time
+    from conftest import kill_then_await_refill
 
     cfg = make_cfg(tmp_path, "cluster.num_spares=0", "fault_tolerance.min_dp=1")
 
-    def after_step(trainer, step):
-        if step == 2:
-            trainer.group.kill([0])
-        if step == 3:  # the shrink happened; wait for the refill so the grow comes next
-            assert trainer.group.dims.dp == 1 and not trainer.grows
-            deadline = time.monotonic() + 120
-            while len(trainer.group.pool) < 1:
-                assert time.monotonic() < deadline, "the killed rank's bundle was not refilled"
-                trainer.group.poll_refills()
-                time.sleep(0.1)
+    after_step = kill_then_await_refill(timeout_s=120)
 
     group = ActorGroup(MegatronActor, cfg)
     try:
