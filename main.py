@@ -290,7 +290,8 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
     from checkpoint import CheckpointManager
     from ftrain.control import driver_failover
     from ftrain.control.actor_group import ActorGroup
-    from ftrain.control.run_lease import DriverLease, LeaseHeld, LeaseLost, first_generation
+    from ftrain.control.run_lease import DriverLease, LeaseHeld, LeaseLost
+    from ftrain.failures import first_generation
     from ftrain.ops.metrics import RunMetrics
     from ftrain.recovery.fault_tolerance import reattach
     from ftrain.trainer import Trainer
@@ -319,6 +320,8 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
         log.warning("driver failover: cannot reattach (%s): removing what is left, starting as a new driver", e)
         driver_failover.remove(list(record["actors"]), ns, keep_lease=True)
         record, group = None, ActorGroup(MegatronActor, cfg, first_generation=first_generation(epoch), data=data)
+    if lease is not None:
+        group.fence = lease.check  # before anything it does to the actors, a reattach's too
     ended = superseded = False
     try:
         log_placement(group)
@@ -335,8 +338,6 @@ def cmd_train(cfg: Config, args, start=None, data=None) -> int:
                 trainer.resume(start.resume_step)
             else:
                 log.info("event=start run=%s step=0", trainer.run.id)
-            if lease is not None:
-                trainer.fence = lease.check
             if failover is not None:
                 failover.save(trainer)  # who is who, before the first step
             trainer.train(cfg.train.steps, after_step=lambda t, _: after_step(t, lease, failover))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import faulthandler
+import logging
 import os
 import signal
 import threading
@@ -42,6 +43,7 @@ from ftrain.state.keeper import (MAPPED_AHEAD, LocalMaps, ShardSender, keeps_loc
 from ftrain.state.manifest import CheckpointError, CheckpointMismatch, Manifest
 from ftrain.state.snapshots import SnapshotSender, from_wire
 
+log = logging.getLogger(__name__)
 CONTROL = "control"
 FAULT_KINDS = tuple(k for k in CHAOS_KINDS if k != "node")  # node loss is done by the driver
 
@@ -67,10 +69,11 @@ class MegatronActor:
         self._joining = None              # (generation, host, port) while join waits for its members
         self._pending_save = None         # futures of an async checkpoint write
         self._holder = None               # SnapshotHolder this rank sends its snapshots to
-        self._sender = SnapshotSender()
-        self._shards = ShardSender()      # sends this rank's optimizer shard to its keeper (keeper.py)
+        answer_s = cfg.fault_tolerance.health_timeout_s  # for every holder call (a part of a send too)
+        self._sender = SnapshotSender(answer_s)
+        self._shards = ShardSender(answer_s)  # sends this rank's optimizer shard to its keeper (keeper.py)
         self._keeper = None               # the holder keeping it (None: not kept)
-        self._local_maps = LocalMaps()    # a spare's mappings of its node's kept arenas (keeper.py)
+        self._local_maps = LocalMaps(answer_s)  # a spare's mappings of its node's kept arenas (keeper.py)
         self.rows = None                  # rank_rows.RankRows: this rank reads its own rows (ce)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         use_node_interface(ray.util.get_node_ip_address())  # before any process group is made
@@ -379,15 +382,24 @@ class MegatronActor:
         `holders` (SnapshotHolder handles) that has it; `shard`: only its optimizer shard, kept
         by its keeper (keeper.py), into a state that is already at `step`
         (`Engine.load_shard`): a holder of this node that adopted it is read through a mapping
-        of the arena (`keeper.load_adopted_shard`), the others send it. False when none has."""
+        of the arena (`keeper.load_adopted_shard`), the others send it. False when none has; a
+        holder that is gone or does not answer within `health_timeout_s` (its copy: half of
+        `step_timeout_s`) is skipped."""
         self._check(generation)
+        ft = self.cfg.fault_tolerance
         key = shard_key(str(self.dims), self.rank) if shard else (str(self.dims), self.rank)
         node = ray.get_runtime_context().get_node_id()
         for holder in holders:
-            if shard and ray.get(holder.node_id.remote()) == node and \
-                    load_adopted_shard(self.engine, holder, key, step) is not None:
-                return True
-            state = ray.get(holder.get.remote(key, step))
+            try:
+                if shard and ray.get(holder.node_id.remote(), timeout=ft.health_timeout_s) == node and \
+                        load_adopted_shard(self.engine, holder, key, step, ft.health_timeout_s) is not None:
+                    return True
+                # Half the driver's deadline for this call: a holder stalled mid-copy leaves time for the next.
+                state = ray.get(holder.get.remote(key, step), timeout=ft.step_timeout_s / 2)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+                log.warning("rank %d: snapshot holder did not serve step %d (%r): trying the next", self.rank, step,
+                            exc)
+                continue
             if state is not None:
                 (self.engine.load_shard if shard else self.engine.load_state)(from_wire(state))
                 return True
@@ -406,7 +418,8 @@ class MegatronActor:
         try:
             if not self._shards.whole:
                 return None
-            got = load_local(self.engine, self._keeper, self._kept_key(), step, self._local_maps)
+            got = load_local(self.engine, self._keeper, self._kept_key(), step, self.cfg.fault_tolerance.health_timeout_s,
+                             self._local_maps)
             if got is None:
                 return None
             views = {i: self._local_maps.view(path) for i, path in got["arenas"].items()}

@@ -64,7 +64,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import write_json  # noqa: E402
-from ftrain.config import load_config, resolve  # noqa: E402
+from ftrain.config import FaultToleranceConfig, load_config, resolve  # noqa: E402
 from ftrain.data.training_batch import synthetic_batch  # noqa: E402
 from ftrain.distributed.parallel_dims import ParallelDims  # noqa: E402
 from ftrain.state.host_memory import state_nbytes  # noqa: E402
@@ -123,7 +123,7 @@ class CopyOnly:
     (each arena's previous copy waited for first)."""
 
     def __init__(self):
-        self.sender = ShardSender()
+        self.sender = ShardSender(FaultToleranceConfig.health_timeout_s)
         self.copies = [None] * ShardSender.BUFFERS
 
     def after_step(self, engine, holder, key, step):
@@ -146,7 +146,7 @@ class Case:
         self.steps_s, self.block_s, self.sender = [], [], None
         self.cpu_s, self.gc_s = [], []  # per timed step: the training thread's CPU time, GC pauses
         if name == "kept":
-            self.sender = ShardSender()
+            self.sender = ShardSender(FaultToleranceConfig.health_timeout_s)
             self.sender.connect(holder, adopt=False if courier else None)
         elif name == "copy":
             self.sender = CopyOnly()

@@ -36,6 +36,7 @@ import ray
 import torch
 
 from bench import write_json
+from ftrain.config import FaultToleranceConfig
 from ftrain.state.host_memory import HostCopy
 from ftrain.state.snapshots import SnapshotHolder, SnapshotSender, join_parts
 
@@ -102,7 +103,7 @@ def run_mode(mode: str, state: dict, sends: int) -> dict:
     """`sends` consecutive sends of `state` through a SnapshotSender to a fresh holder of `mode`."""
     holder = (ZeroCopyHolder if mode == "zero_copy" else SnapshotHolder).remote(keep=2)
     ray.get(holder.node_id.remote())  # the connection, outside the timing (as `connect` does)
-    sender = SnapshotSender()
+    sender = SnapshotSender(FaultToleranceConfig.health_timeout_s)
     gb = sum(t.numel() * t.element_size() for t in state["model"]) / 1e9
     fallback0, times = fallback_allocations(), []
     for step in range(1, sends + 1):

@@ -1,6 +1,7 @@
 """What can go wrong in a run and what a recovery cost: the failure types the control plane
-raises and catches, and `RecoveryTimeline`, the record of one recovery (phases in seconds).
-Imports nothing of the project.
+raises and catches, the generation numbers that fence a superseded driver off (`epoch_of`), and
+`RecoveryTimeline`, the record of one recovery (phases in seconds). Imports nothing of the
+project.
 """
 from __future__ import annotations
 
@@ -8,9 +9,25 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+GENERATIONS_PER_EPOCH = 1_000_000  # generations one driver may form; above any real run's count
+
+
+def first_generation(epoch: int) -> int:
+    """The generation number before the first one a driver of lease epoch `epoch`
+    (`control.run_lease`) forms: the generations of epoch e lie in (e * GENERATIONS_PER_EPOCH,
+    (e + 1) * GENERATIONS_PER_EPOCH], so a later driver's are above every one of an earlier's."""
+    return epoch * GENERATIONS_PER_EPOCH
+
+
+def epoch_of(generation: int) -> int:
+    """The lease epoch of the driver that formed membership `generation` (`first_generation`);
+    0 for generation 0 (no membership yet)."""
+    return max(0, (generation - 1) // GENERATIONS_PER_EPOCH)
+
 
 class StaleGenerationError(RuntimeError):
-    """A compute call belongs to a process-group generation this actor is no longer in."""
+    """A call belongs to a process-group generation this actor is no longer in, or to a driver
+    superseded by a later one (a generation of an older lease epoch)."""
 
 
 class InjectedFault(RuntimeError):

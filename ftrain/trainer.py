@@ -64,9 +64,8 @@ class Trainer:
     `recoveries` (list of RecoveryTimeline), `grows` (RecoveryTimeline of kind 'grow' of each
     return to the configured DP size after a shrink), `committed_step`, `checkpoints` (committed steps),
     `run` (the RunIdentity its checkpoints record; a new run unless given), `resumed_from`
-    (the step `resume` continued from, else None), `fence` (called before each checkpoint
-    commit and each recovery; raises to stop a driver superseded by another one:
-    `run_lease.DriverLease.check`).
+    (the step `resume` continued from, else None). The group's `fence` (`ActorGroup.fence`) is
+    called before each checkpoint commit and each recovery too.
     """
 
     def __init__(self, cfg: Config, group: ActorGroup, ckpt, metrics: RunMetrics | None = None,
@@ -109,7 +108,6 @@ class Trainer:
         self._save_due = False               # a due save postponed (`_postpone`)
         self.postponed_saves: list[int] = []  # steps whose due save waited for the previous one's write
         self._chaos_fired: set[int] = set()
-        self.fence = lambda: None
 
     def batch(self, step: int):
         """The global batch of `step` for PPO on synthetic data (`synthetic_batch`), validated
@@ -360,7 +358,7 @@ class Trainer:
         try:
             if errors:
                 raise CheckpointError(errors[0])
-            self.fence()
+            self.group.fence()
             self.ckpt.commit(step, {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp,
                                     "dp": d.dp, "engine": self.cfg.model.engine},
                              [f for rank_files in per_rank for f in rank_files],
@@ -394,7 +392,7 @@ class Trainer:
     def handle_failure(self, failure: WorkerFailure) -> RecoveryTimeline:
         """Recover from `failure` and move `committed_step` back to the restored step."""
         log.warning("failure detected: %s", failure)
-        self.fence()  # a superseded driver's calls fail: it stops instead of recovering
+        self.group.fence()  # a superseded driver's calls fail: it stops instead of recovering
         self._pending_save = None  # its shards stay uncommitted: never loaded, later deleted
         tl = recover(self.group, failure, self.ckpt, self.committed_step, self.cfg.fault_tolerance,
                      lambda manifest: check_compatible(self.cfg, manifest), run_id=self.run.id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from typing import Callable
 
 import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
@@ -216,6 +217,11 @@ class ActorGroup:
     rendezvous store and forms generation 1. Raises ConfigError (`preflight`: the cluster's
     totals are too small) or ClusterError (the bundles could not be placed within
     `placement_timeout_s` seconds), naming what was asked and what the cluster has.
+
+    `fence` (a no-op unless set: `run_lease.DriverLease.check`) is called before every change
+    of membership or of the actors (a kill, refill, replacement, shrink, grow, new generation)
+    and every holder rewind (`drop_snapshots_after`): it raises to stop a driver another one
+    took the run over from, before it touches the new driver's actors.
     """
 
     REFILL_ATTEMPTS = 3  # starts of a spare on a freed bundle (one that dies, e.g. on a lost node, is retried)
@@ -229,7 +235,7 @@ class ActorGroup:
         actors and placement group are taken over (none is started or built); the caller then
         forms a generation and restores (`fault_tolerance.reattach`). `self.dead`: the ranks
         of that record whose actor is gone. `first_generation`: generations are numbered from
-        the one after it (`run_lease.first_generation`: a later driver's are above an earlier one's).
+        the one after it (`failures.first_generation`: a later driver's are above an earlier one's).
         `data`: with train.objective=ce, the run's opened `data.Data` (None: opened here,
         `data.open_data`), which every actor, spares included, opens as it builds: ranks read
         their own rows (`MegatronActor.train_step`); `self.data` (None for other objectives)."""
@@ -254,6 +260,7 @@ class ActorGroup:
         self.dead: set[int] = set()
         self.quarantined: dict[tuple, str] = {}  # device -> why: no rank goes there before a probe passes
         self.agents: dict[str, object] = {}  # node id -> its NodeAgent (heartbeats and step calls through their tree: agent_tree)
+        self.fence: Callable[[], None] = lambda: None
         if attach is not None:
             self._attach(attach)
             return
@@ -430,6 +437,7 @@ class ActorGroup:
         Returns the slowest rank's seconds for each part of its join (`MegatronActor.join`),
         and `spare_warm_wait_s` when a spare taken from the pool was still warming (its join
         waits for that). Raises WorkerFailure if a member dies while joining."""
+        self.fence()
         self.generation += 1
         self._forget_lost_holders()
         warming = [self._warming.pop(id(s)) for s in self.workers if id(s) in self._warming]
@@ -475,6 +483,7 @@ class ActorGroup:
         steps and the late parts of sends from older generations (`SnapshotHolder.drop_after`),
         so no later in-memory restore mixes the abandoned timeline into this one. A holder that
         does not answer within health_timeout_s is skipped (`held_snapshots` forgets dead ones)."""
+        self.fence()
         refs = [h.drop_after.remote(step, self.generation) for h in self.holders.values()]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=self.cfg.fault_tolerance.health_timeout_s)
@@ -532,6 +541,7 @@ class ActorGroup:
         calls after the next committed step, so the restore and the first step after a
         recovery run without new processes starting, building a model and mapping host memory
         beside them on the node."""
+        self.fence()
         if defer:
             self._refills_due += bundle_indices
             return
@@ -581,6 +591,7 @@ class ActorGroup:
         that answered within the last `health_interval_s` is kept at once, one silent for
         `health_timeout_s` (e.g. on a cut-off host) is dropped; only a spare that went silent
         just now costs a wait, up to `health_timeout_s`."""
+        self.fence()
         ft = self.cfg.fault_tolerance
         lost = self.health.lost_nodes({s.node_id for s in self.pool.spares})
         candidates = [s for s in self.pool.spares if s.node_id not in lost]
@@ -634,6 +645,7 @@ class ActorGroup:
         """Kill the actors of `ranks` (SIGKILL through Ray; they stay in the worker list until
         replaced). `injected`: a fault injected on purpose (demo, benchmark, chaos), whose time
         is recorded in `injected_at` for the recovery's `detect_s`."""
+        self.fence()
         for r in ranks:
             ray.kill(self.workers[r].handle, no_restart=True)
         if injected:
@@ -670,6 +682,7 @@ class ActorGroup:
     def replace(self, failed: set[int]) -> None:
         """Put a spare at each rank of `failed` (`BackupPool.take_for`). Raises ValueError when
         the pool holds fewer spares than `failed` ranks."""
+        self.fence()
         for r, spare in self.pool.take_for(failed, self.workers, self.dims).items():
             self.workers[r] = spare
 
@@ -678,6 +691,7 @@ class ActorGroup:
         members of dropped replicas become spares. The global batch is unchanged: each replica
         gets a larger share, so more micro-batches accumulate. Raises ValueError when the batch
         sizes do not divide by the smaller dp; the caller turns that into a RecoveryError."""
+        self.fence()
         old, t = self.dims, self.cfg.train
         lost = sorted({old.coords(r).dp for r in failed})
         kept = [d for d in range(old.dp) if d not in lost]
@@ -703,6 +717,7 @@ class ActorGroup:
         global batch is unchanged: each replica gets a smaller share. Returns the new members'
         ranks (they hold no state yet). Raises ValueError when the pool holds fewer spares than
         the new replicas need, or when `dp` is not above the current dp."""
+        self.fence()
         old = self.dims
         new = ParallelDims(tp=old.tp, pp=old.pp, cp=old.cp, dp=dp)
         if dp <= old.dp or len(self.pool) < new.world_size - old.world_size:

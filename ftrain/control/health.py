@@ -22,6 +22,7 @@ import ray
 
 from ftrain.control.agent_tree import FANOUT, Rounds, actor_key, branches, shape, summary, without
 from ftrain.control.ray_batch import BATCH_S, batch_wait, getters
+from ftrain.control.run_lease import LeaseLost
 from ftrain.distributed.comms import refuses_connections
 from ftrain.failures import DataError, StaleGenerationError, WorkerFailure
 
@@ -762,7 +763,9 @@ class HealthMonitor:
         control group (this also frees a rank stuck in a collective). Returns the ranks that
         died too (detection names the first death only), did not answer within
         `health_timeout_s`, or whose abort raised (compute thread still in a collective:
-        `MegatronActor.abort`): they are failed too. A rank whose actor is briefly unavailable
+        `MegatronActor.abort`): they are failed too. Raises LeaseLost, killing nothing, when
+        a rank refuses the abort as of a superseded driver (`StaleGenerationError`: it joined
+        a later driver's generation). A rank whose actor is briefly unavailable
         (`ActorUnavailableError`: silent, not dead) is asked again every `health_interval_s`
         until `health_timeout_s` has passed."""
         workers = self._workers()
@@ -787,6 +790,9 @@ class HealthMonitor:
                                 self.ft.health_timeout_s, str(e)[-300:])
                     unanswered.add(r)
                 except (TimeoutError, ray.exceptions.RayError) as e:
+                    if isinstance(getattr(e, "cause", None), StaleGenerationError):  # joined a later driver's generation
+                        raise LeaseLost(f"rank {r} serves another driver now ({e.cause}); this driver stops "
+                                        f"and leaves the run to it") from None
                     why = ("its abort timed out" if isinstance(e, TimeoutError) else
                            "its actor died" if isinstance(e, ray.exceptions.RayActorError) else
                            "its abort failed")

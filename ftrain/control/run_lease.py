@@ -11,7 +11,7 @@ run's namespace, and renews it every second from a thread:
   A driver that finds the lease live waits once for it to lapse; if its holder keeps it (or
   another driver takes it meanwhile) it stops with one line (`LeaseHeld`), touching nothing.
 - The epoch fences everything the driver does: its membership generations are numbered from
-  `first_generation(epoch)`, so a later driver's generations are above every generation of an
+  `failures.first_generation(epoch)`, so a later driver's generations are above every generation of an
   earlier one, and a rank actor refuses to join a generation below one it has joined
   (`MegatronActor.join`). A superseded driver's compute calls carry a generation its actors no
   longer serve (`StaleGenerationError`), its record updates are refused
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 LEASE = "run-lease"
 RENEW_S = 1.0                    # s between renewals; `driver_lease_s` must be well above it
 ENDED = "one that ended since"  # the holder named when the lease was taken and released meanwhile
-GENERATIONS_PER_EPOCH = 1_000_000  # generations one driver may form; above any real run's count
 
 
 class LeaseHeld(RuntimeError):
@@ -47,12 +46,6 @@ class LeaseHeld(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """This driver's lease lapsed and another driver took the run over: stop, touch nothing."""
-
-
-def first_generation(epoch: int) -> int:
-    """The generation number before the first one a driver of lease epoch `epoch` forms: the
-    generations of epoch e lie in (e * GENERATIONS_PER_EPOCH, (e + 1) * GENERATIONS_PER_EPOCH]."""
-    return epoch * GENERATIONS_PER_EPOCH
 
 
 @ray.remote(num_cpus=0)

@@ -427,7 +427,10 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt, committed_step: int
     of other runs are skipped with a warning), None: any.
     `detect_s` counts from the failed ranks' last sign of life (`WorkerFailure.last_seen`), or
     from the fault the group injected (`ActorGroup.kill`) when that came later.
-    Raises RecoveryError when the pool is empty or recovery keeps failing `max_attempts` times.
+    Raises RecoveryError when the pool is empty or recovery keeps failing `max_attempts` times,
+    and LeaseLost, with no actor killed or replaced, when another driver took the run over
+    (`ActorGroup.fence` before each attempt and each change; a rank refusing the abort as of a
+    superseded driver: `HealthMonitor.abort_survivors`).
     """
     failed, aborted = set(failure.ranks), failure.aborted
     survivors = [s for r, s in enumerate(group.workers) if r not in failed]
@@ -441,6 +444,7 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt, committed_step: int
     for attempt in range(1, max_attempts + 1):
         tl.attempts = attempt
         try:
+            group.fence()  # a driver superseded meanwhile stops here (LeaseLost), touching nothing
             t0 = time.perf_counter()
             if not aborted:
                 failed |= group.health.abort_survivors(failed)

@@ -41,7 +41,7 @@ class ShardCourier:
         mapped under that index before. Raises OSError when it cannot be opened."""
         self._arenas[index] = attach_shared(path, nbytes)
 
-    def send(self, holder, key: tuple, step: int, index: int, layout, generation: int,
+    def send(self, holder, key: tuple, step: int, index: int, layout, generation: int, timeout_s: float,
              part_bytes: int = PART_BYTES) -> None:
         """Put the state at `layout` (`host_memory.regions`) of arena `index`, complete when
         called, to `holder` (a `SnapshotHolder`) under (`key`, `step`) as a rank of membership
@@ -49,12 +49,13 @@ class ShardCourier:
         `IN_FLIGHT` of them at once: this process serialises the next part while the holder
         copies the previous one out of the object store, which bounds the store's share to that
         many parts. Raises what a holder call raises (the holder gone: the snapshot is then
-        incomplete there, not shown)."""
+        incomplete there, not shown), GetTimeoutError when a part is not taken within
+        `timeout_s` seconds (the holder cut off or frozen)."""
         meta, parts = wire_parts(from_regions(layout, self._arenas[index]), part_bytes)
         pending = []
         for i, part in enumerate(parts):
             pending.append(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part,
                                                   generation))
             if len(pending) == self.IN_FLIGHT:
-                ray.get(pending.pop(0))
-        ray.get(pending)
+                ray.get(pending.pop(0), timeout=timeout_s)
+        ray.get(pending, timeout=timeout_s)

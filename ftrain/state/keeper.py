@@ -77,29 +77,35 @@ def local_key(layout: str, rank: int, node: str) -> tuple:
 MAPPED_AHEAD, MAPPED_NOW = "mapped ahead", "mapped now"  # how `load_local` read an arena
 
 
-def load_local(engine, holder, key: tuple, step: int, maps: LocalMaps | None = None) -> dict | None:
+def load_local(engine, holder, key: tuple, step: int, timeout_s: float, maps: LocalMaps | None = None) -> dict | None:
     """Load the state of `step` that `holder` (this node's `SnapshotHolder`) keeps under `key`
     (`local_key`) into `engine` (`Engine.load_state`), mapping the arena through the holder's
     descriptor (`MAPPED_NOW`) or taking `maps`' mapping of it, made ahead (`MAPPED_AHEAD`): no
     bytes through Ray. Returns `SnapshotHolder.local`'s answer with "how" (which of the two)
     and seconds by part: "find_s" (the holder's answer), "load_s" (mapping and loading); None
-    when the holder has no complete copy of that step, or when the arena was retired while it
-    was read (the engine's state is then to be restored from another source)."""
-    return _load_adopted(engine.load_state, holder, key, step, maps)
+    when the holder has no complete copy of that step, does not answer within `timeout_s`
+    seconds, or when the arena was retired while it was read (the engine's state is then to be
+    restored from another source)."""
+    return _load_adopted(engine.load_state, holder, key, step, timeout_s, maps)
 
 
-def load_adopted_shard(engine, holder, key: tuple, step: int) -> dict | None:
+def load_adopted_shard(engine, holder, key: tuple, step: int, timeout_s: float) -> dict | None:
     """`load_local` of an optimizer shard: the shard of `step` that `holder` (this node's
     `SnapshotHolder`) adopted under `key` (`shard_key`) loaded into `engine`, whose other state
     is at `step` already (`Engine.load_shard`), through a mapping of the arena. Returns as
-    `load_local` (None: no complete copy, or retired while read)."""
-    return _load_adopted(engine.load_shard, holder, key, step)
+    `load_local` (None: no complete copy, no answer in time, or retired while read)."""
+    return _load_adopted(engine.load_shard, holder, key, step, timeout_s)
 
 
-def _load_adopted(load, holder, key: tuple, step: int, maps: LocalMaps | None = None) -> dict | None:
+def _load_adopted(load, holder, key: tuple, step: int, timeout_s: float,
+                  maps: LocalMaps | None = None) -> dict | None:
     """`load_local` with `load` (an engine's `load_state` or `load_shard`) taking the state."""
     t0 = time.perf_counter()
-    found = ray.get(holder.local.remote(key, step))
+    try:
+        found = ray.get(holder.local.remote(key, step), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        log.warning("the holder of this node did not answer within %.1f s: restoring from another source", timeout_s)
+        return None
     if found is None:
         return None
     t1 = time.perf_counter()
@@ -125,7 +131,8 @@ class LocalMaps:
 
     PERIOD_S = 1.0
 
-    def __init__(self):
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s  # for the holder's answer (a stop waits at most this long for it)
         self._error = ""  # the last failure to map, logged once
         self._maps: dict[int, torch.Tensor] = {}  # memory file inode -> its mapping
         self._lock = threading.Lock()
@@ -149,7 +156,7 @@ class LocalMaps:
 
     def _refresh_from(self, holder) -> None:
         try:
-            self.refresh(ray.get(holder.arenas.remote()))
+            self.refresh(ray.get(holder.arenas.remote(), timeout=self.timeout_s))
         except Exception as exc:  # noqa: BLE001 (a holder gone: the restore maps at its time)
             if repr(exc) != self._error:  # once, not every period
                 log.warning("local keeper: could not map the arenas of this node's holder ahead: %r", exc)
@@ -233,14 +240,23 @@ class ShardSender:
     shard is skipped. A copy whose arena is still being allocated (pinned after a join) is
     skipped and counted. A courier that dies is replaced and the send retried once from the same
     arena (`couriers` counts the couriers started); a send that fails anyway (its keeper gone)
-    is counted in `failed` and logged."""
+    is counted in `failed` and logged.
+
+    Every call to the holder (and each part the courier puts to it) must be answered within
+    `timeout_s` seconds: a holder that does not (cut off, frozen) fails that send, and the
+    copies of the next `QUIET_TIMEOUTS` x `timeout_s` seconds are skipped (counted, logged once)
+    rather than sent to it, so a rank never waits on a silent keeper for longer than one
+    timeout; the next `connect` (a new membership, whose keeper the driver chose) ends the
+    quiet at once."""
 
     BUFFERS = 2
+    QUIET_TIMEOUTS = 6
 
-    def __init__(self, part_bytes: int = PART_BYTES):
-        self.part_bytes = part_bytes
+    def __init__(self, timeout_s: float, part_bytes: int = PART_BYTES):
+        self.timeout_s, self.part_bytes = timeout_s, part_bytes
         self.sent = self.skipped = self.failed = self.waits = self.couriers = 0
         self.wait_s = 0.0
+        self._quiet_until = 0.0  # time.monotonic() before which no copy is sent: the keeper did not answer
         self.courier, self.whole, self.adopt = None, False, False
         self._attached: dict[int, object] = {}  # arena index -> the SharedArena the courier maps there
         self._arenas: list[concurrent.futures.Future | None] = [None] * self.BUFFERS
@@ -256,12 +272,16 @@ class ShardSender:
         run in the background (the send thread, before any send): an actor's start and a first
         call take seconds on a busy machine, which the first steps' sends would otherwise wait
         for."""
-        self.whole = whole
+        self.whole, self._quiet_until = whole, 0.0
         self._thread.submit(self._connect, holder, adopt)
 
     def _connect(self, holder, adopt: bool | None) -> None:
         """Send thread: `connect`'s decision and first calls; a courier no longer needed ends."""
-        node = ray.get(holder.node_id.remote())
+        try:
+            node = ray.get(holder.node_id.remote(), timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._silent("connect", -1)
+            return
         self.adopt = adopts(node, ray.get_runtime_context().get_node_id()) if adopt is None else adopt
         if not self.adopt:
             ray.get(self._courier().node_id.remote())
@@ -324,6 +344,9 @@ class ShardSender:
                 self._sends[index].result()
                 self.waits, self.wait_s = self.waits + 1, self.wait_s + time.perf_counter() - t0
             self._sends[index] = None
+        if time.monotonic() < self._quiet_until:
+            self.skipped += 1
+            return self.counts()
         arena = self.arena(engine, index)
         if arena is None:
             self.skipped += 1
@@ -345,7 +368,7 @@ class ShardSender:
         try:
             if self.adopt:  # adopted while the copy runs, served once sealed
                 ray.get(holder.adopt.remote(key, os.getpid(), index, arena.path, arena.nbytes, step, layout,
-                                            generation))
+                                            generation), timeout=self.timeout_s)
                 copy.wait()
                 arena.seal(step)
                 self.sent += 1
@@ -357,7 +380,8 @@ class ShardSender:
                     if self._attached.get(index) is not arena:
                         ray.get(courier.attach.remote(index, arena.path, arena.nbytes))
                         self._attached[index] = arena
-                    ray.get(courier.send.remote(holder, key, step, index, layout, generation, self.part_bytes))
+                    ray.get(courier.send.remote(holder, key, step, index, layout, generation, self.timeout_s,
+                                                self.part_bytes))
                     self.sent += 1
                     return
                 except ray.exceptions.RayActorError as exc:
@@ -365,9 +389,20 @@ class ShardSender:
                         raise  # raised in the courier (its holder call), or a second courier lost
                     log.warning("the shard courier died (%r): starting another, sending step %d again", exc, step)
                     self.courier = None
+        except ray.exceptions.GetTimeoutError:  # also raised in the courier: its holder's silence
+            self.failed += 1
+            self._silent("send", step)
         except Exception as exc:  # noqa: BLE001 (a lost shard is not a failure of the rank)
             self.failed += 1
             log.warning("%s of step %d not kept: %r", self._what(), step, exc)
+
+    def _silent(self, call: str, step: int) -> None:
+        """The keeper did not answer `call` (of `step`; -1: none) in time: skip sends for a while."""
+        quiet_s = self.QUIET_TIMEOUTS * self.timeout_s
+        self._quiet_until = time.monotonic() + quiet_s
+        log.warning("%s%s not kept: its keeper did not answer a %s within %.1f s; the copies of the next %.0f s "
+                    "are skipped", self._what(), f" of step {step}" if step >= 0 else "s", call, self.timeout_s,
+                    quiet_s)
 
     def _what(self) -> str:
         """What the logs call a copy: the whole state (`whole`) or the optimizer shard."""

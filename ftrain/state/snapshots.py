@@ -19,6 +19,8 @@ from typing import Callable
 
 import ray
 
+from ftrain.failures import StaleGenerationError, epoch_of
+
 log = logging.getLogger(__name__)
 PART_BYTES = 256 << 20  # bytes per holder call: bounds one call's serialisation, not the total
 
@@ -128,6 +130,7 @@ class SnapshotHolder:
 
         self.keep, self.snaps, self._partial, self._spare = keep, {}, {}, {}
         self._fence = 0  # parts sent in an older generation than the last rewind's are dropped
+        self._epoch = 0  # the newest driver's lease epoch seen: an older one's calls are refused
         self._local: dict[tuple, dict[tuple[int, int], _Kept]] = {}  # key -> (owner pid, index) -> arena
 
     def node_id(self) -> str:
@@ -138,14 +141,15 @@ class SnapshotHolder:
                  generation: int = 0) -> None:
         """Part `index` of `count` of (`key`, `step`) (`wire_parts`; `meta` with part 0), sent by a
         rank in membership `generation`; dropped when that is older than the last rewind's
-        (`drop_after`: a send of the abandoned timeline still in flight), else copied
+        (`drop_after`: a send of the abandoned timeline still in flight) or of a superseded
+        driver (`_admits`), else copied
         into holder-owned arrays (the spare buffers of `key` where a slot's shape and dtype
         match, else fresh ones) before returning. The snapshot becomes visible when all `count`
         parts are here; it then drops the oldest beyond `keep` (their arrays become `key`'s
         spare buffers) and the older partial ones of `key` (their senders died or gave up)."""
         import numpy as np
 
-        if generation < self._fence:
+        if not self._admits(generation):
             return
         spare = self._spare.get(key, {})
         for slot, wire in part:
@@ -183,7 +187,7 @@ class SnapshotHolder:
         at `key` (the rank it replaced) go once this owner has a newer complete step."""
         from ftrain.state.host_memory import AdoptedArena
 
-        if generation < self._fence:
+        if not self._admits(generation):
             return
         kept = self._local.setdefault(key, {})
         old = kept.get((owner, index))
@@ -244,12 +248,25 @@ class SnapshotHolder:
             held.setdefault(k, set()).update(x.step for x in arenas.values() if x.complete())
         return {k: sorted(v) for k, v in held.items() if v}
 
+    def _admits(self, generation: int) -> bool:
+        """Whether a send of membership `generation` is taken: not older than the last rewind's
+        (`drop_after`), nor of an older lease epoch than the newest seen (`failures.epoch_of`: a
+        superseded driver's ranks). The newest epoch seen moves up with it."""
+        self._epoch = max(self._epoch, epoch_of(generation))
+        return generation >= self._fence and epoch_of(generation) == self._epoch
+
     def drop_after(self, step: int, generation: int) -> None:
         """A rewind to committed step `step` in membership `generation`: drop every snapshot and
         partial one of a later step (the abandoned timeline: the steps run again may compute
         other states) and, from now on, the parts sent in an older generation. Snapshots up to
-        `step` are history both timelines share and stay."""
-        self._fence = max(self._fence, generation)
+        `step` are history both timelines share and stay. Raises StaleGenerationError, dropping
+        nothing, for a generation older than the last rewind's or of a superseded driver (an
+        older lease epoch than a send or rewind seen here): its rewind would drop the steps
+        the driver that took the run over has committed since."""
+        if not self._admits(generation):
+            raise StaleGenerationError(f"snapshot holder: rewind of generation {generation} refused: this holder "
+                                       f"has seen generation {self._fence} and lease epoch {self._epoch}")
+        self._fence = generation
         for steps in self.snaps.values():
             for s in [s for s in steps if s > step]:
                 del steps[s]
@@ -304,11 +321,12 @@ class SnapshotSender:
     """A rank's background sends of its snapshots to a `SnapshotHolder`, at most one in flight.
     A snapshot due while the previous one is still being copied or sent is skipped, not waited
     for: training never waits for a holder (`skipped` counts them, each logged). A send that
-    fails (holder gone, copy interrupted) is logged and counted in `failed`; the holder then
-    keeps no part of that step (see `SnapshotHolder.put_part`)."""
+    fails (holder gone, copy interrupted, a call not answered within `timeout_s` seconds: the
+    holder cut off or frozen) is logged and counted in `failed`; the holder then keeps no part
+    of that step (see `SnapshotHolder.put_part`)."""
 
-    def __init__(self, part_bytes: int = PART_BYTES, what: str = "memory snapshot"):
-        self.part_bytes, self.what = part_bytes, what  # `what`: how the logs name a send
+    def __init__(self, timeout_s: float, part_bytes: int = PART_BYTES, what: str = "memory snapshot"):
+        self.timeout_s, self.part_bytes, self.what = timeout_s, part_bytes, what  # `what`: how the logs name a send
         self.sent = self.skipped = self.failed = 0
         self._thread: threading.Thread | None = None
 
@@ -321,9 +339,15 @@ class SnapshotSender:
         first call to an actor sets up its connection (about a second on a busy machine),
         which would otherwise delay the first snapshot and make the next ones skipped."""
         if not self.busy():
-            self._thread = threading.Thread(target=lambda: ray.get(holder.node_id.remote()), daemon=True,
+            self._thread = threading.Thread(target=self._first_call, args=(holder,), daemon=True,
                                             name="snapshot-connect")
             self._thread.start()
+
+    def _first_call(self, holder) -> None:
+        try:
+            ray.get(holder.node_id.remote(), timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 (the first send will fail, counted and logged)
+            log.warning("%s holder did not answer: %r", self.what, exc)
 
     def skip(self, step: int, why: str = "the previous one is still being sent") -> None:
         """Count (and log, with `why`) the snapshot of `step` as skipped."""
@@ -350,7 +374,7 @@ class SnapshotSender:
                     if i == len(parts) - 1:
                         before_last_part()
                     ray.get(holder.put_part.remote(key, step, i, len(parts), meta if i == 0 else None, part,
-                                                   generation))
+                                                   generation), timeout=self.timeout_s)
                 self.sent += 1
             except Exception as exc:  # noqa: BLE001 (a lost snapshot is not a failure of the rank)
                 self.failed += 1

@@ -375,7 +375,8 @@ def test_one_driver_holds_a_runs_lease_a_lapsed_one_goes_to_the_next_with_a_late
     lease waits once, then stops (LeaseHeld); once the holder stops renewing, the lease lapses
     and the next driver takes it with the next epoch, whose generations lie above the first's;
     the first's renewal and its check before a commit are refused from then on (LeaseLost)."""
-    from ftrain.control.run_lease import DriverLease, LeaseHeld, LeaseLost, first_generation
+    from ftrain.control.run_lease import DriverLease, LeaseHeld, LeaseLost
+    from ftrain.failures import first_generation
 
     ns = driver_failover.namespace("lease-unit")
     first, second = DriverLease(ns, 3.0, detached=True), DriverLease(ns, 3.0, detached=True)

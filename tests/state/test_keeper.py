@@ -341,7 +341,7 @@ def test_a_holder_serves_an_adopted_arena_only_while_sealed_and_drops_it_for_a_n
     a.close()
     got = from_regions(layout, attach_shared(path, nbytes))
     assert got["step"] == 7 and all(torch.equal(x, y) for x, y in zip(got["model"], state["model"]))
-    maps = LocalMaps()  # a spare's mappings of them, made ahead
+    maps = LocalMaps(5.0)  # a spare's mappings of them, made ahead
     maps.refresh(ray.get(holder.arenas.remote()))
     assert len(maps) == 1 and torch.equal(maps.view(path), attach_shared(path, nbytes))
     maps.refresh({})

@@ -1,6 +1,8 @@
 """In-memory snapshots: a host copy is exactly one committed step's state even while the next
 step runs beside it, a snapshot reaches a holder whole or not at all, and a slow send makes the
 next snapshot skipped (counted), not waited for."""
+import os
+import signal
 import threading
 import time
 
@@ -14,7 +16,9 @@ from ftrain.data.training_batch import synthetic_batch
 from ftrain.distributed.parallel_dims import ParallelDims
 from ftrain.engines.engine import state_digest
 from ftrain.engines.torch_engine import TorchEngine
+from ftrain.failures import StaleGenerationError, first_generation
 from ftrain.state.host_memory import HostCopy
+from ftrain.state.keeper import LocalMaps, ShardSender, load_local, local_key
 from ftrain.state.snapshots import SnapshotHolder, SnapshotSender, from_wire, wire_parts
 
 
@@ -124,12 +128,86 @@ def test_a_rewind_drops_the_abandoned_timeline_and_its_late_parts(ray_session):
     ray.kill(holder)
 
 
+def test_a_superseded_drivers_sends_and_rewind_are_refused(ray_session):
+    """Generations carry their driver's lease epoch (`failures.first_generation`). Once a send
+    of epoch 2 has reached the holder, a late send of epoch 1 is dropped and a rewind of epoch
+    1 (a driver superseded inside its recovery) is refused (StaleGenerationError), dropping
+    nothing; within one epoch, a rewind of a generation older than the last rewind's is
+    refused too, and the driver holding the lease rewinds as before."""
+    state = {"model": [torch.zeros(64)], "step": 0}
+    meta, parts = wire_parts(state)
+    holder, key = SnapshotHolder.remote(keep=3), ("dims", 0)
+    old, new = first_generation(1) + 5, first_generation(2) + 1
+    ray.get(holder.put_part.remote(key, 4, 0, 1, meta, parts[0], old))
+    ray.get(holder.put_part.remote(key, 5, 0, 1, meta, parts[0], new))
+    ray.get(holder.put_part.remote(key, 6, 0, 1, meta, parts[0], old))  # the old driver's rank, late
+    assert ray.get(holder.steps.remote()) == {key: [4, 5]}
+    with pytest.raises(StaleGenerationError, match="refused"):
+        ray.get(holder.drop_after.remote(3, old))
+    assert ray.get(holder.steps.remote()) == {key: [4, 5]}
+    ray.get(holder.drop_after.remote(4, new + 1))
+    with pytest.raises(StaleGenerationError):
+        ray.get(holder.drop_after.remote(3, new))
+    assert ray.get(holder.steps.remote()) == {key: [4]}
+    ray.kill(holder)
+
+
+@pytest.fixture
+def frozen_holder(ray_session):
+    """A SnapshotHolder whose process is stopped (SIGSTOP: a cut-off or frozen keeper; no call
+    is answered and none fails), continued and killed after the test."""
+    holder = SnapshotHolder.remote()
+    pid = ray.get(holder.__ray_call__.remote(lambda h: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    yield holder
+    os.kill(pid, signal.SIGCONT)
+    ray.kill(holder)
+
+
+def returns_within(fn, timeout_s: float):
+    """`fn()`'s result; fails when it has not returned within `timeout_s` seconds (a hang)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert out, f"{fn} did not return within {timeout_s} s"
+    return out[0]
+
+
+def test_a_frozen_keeper_never_stalls_a_rank(engine, frozen_holder):
+    """Each of a rank's calls to a holder that answers nothing ends after the holder timeout:
+    the keeper's steps go on, the connection and the copies fail (counted), the copies of the
+    next `QUIET_TIMEOUTS` timeouts are skipped without a call; a restore from it finds nothing
+    (the next source is tried); a spare's mapping ahead stops; a memory snapshot fails. Before
+    the timeouts, each of these waited forever."""
+    timeout_s = 0.5
+    sender = ShardSender(timeout_s)
+    sender.connect(frozen_holder, whole=True, adopt=True)
+    key = local_key("L", 0, "node")
+    for step in range(1, 7):  # both buffers' sends time out, then the quiet skips the rest
+        engine.train_step(batch(engine, step), step)
+        returns_within(lambda: sender.after_step(engine, frozen_holder, key, step), 10)
+    returns_within(sender.wait, 10)
+    counts = sender.counts()
+    assert counts["sent"] == 0 and counts["failed"] >= 1 and counts["skipped"] >= 1, counts
+    assert counts["failed"] + counts["skipped"] == 6, counts
+    assert returns_within(lambda: load_local(engine, frozen_holder, key, 6, timeout_s), 10) is None
+    maps = LocalMaps(timeout_s)
+    maps.start(frozen_holder)
+    time.sleep(0.1)
+    returns_within(maps.close, 10)
+    snapshots = SnapshotSender(timeout_s)
+    snapshots.send(frozen_holder, ("dims", 0), 6, engine.start_host_copy())
+    returns_within(snapshots.wait, 10)
+    assert snapshots.counts() == {"sent": 0, "skipped": 0, "failed": 1}
+
+
 def test_a_snapshot_due_while_one_is_in_flight_is_skipped_not_waited_for(ray_session):
     """The sender's copy does not finish until released: `busy()` stays true, so the caller
     skips (and counts) the next snapshots; once released, the send completes."""
     holder = SnapshotHolder.remote(keep=2)
     release = threading.Event()
-    sender = SnapshotSender()
+    sender = SnapshotSender(5.0)
     sender.send(holder, ("dims", 0), 1, HostCopy({"model": [torch.ones(8)], "step": 1}, release.wait))
     for step in (2, 3):
         assert sender.busy()
@@ -163,7 +241,7 @@ def test_a_holder_pins_nothing_in_the_object_store_once_a_part_is_put(ray_sessio
     from ray._private.internal_api import memory_summary
 
     holder = SnapshotHolder.remote(keep=2)
-    key, sender = ("dims", 0), SnapshotSender(part_bytes=2 << 20)
+    key, sender = ("dims", 0), SnapshotSender(5.0, part_bytes=2 << 20)
     states = {s: {"model": [torch.full((1 << 18,), float(s + i)) for i in range(4)], "step": s} for s in (1, 2, 3)}
     for step, state in states.items():
         sender.send(holder, key, step, HostCopy(state, lambda: None))
