@@ -465,16 +465,21 @@ def test_megatron_recovery_falls_back_past_a_checkpoint_whose_bytes_changed(ray_
         group.shutdown()
 
 
-@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_every_save_after_a_recovery_commits_at_dp2(ray_session, tmp_path, async_save):
-    """MegatronActors on CPU (gloo), dp=2 with the distributed optimizer and the shard keeper,
-    a checkpoint every step; rank 1 killed after step 3. The replacement joins a rebuilt
-    generation beside a survivor that kept its model and optimizer: every save after the
-    recovery still commits (the save is planned afresh by every rank of the new generation:
-    a survivor reusing its old plans, without the collectives the replacement's planning
-    runs, would leave the two waiting in different collectives), none fails, one recovery,
-    and the losses and final state are bitwise the run without failure. CI: sync saves;
-    slow: async saves."""
+@pytest.mark.parametrize("tp, dp, killed, async_save", [
+    (1, 2, 1, False),
+    pytest.param(1, 2, 1, True, marks=pytest.mark.slow),
+    pytest.param(1, 3, 2, False, marks=pytest.mark.slow),
+    pytest.param(2, 2, 3, False, marks=pytest.mark.slow),
+], ids=["dp2", "dp2_async", "dp3", "tp2_dp2"])
+def test_every_save_after_a_recovery_commits(ray_session, tmp_path, tp, dp, killed, async_save):
+    """MegatronActors on CPU (gloo), tp x dp ranks with the distributed optimizer and the shard
+    keeper, a checkpoint every step; rank `killed` killed after step 3. The replacement joins a
+    rebuilt generation beside survivors that kept their model and optimizer: every save after
+    the recovery still commits (the save is planned afresh by every rank of the new generation:
+    a survivor reusing its old plans, without the collectives the replacement's planning runs,
+    would leave them waiting in different collectives), none fails, one recovery, and the
+    losses and final state are bitwise the run without failure. CI: dp=2, sync saves; slow:
+    async saves, dp=3, tp=2 x dp=2."""
     import dataclasses
 
     import ray
@@ -484,10 +489,11 @@ def test_every_save_after_a_recovery_commits_at_dp2(ray_session, tmp_path, async
     from ftrain.trainer import Trainer
     from megatron_actor import MegatronActor
 
-    cfg = megatron_cpu_cfg(tmp_path, "model.distributed_optimizer=true", "cluster.num_workers=2",
-                           "cluster.num_spares=1", "train.steps=5", "checkpoint.interval=1",
-                           f"checkpoint.async_save={str(async_save).lower()}", "fault_tolerance.refill_spares=false",
-                           "fault_tolerance.health_timeout_s=30")
+    cfg = megatron_cpu_cfg(tmp_path, "model.distributed_optimizer=true", f"parallel.tp={tp}",
+                           f"cluster.num_workers={tp * dp}", "cluster.num_spares=1", "train.steps=5",
+                           f"train.global_batch_size={2 * dp}", f"train.mini_batch_size={2 * dp}",
+                           "checkpoint.interval=1", f"checkpoint.async_save={str(async_save).lower()}",
+                           "fault_tolerance.refill_spares=false", "fault_tolerance.health_timeout_s=30")
     elsewhere = dataclasses.replace(cfg.checkpoint, uri=str(tmp_path / "reference"))
     ref_losses, ref_digests = reference_run(dataclasses.replace(cfg, checkpoint=elsewhere), 5)
     group = ActorGroup(MegatronActor, cfg)
@@ -495,10 +501,10 @@ def test_every_save_after_a_recovery_commits_at_dp2(ray_session, tmp_path, async
         trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
         trainer.train(3)
         wait_for_shards(group, 3)
-        ray.kill(group.workers[1].handle, no_restart=True)
+        ray.kill(group.workers[killed].handle, no_restart=True)
         trainer.train(5)
         (tl,) = trainer.recoveries
-        assert (tl.failed_ranks, tl.steps_lost) == ([1], 0), tl
+        assert (tl.failed_ranks, tl.steps_lost) == ([killed], 0), tl
         assert trainer.failed_saves == [] and trainer.checkpoints[-2:] == [4, 5], trainer.checkpoints
         assert trainer.ckpt.committed_steps()[-1] == 5
         assert trainer.losses == ref_losses and group.state_digests() == ref_digests
@@ -508,7 +514,7 @@ def test_every_save_after_a_recovery_commits_at_dp2(ray_session, tmp_path, async
 
 @pytest.mark.slow
 def test_every_save_after_a_shrink_and_a_grow_back_commits(ray_session, tmp_path):
-    """As `test_every_save_after_a_recovery_commits_at_dp2`, through two membership changes:
+    """As `test_every_save_after_a_recovery_commits` (dp2), through two membership changes:
     MegatronActors on gloo at dp=2 with no spare (`fault_tolerance.min_dp=1`), a checkpoint every
     step; rank 0 killed after step 2, DP shrinks to 1, and once its bundle's refill is warm DP
     grows back to 2 at a step boundary. Every save after each change commits, none fails."""
