@@ -539,7 +539,8 @@ class HealthMonitor:
         `ActorUnavailableError` re-forms without blame, as does one lost with a node agent that
         carried it (`CallLost`: the agent's call failed, or the agent died or stopped answering
         its rounds, `Heartbeats.gone_agents`) on a node whose raylet still answers (one that
-        refuses: a crash of the node's ranks). Results are gathered in batches (`BATCH_S`)."""
+        refuses: a crash of the node's ranks), unless a fresh ping then finds a rank's actor dead:
+        a crash of that rank. Results are gathered in batches (`BATCH_S`)."""
         ft, workers = self.ft, self._workers()
         calls = refs if isinstance(refs, Calls) else Calls(refs)
         rank_of = list(ranks) if ranks is not None else list(range(calls.size))
@@ -622,6 +623,10 @@ class HealthMonitor:
             raise self._hang_failure({rank_of[i] for i in calls.indices(pending)}, timeout, moved_at)
         if transient:  # everyone arrived late but did arrive: a transient; re-form without blame
             lost = sorted(rank_of[i] for i, e in transient.items() if not isinstance(e, ray.exceptions.RayTaskError))
+            if lost:  # unless a lost call's actor died meanwhile (a call lost with it): a crash of its rank
+                crashed, _ = self._probe(fresh=True)
+                if crashed:
+                    raise self._failure(crashed, "crash", f"actor(s) died; rank(s) {lost}'s call lost")
             gave_up = sorted(rank_of[i] for i, e in transient.items() if isinstance(e, ray.exceptions.RayTaskError))
             raise WorkerFailure(set(), "exception", "; ".join(
                 ([f"rank(s) {gave_up} timed out waiting for peers"] if gave_up else []) +

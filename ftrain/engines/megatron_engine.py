@@ -177,6 +177,7 @@ class MegatronEngine:
         self._groups: dict = {}        # this generation's groups by role (`megatron_groups`)
         self._position: tuple | None = None  # (dims, rank) the model, DDP and optimizer were built for
         self._prebuilt: dict | None = None   # spare: the model `warm_up` built, its groups and RNG states
+        self._warmed = False           # `warm_up` ran: a process warms up once
         self._tc = None                # the model's TransformerConfig
 
     @property
@@ -753,14 +754,16 @@ class MegatronEngine:
         for its imports and first uses of the checkpoint code, which would otherwise stall the
         first save after a recovery. With tp = pp = cp = 1 it then builds the spare's model
         (`_prebuild`), so that joining does not build it.
-        Returns seconds; 0.0 without doing anything when this process is in a process group
-        or holds a model (it has trained: nothing left to warm)."""
+        Returns seconds; 0.0 without doing anything when this process warmed up before (a
+        spare's `build` and `prepare_spare` both ask), is in a process group or holds a model
+        (it has trained: nothing left to warm)."""
         import gc
 
         from megatron.core import parallel_state as ps
 
-        if self.model is not None or dist.is_initialized():
+        if self._warmed or self.model is not None or dist.is_initialized():
             return 0.0
+        self._warmed = True
         t0 = time.perf_counter()
         c, micro = self.cfg, self.cfg.train.micro_batch_size
         cfg = dataclasses.replace(

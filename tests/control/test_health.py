@@ -27,7 +27,9 @@ class Rank:
     the first time (the marker file records it), so Ray restarts the actor and the call in flight
     raises `ActorUnavailableError`; later calls return "done"."""
 
-    def __init__(self, marker: str = "", broken_ping: bool = False):
+    def __init__(self, marker: str = "", broken_ping: bool = False, no_restart: bool = False):
+        if no_restart and marker and os.path.exists(marker):
+            raise RuntimeError("this actor does not come back")  # its restart fails: Ray marks it dead
         self.marker, self.broken_ping, self.broken_echo = marker, broken_ping, False
 
     def ping(self) -> dict:
@@ -99,6 +101,23 @@ def test_a_call_lost_to_actor_unavailable_replaces_nobody(ray_session, tmp_path)
         assert failure.value.kind == "exception"
         ray.get(ranks[1].noop.options(max_task_retries=-1).remote())  # restarted: answers again
         assert health.wait([r.work.remote() for r in ranks], timeout=30) == ["done", "done"]
+    finally:
+        health.stop()
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_a_call_lost_with_an_actor_that_does_not_come_back_is_a_crash_of_its_rank(ray_session, tmp_path):
+    """Rank 1 dies inside its step call, whose answer is lost (`ActorUnavailableError` while Ray
+    restarts it), and its restart fails: the actor is dead, so the failure is a crash of rank 1
+    (replaced), not a blameless re-form naming no rank."""
+    ranks = [Rank.remote(), Rank.remote(str(tmp_path / "died"), no_restart=True)]
+    health = _monitor(ranks)
+    health.start()
+    try:
+        with pytest.raises(WorkerFailure) as failure:
+            health.wait([r.work.remote() for r in ranks], timeout=30)
+        assert (failure.value.ranks, failure.value.kind) == ({1}, "crash"), failure.value
     finally:
         health.stop()
         for r in ranks:

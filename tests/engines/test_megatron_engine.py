@@ -272,9 +272,9 @@ def test_engine_two_gpus(tmp_path, backend, request):
 def _warm_up_ranks(rank, world, store) -> dict:
     """A spare that ran `warm_up` before joining against one that did not (same process, one
     after the other): the warm-up frees the GPU memory of its one-layer step (it keeps only the
-    spare's prebuilt model), keeps the RNG states and leaves no process group; the warmed engine
-    joins without building a model, with the same step-0 state, and trains the same first
-    step."""
+    spare's prebuilt model), keeps the RNG states and leaves no process group; asked again (a
+    spare's `prepare_spare` after its `build`) it does nothing; the warmed engine joins without
+    building a model, with the same step-0 state, and trains the same first step."""
     import torch.distributed as dist
 
     from checkpoint import CheckpointManager
@@ -293,6 +293,7 @@ def _warm_up_ranks(rank, world, store) -> dict:
     out["freed"] = torch.cuda.memory_allocated() - memory <= prebuilt + (1 << 20)
     out["rng_kept"] = torch.equal(rng[0], torch.get_rng_state()) and torch.equal(rng[1], torch.cuda.get_rng_state())
     out["no_group_left"] = not dist.is_initialized()
+    out["warmed_once"] = warm.warm_up(CheckpointManager) == 0.0  # a spare's `prepare_spare` after its `build`
     phases = _join(warm, store, 2, rank, ParallelDims.from_config(cfg))
     out["prebuilt_used"] = "build_s" not in phases and "rebind_s" in phases
     out["same_state"] = _digest(warm) == cold_state
@@ -308,6 +309,7 @@ def test_spare_warm_up_leaves_no_trace():
     (res,) = spawn_ranks(_warm_up_ranks, 1)
     assert res["seconds"] > 0
     assert res["freed"] and res["rng_kept"] and res["no_group_left"]
+    assert res["warmed_once"], res
     assert res["prebuilt_used"] and res["same_state"] and res["same_step"] and res["rank_not_warmed_again"]
 
 
