@@ -583,6 +583,24 @@ class ActorGroup:
             log.info("spare pool refilled: %d spare(s) now", len(self.pool))
         return added
 
+    def wait_for_refills(self, spares: int, timeout_s: float) -> float:
+        """Wait until the pool holds `spares` spares while refills are being built or due
+        (`refill`, `poll_refills`, every `health_interval_s`), at most `timeout_s` seconds:
+        a spare that is on its way is not a spare that is missing. Logs
+        `event=waiting_for_refill` when it waits. Returns seconds waited (0.0: the pool holds
+        them, or no refill is on its way)."""
+        t0 = time.monotonic()
+        if len(self.pool) >= spares or not (self._refills or self._refills_due):
+            return 0.0
+        log.warning("event=waiting_for_refill spares=%d needed=%d refills=%d timeout_s=%.0f", len(self.pool), spares,
+                    len(self._refills) + len(self._refills_due), timeout_s)
+        while len(self.pool) < spares and (self._refills or self._refills_due) and time.monotonic() - t0 < timeout_s:
+            if not self.poll_refills():
+                time.sleep(self.cfg.fault_tolerance.health_interval_s)
+        waited = time.monotonic() - t0
+        log.info("waited %.1f s for refills: %d spare(s) now", waited, len(self.pool))
+        return waited
+
     def prune_pool(self) -> None:
         """Drop spares that are dead or unreachable from the pool, and start replacements on
         their bundles in the background (`fault_tolerance.refill_spares`). Spares on a node

@@ -181,11 +181,14 @@ def scratch_restart_refusal(committed: int, allowed: bool, notes: list[str]) -> 
 
 # -- the protocol --------------------------------------------------------------------------------
 def _replace(group: ActorGroup, failed: set[int], ft: FaultToleranceConfig) -> None:
-    """Put a spare at each failed rank; with too few spares, shrink DP if
+    """Put a spare at each failed rank; with too few spares, and once the refills on their way
+    have come (`ActorGroup.wait_for_refills`, at most `step_timeout_s`), shrink DP if
     `fault_tolerance.min_dp` allows, else RecoveryError. The failed ranks' devices are
     quarantined first: a spare or refill there is used only once it passes a health probe."""
     group.quarantine(failed)
     group.prune_pool()
+    if len(group.pool) < len(failed):  # refills of earlier recoveries on their way are awaited first
+        group.wait_for_refills(len(failed), ft.step_timeout_s)
     if len(group.pool) >= len(failed):
         group.replace(failed)
         return
@@ -452,9 +455,9 @@ def recover(group: ActorGroup, failure: WorkerFailure, ckpt, committed_step: int
             killed = [group.workers[r] for r in failed]
             survivors = [s for s in survivors if not any(s is k for k in killed)]
             t1 = time.perf_counter()
-            if ft.refill_spares:
-                group.refill([s.bundle_index for s in killed], defer=True)
             _replace(group, failed, ft)
+            if ft.refill_spares:  # after the replacement: its wait is for the refills of earlier recoveries only
+                group.refill([s.bundle_index for s in killed], defer=True)
             t2 = time.perf_counter()
             tl.rebuild_detail = group.form_generation()
             t3 = time.perf_counter()

@@ -125,6 +125,23 @@ def test_a_megatron_step_cut_short_is_rerun_from_the_committed_step_after_a_shri
     assert [trainer.losses[s] for s in (1, 2)] == [ref_losses[s] for s in (1, 2)]
     assert [trainer.losses[s] for s in range(3, 6)] == pytest.approx([ref_losses[s] for s in range(3, 6)], rel=1e-5)
 
+
+def test_a_failure_while_the_refill_is_being_built_waits_for_it(reference, tmp_path, caplog):
+    """One spare, refills on: rank 1 killed at step 2 takes the spare (its bundle's refill is
+    started after the next committed step and takes seconds to build), rank 0 killed as step 3
+    starts, while the refill is still being built. The pool is empty but a spare is on its way:
+    the recovery waits for it (`event=waiting_for_refill`) instead of stopping the run for lack
+    of spares, and the run ends with the losses of the run without failure."""
+    cfg = make_cfg(tmp_path, "cluster.num_spares=1",
+                   "chaos.events=[{step: 2, rank: 1, kind: kill, point: step_start},"
+                   "{step: 3, rank: 0, kind: kill, point: step_start}]")
+    with caplog.at_level("WARNING", logger="ftrain.control.actor_group"):
+        trainer, digests, _ = train(cfg)
+    assert [t.failed_ranks for t in trainer.recoveries] == [[1], [0]]
+    assert "event=waiting_for_refill" in caplog.text
+    assert trainer.losses == reference[0] and digests == reference[1]
+
+
 def test_empty_pool_without_shrink_stops_with_clear_error(ray_session, tmp_path):
     cfg = make_cfg(tmp_path, "cluster.num_spares=0", "fault_tolerance.refill_spares=false",
                    "chaos.events=[{step: 2, rank: 0, kind: kill, point: step_start}]")
