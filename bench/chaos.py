@@ -13,12 +13,12 @@ Fault kinds (round-robin over the schedule, points drawn from the seed):
   storage_outage           the S3 server (loopback, moto) is stopped for OUTAGE_S around a save
   corrupt_shard            bytes of the newest committed checkpoint flipped, then every rank
                            killed, so recovery must load a checkpoint and fall back past it
-The cluster: `ray.cluster_utils.Cluster` with 3 logical nodes on this machine; checkpoints go
+The cluster: `ray.cluster_utils.Cluster` with 3 logical nodes on this machine (`--nodes`); checkpoints go
 to a loopback S3 server every INTERVAL steps. Before each fault the driver lets the refills
 bring the pool back to world size + 1 spares (a correctness soak, not a recovery-time
 measurement: `bench.recovery` times recoveries).
 
-Usage (repository root): python -m bench.chaos [--engine torch] [--faults 50] [--seed 0] [--out PATH]
+Usage (repository root): python -m bench.chaos [--engine torch] [--faults 50] [--seed 0] [--nodes 3] [--out PATH]
 (default PATH: bench/results/chaos_cpu.json, chaos_megatron_cpu.json for megatron).
 Prints a summary and writes {"engine", "faults", "recovered", "run_stopped", "steps_lost",
 "max_abs_loss_diff", "checkpoints_lost", "max_stall_s"} (+ per-kind counts, the schedule and
@@ -92,8 +92,8 @@ def chaos_events(faults: list[dict], world: int = 2) -> list[dict]:
     return ev
 
 
-def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list, engine: str = "torch"):
-    """The soak's config: `engine`'s layout (WORLD ranks) on 3 nodes, checkpoints every INTERVAL
+def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list, engine: str = "torch", nodes: int = 3):
+    """The soak's config: `engine`'s layout (WORLD ranks) on `nodes` nodes, checkpoints every INTERVAL
     steps at `uri`, short timeouts, `events` as chaos.events. Megatron: resolved as for a GPU,
     then put on CPU (gloo)."""
     import dataclasses
@@ -102,7 +102,7 @@ def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list, engi
     layout = [] if engine == "torch" else [*TINY_MEGATRON, f"parallel.tp={TP[engine]}", "model.distributed_optimizer=true",
                                            "fault_tolerance.shard_keeper=true"]
     cfg = resolve(load_config(ROOT / "config.yaml", [
-        *layout, "cluster.num_nodes=3", f"cluster.num_workers={WORLD[engine]}", f"cluster.num_spares={spares}",
+        *layout, f"cluster.num_nodes={nodes}", f"cluster.num_workers={WORLD[engine]}", f"cluster.num_spares={spares}",
         "cluster.cpus_per_actor=0.5", f"train.steps={steps}", f"checkpoint.interval={INTERVAL}",
         "checkpoint.keep_last=3", "checkpoint.retry_budget_s=1.5", f"checkpoint.uri={uri}",
         f"run_dir={run_dir}", "fault_tolerance.health_timeout_s=5",
@@ -170,7 +170,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3, engine: str = "torch") ->
     ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": actor_env(ROOT)})
     tag = f"chaos-{int(time.time())}"
     try:
-        ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, spares_for(0, engine, nodes), [], engine)
+        ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, spares_for(0, engine, nodes), [], engine, nodes)
         group = ActorGroup(MegatronActor, ref_cfg)
         try:
             ref = Trainer(ref_cfg, group, CheckpointManager.from_config(ref_cfg.checkpoint))
@@ -181,7 +181,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3, engine: str = "torch") ->
         need = pool_needed(faults, world)
         spares = need + 3 if any(f["kind"] == "node" for f in faults) else need  # a node loss takes its spares too
         cfg = make_cfg(s3.uri(f"{tag}/run"), f"/tmp/{tag}/run", steps, spares_for(spares, engine, nodes),
-                       chaos_events(faults, world), engine)
+                       chaos_events(faults, world), engine, nodes)
         group = ActorGroup(MegatronActor, cfg)
         by_step = {f["step"]: f for f in faults}
         corrupted: set[int] = set()
@@ -226,7 +226,7 @@ def run_soak(n_faults: int, seed: int, nodes: int = 3, engine: str = "torch") ->
         lost = [s for s in retained - corrupted if run.ckpt.verify(s)]
         diffs = [abs(run.losses[s] - ref.losses[s]) for s in ref.losses if s in run.losses]
         result = {
-            "engine": engine, "faults": len(faults),
+            "engine": engine, "nodes": nodes, "faults": len(faults),
             "recovered": len(faults) if stopped is None and len(run.losses) == steps else 0,
             "run_stopped": stopped,
             "recoveries": len(run.recoveries),
@@ -260,13 +260,14 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=sorted(WORLD), default="torch")
     p.add_argument("--faults", type=int, default=50)
+    p.add_argument("--nodes", type=int, default=3, help="logical Ray nodes (a node loss needs 2 or more)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default: bench/results/chaos_cpu.json (torch), "
                                                "chaos_megatron_cpu.json (megatron)")
     args = p.parse_args(argv)
     out = args.out or str(ROOT / "bench" / "results" / ("chaos_cpu.json" if args.engine == "torch"
                                                           else f"chaos_{args.engine}_cpu.json"))
-    r = run_soak(args.faults, args.seed, engine=args.engine)
+    r = run_soak(args.faults, args.seed, args.nodes, args.engine)
     for key in ("engine", "faults", "recovered", "run_stopped", "recoveries", "steps_lost", "max_abs_loss_diff",
                 "checkpoints_lost", "max_stall_s", "steps", "wall_s"):
         print(f"{key:<20}{r[key]}")

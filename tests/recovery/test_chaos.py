@@ -1,5 +1,8 @@
-"""CI version of the chaos soak (`python -m bench.chaos`): one fault of every kind over a CPU run
-on a 3-node Ray cluster with checkpoints on a loopback S3 server; nothing may diverge or be lost."""
+"""CI versions of the chaos soak (`python -m bench.chaos`) on a Ray cluster of logical nodes with
+checkpoints on a loopback S3 server; nothing may diverge or be lost. The torch engine: one fault
+of every kind (slow). The Megatron engine (MegatronActors on gloo at tp=2 x dp=2, the
+distributed optimizer, the shard keeper, a checkpoint every 2 steps): a kill, an exception and a
+hang, each restored from a DP peer and the keepers with no step lost (CI)."""
 import json
 
 import pytest
@@ -14,6 +17,7 @@ def test_one_fault_of_every_kind(tmp_path):
     out = tmp_path / "chaos.json"
     run_bench("chaos", "--faults", str(KINDS), "--seed", "1", "--out", str(out))
     r = json.loads(out.read_text())
+    assert r["engine"] == "torch" and r["run_stopped"] is None
     assert r["kinds"] == {k: 1 for k in r["kinds"]} and len(r["kinds"]) == KINDS
     assert r["recovered"] == r["faults"] == KINDS
     assert r["max_abs_loss_diff"] == 0.0 and r["replays_equal"]
@@ -21,3 +25,13 @@ def test_one_fault_of_every_kind(tmp_path):
     assert r["saves_skipped_by_storage_outage"]          # the outage did hit a save
     assert r["recovery_kinds"]["hang"] >= 1 and r["recovery_kinds"]["crash"] >= 1
     assert any(s.startswith("checkpoint") for s in r["restore_sources"])  # fell back past the corrupt one
+
+
+def test_the_megatron_engine_at_tp2_dp2_survives_a_kill_an_exception_and_a_hang(tmp_path):
+    out = tmp_path / "chaos.json"
+    run_bench("chaos", "--engine", "megatron", "--faults", "3", "--seed", "1", "--nodes", "1", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["engine"] == "megatron" and r["run_stopped"] is None, r["run_stopped"]
+    assert r["recovered"] == r["faults"] == 3 and r["recovery_kinds"] == {"crash": 1, "exception": 1, "hang": 1}
+    assert r["steps_lost"] == 0 and r["restore_sources"] == ["peer+keeper"]
+    assert r["max_abs_loss_diff"] == 0.0 and r["replays_equal"] and r["checkpoints_lost"] == 0
