@@ -25,7 +25,7 @@ SECRET = f"secret-{os.urandom(8).hex()}"  # a credential that must never appear 
 # modules are collected longest first, so the workers, handed whole modules in collection order
 # (run.sh: --dist loadfile --no-loadscope-reorder), finish together instead of one waiting on a
 # long module started last. Only the order depends on these; unlisted modules go last.
-MODULE_SECONDS = {"test_recovery": 254, "test_chaos": 120, "test_resume": 117, "test_scenarios": 114, "test_keeper": 110,
+MODULE_SECONDS = {"test_recovery": 254, "test_resume": 117, "test_scenarios": 114, "test_keeper": 110,
                   "test_data": 110, "test_driver_failover": 99, "test_fault_tolerance": 89, "test_rl": 78,
                   "test_node_loss": 55, "test_dp_invariance": 55, "test_slow_storage": 51,
                   "test_train_speed": 49, "test_driver_crash": 46, "test_rank_rows": 44, "test_health": 33, "test_agent_tree": 40,

@@ -1,5 +1,7 @@
 """Bad input fails before any actor starts or any state is lost, with one line naming the
 field and the fix."""
+import time
+
 import pytest
 import torch
 
@@ -19,6 +21,9 @@ def cfg_with(tmp_path, *overrides):
 def test_cluster_too_small_reports_what_is_there(ray_session, tmp_path):
     cfg = cfg_with(tmp_path, "cluster.num_workers=32", "cluster.num_spares=8", "train.mini_batch_size=32",
                    "train.global_batch_size=32", "train.micro_batch_size=1")
+    deadline = time.monotonic() + 30  # the actors an earlier module killed give their CPUs back
+    while ray_session.available_resources().get("CPU") != 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
     with pytest.raises(ConfigError, match=r"^cluster.num_workers: .*need 10 CPU.*cluster has 8 CPU"):
         ActorGroup(MegatronActor, cfg)
     assert ray_session.available_resources().get("CPU") == 8  # nothing was placed or started

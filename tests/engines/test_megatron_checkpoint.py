@@ -478,7 +478,7 @@ def test_every_save_after_a_recovery_commits(ray_session, tmp_path, tp, dp, kill
     the recovery still commits (the save is planned afresh by every rank of the new generation:
     a survivor reusing its old plans, without the collectives the replacement's planning runs,
     would leave them waiting in different collectives), none fails, one recovery, and the
-    losses and final state are bitwise the run without failure. CI: dp=2, sync saves; slow:
+    losses are bitwise the run without failure. CI: dp=2, sync saves; slow:
     async saves, dp=3, tp=2 x dp=2."""
     import dataclasses
 
@@ -495,7 +495,7 @@ def test_every_save_after_a_recovery_commits(ray_session, tmp_path, tp, dp, kill
                            "checkpoint.interval=1", f"checkpoint.async_save={str(async_save).lower()}",
                            "fault_tolerance.refill_spares=false", "fault_tolerance.health_timeout_s=30")
     elsewhere = dataclasses.replace(cfg.checkpoint, uri=str(tmp_path / "reference"))
-    ref_losses, ref_digests = reference_run(dataclasses.replace(cfg, checkpoint=elsewhere), 5)
+    ref_losses, _ = reference_run(dataclasses.replace(cfg, checkpoint=elsewhere), 5)
     group = ActorGroup(MegatronActor, cfg)
     try:
         trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
@@ -507,7 +507,7 @@ def test_every_save_after_a_recovery_commits(ray_session, tmp_path, tp, dp, kill
         assert (tl.failed_ranks, tl.steps_lost) == ([killed], 0), tl
         assert trainer.failed_saves == [] and trainer.checkpoints[-2:] == [4, 5], trainer.checkpoints
         assert trainer.ckpt.committed_steps()[-1] == 5
-        assert trainer.losses == ref_losses and group.state_digests() == ref_digests
+        assert trainer.losses == ref_losses  # the final states' bitwise check after a recovery: test_keeper.py
     finally:
         group.shutdown()
 
