@@ -31,6 +31,7 @@ import ray
 from checkpoint import CheckpointManager
 from dispatch import register
 from ftrain.config import CHAOS_KINDS, CHAOS_POINTS, Config
+from ftrain.control.device_probe import wait_for_exit
 from ftrain.control.lifecycle import ABORTED, JOINING, SPARE, WARM, WARMING, Lifecycle
 from ftrain.control.rendezvous import arrive, release, wait_formed
 from ftrain.distributed.comms import collective_counts, use_node_interface
@@ -233,11 +234,14 @@ class MegatronActor:
         return True
 
     def join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int,
-             holder=None, local_holder=None) -> dict[str, float]:
+             holder=None, local_holder=None, exited: list[int] = ()) -> dict[str, float]:
         """Join process-group generation `generation` as `rank` of `dims.world_size` through the
         driver's store at host:port (prefix `gen{generation}`); `holder`: the SnapshotHolder to
         send in-memory snapshots to (None: off); `local_holder`: this node's, which keeps this
-        rank's state at dp = 1 (the local keeper, keeper.py). Returns seconds by part: `rendezvous_s` (until
+        rank's state at dp = 1 (the local keeper, keeper.py); `exited`: pids of failed ranks
+        that ran on this actor's GPU, whose exit (their memory freed) is awaited before the
+        process groups are made, at most `rendezvous_timeout_s / 2` (`exit_wait_s`,
+        `device_probe.wait_for_exit`). Returns seconds by part: `rendezvous_s` (until
         every member arrived), then the engine's (`Engine.connect`: `process_group_s`, ...).
         Raises StaleGenerationError for a generation below one joined before (`run_lease`), or
         when an abort came during the join."""
@@ -245,7 +249,7 @@ class MegatronActor:
         self.joined = generation
         self.life.move(JOINING)
         try:
-            phases = self._join(generation, rank, dims, host, port, holder, local_holder)
+            phases = self._join(generation, rank, dims, host, port, holder, local_holder, exited)
         except BaseException:
             self._local_maps.close()
             self.life.move(ABORTED)
@@ -256,7 +260,7 @@ class MegatronActor:
         return phases
 
     def _join(self, generation: int, rank: int, dims: ParallelDims, host: str, port: int, holder,
-              local_holder) -> dict[str, float]:
+              local_holder, exited: list[int]) -> dict[str, float]:
         """The join itself (`join`): barrier, process groups, snapshot and keeper connections."""
         import torch.distributed as dist
 
@@ -281,7 +285,13 @@ class MegatronActor:
         if self._abort_epoch != epoch or not formed:
             raise StaleGenerationError(f"rank {rank}: generation {generation} aborted while forming")
         t1 = time.perf_counter()
-        phases = self.engine.connect(store, dims, rank)
+        waited = {}
+        if exited:
+            waited["exit_wait_s"] = wait_for_exit(exited, ft.rendezvous_timeout_s / 2)
+            if waited["exit_wait_s"] >= ft.rendezvous_timeout_s / 2:
+                log.warning("rank %d: the failed rank process(es) %s on this GPU did not exit within %.1f s: "
+                            "their memory may still be held", rank, exited, waited["exit_wait_s"])
+        phases = {**waited, **self.engine.connect(store, dims, rank)}
         if holder is not None and self.cfg.fault_tolerance.memory_snapshot_interval:
             # Before the first snapshot step, in the background.
             self.engine.prepare_host_copy()
@@ -292,6 +302,7 @@ class MegatronActor:
             self.cfg.model.distributed_optimizer, ft.shard_keeper, dims.dp) else None
         if self._keeper is not None:
             self._shards.connect(self._keeper, whole=local)
+            self._shards.prepare(self.engine)  # both arenas from the first steps on, not one at a time
         else:
             self._shards.close()  # no shard kept in this layout: its courier and arenas go
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
@@ -340,7 +351,8 @@ class MegatronActor:
         flight or the host buffers are not pinned yet. The result carries the sender's counts
         as `memory_snapshots` when snapshots are on. With the shard keeper (keeper.py) the
         optimizer shard of step `step` is then sent to its keeper, and the result carries
-        `kept_shards` ({"sent", "skipped", "failed"})."""
+        `kept_shards` ({"sent", "skipped", "failed"}) and `kept_step` (the newest step whose
+        copy its keeper holds whole; None: none yet in this membership)."""
         self._check(generation)
         self._local_maps.close()  # a spare's mappings of other ranks' arenas: no use once training
         self.engine.snapshot()
@@ -364,6 +376,7 @@ class MegatronActor:
         if self._keeper is not None:
             result["kept_shards"] = self._shards.after_step(self.engine, self._keeper, self._kept_key(), step,
                                                             self.generation)
+            result["kept_step"] = self._shards.kept_step
         return result
 
     def _kept_key(self) -> tuple:
@@ -377,13 +390,16 @@ class MegatronActor:
         of its DP replica in the current layout, read here). Raises DataError."""
         return self.rows.train_batch(step, self.dims, self.rank, self.cfg.train, self.engine.dp_sum)
 
-    def restore_snapshot(self, generation: int, step: int, holders: list, shard: bool = False) -> bool:
+    def restore_snapshot(self, generation: int, step: int, holders: list, shard: bool = False,
+                         rewind: bool = False) -> bool:
         """Load this rank's in-memory snapshot of committed step `step` from the first of
         `holders` (SnapshotHolder handles) that has it; `shard`: only its optimizer shard, kept
         by its keeper (keeper.py), into a state that is already at `step`
-        (`Engine.load_shard`): a holder of this node that adopted it is read through a mapping
-        of the arena (`keeper.load_adopted_shard`), the others send it. False when none has; a
-        holder that is gone or does not answer within `health_timeout_s` (its copy: half of
+        (`Engine.load_shard`), or with `rewind` into any state (`Engine.load_state`: the
+        Megatron engine then takes its params from the shards, `sync_params`): a holder of this
+        node that adopted it is read through a mapping of the arena
+        (`keeper.load_adopted_shard`), the others send it. False when none has; a holder that
+        is gone or does not answer within `health_timeout_s` (its copy: half of
         `step_timeout_s`) is skipped."""
         self._check(generation)
         ft = self.cfg.fault_tolerance
@@ -392,7 +408,7 @@ class MegatronActor:
         for holder in holders:
             try:
                 if shard and ray.get(holder.node_id.remote(), timeout=ft.health_timeout_s) == node and \
-                        load_adopted_shard(self.engine, holder, key, step, ft.health_timeout_s) is not None:
+                        load_adopted_shard(self.engine, holder, key, step, ft.health_timeout_s, rewind) is not None:
                     return True
                 # Half the driver's deadline for this call: a holder stalled mid-copy leaves time for the next.
                 state = ray.get(holder.get.remote(key, step), timeout=ft.step_timeout_s / 2)
@@ -401,7 +417,7 @@ class MegatronActor:
                             exc)
                 continue
             if state is not None:
-                (self.engine.load_shard if shard else self.engine.load_state)(from_wire(state))
+                (self.engine.load_shard if shard and not rewind else self.engine.load_state)(from_wire(state))
                 return True
         return False
 

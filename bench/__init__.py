@@ -1,4 +1,5 @@
 """Benchmarks (`python -m bench.NAME`): each prints a table and writes its JSON with `write_json`."""
+import contextlib
 import json
 import os
 
@@ -16,3 +17,37 @@ def actor_env(root, **extra: str) -> dict:
     bundle's `install.sh`, a worker without it cannot import ray: Ray restarts it forever and
     every call to its actor waits with no error), plus `extra`."""
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])), **extra}
+
+
+@contextlib.contextmanager
+def logical_cluster(nodes: int, root, cpus_per_node: int = 4):
+    """A Ray cluster of `nodes` logical nodes on this machine (`ray.cluster_utils.Cluster`; the
+    head has no CPUs, so every actor lands on a node that can be lost), joined by this process
+    with `actor_env(root)` for its actors; shut down on exit. Actors inherit the rest of this
+    process's environment (credentials stay out of runtime_env: Ray's agent logs env_vars)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=cpus_per_node)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": actor_env(root)})
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def megatron_on_cpu(cfg):
+    """`cfg` (a loaded, unresolved Config) resolved as for one GPU, so that `auto` picks the
+    Megatron engine's GPU defaults (distributed optimizer, keeper), then put on CPU: gloo, no
+    GPU per actor, float32 unless model.dtype was set. Raises ConfigError as `resolve` does."""
+    import dataclasses
+
+    from ftrain.config import resolve
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "float32"
+    cfg = resolve(cfg, num_gpus=1)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0),
+                               model=dataclasses.replace(cfg.model, dtype=dtype))

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import actor_env
+from bench import actor_env, logical_cluster, megatron_on_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -96,21 +96,17 @@ def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list, engi
     """The soak's config: `engine`'s layout (WORLD ranks) on `nodes` nodes, checkpoints every INTERVAL
     steps at `uri`, short timeouts, `events` as chaos.events. Megatron: resolved as for a GPU,
     then put on CPU (gloo)."""
-    import dataclasses
-
     from ftrain.config import load_config, resolve
     layout = [] if engine == "torch" else [*TINY_MEGATRON, f"parallel.tp={TP[engine]}", "model.distributed_optimizer=true",
                                            "fault_tolerance.shard_keeper=true"]
-    cfg = resolve(load_config(ROOT / "config.yaml", [
+    cfg = load_config(ROOT / "config.yaml", [
         *layout, f"cluster.num_nodes={nodes}", f"cluster.num_workers={WORLD[engine]}", f"cluster.num_spares={spares}",
         "cluster.cpus_per_actor=0.5", f"train.steps={steps}", f"checkpoint.interval={INTERVAL}",
         "checkpoint.keep_last=3", "checkpoint.retry_budget_s=1.5", f"checkpoint.uri={uri}",
         f"run_dir={run_dir}", "fault_tolerance.health_timeout_s=5",
         "fault_tolerance.min_step_timeout_s=3", "fault_tolerance.rendezvous_timeout_s=20",
-        "fault_tolerance.health_interval_s=0.2", f"chaos.events={json.dumps(events)}"]),
-        num_gpus=0 if engine == "torch" else 1)
-    if engine == "megatron":
-        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0))
+        "fault_tolerance.health_interval_s=0.2", f"chaos.events={json.dumps(events)}"])
+    cfg = resolve(cfg, num_gpus=0) if engine == "torch" else megatron_on_cpu(cfg)
     assert cfg.model.engine == engine, cfg.model.engine
     return cfg
 
@@ -143,117 +139,114 @@ def spares_for(least: int, engine: str, nodes: int) -> int:
 
 
 def run_soak(n_faults: int, seed: int, nodes: int = 3, engine: str = "torch") -> dict:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from checkpoint import CheckpointManager
-    from ftrain.control.actor_group import ActorGroup
+    """The soak of `n_faults` faults (`schedule` of `seed`) on a cluster of `nodes` logical nodes,
+    checkpoints on a loopback S3 server; returns the result (the module's JSON)."""
     from ftrain.testbeds.local_storage import S3Server
-    from ftrain.trainer import Trainer
-    from megatron_actor import MegatronActor
 
-    world = WORLD[engine]
-    faults = schedule(n_faults, seed, world)
-    steps = faults[-1]["step"] + GAP
+    faults = schedule(n_faults, seed, WORLD[engine])
     s3 = S3Server().start()
     env = {"AWS_ENDPOINT_URL": s3.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "RAY_IGNORE_UNHANDLED_ERRORS": "1", **actor_env(ROOT)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=4)
-    cluster.wait_for_nodes()
-    # Actors inherit the credentials from this process's environment (never via runtime_env:
-    # Ray's runtime-env agent logs env_vars).
-    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": actor_env(ROOT)})
     tag = f"chaos-{int(time.time())}"
     try:
-        ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, spares_for(0, engine, nodes), [], engine, nodes)
-        group = ActorGroup(MegatronActor, ref_cfg)
-        try:
-            ref = Trainer(ref_cfg, group, CheckpointManager.from_config(ref_cfg.checkpoint))
-            ref.train(steps)
-        finally:
-            group.shutdown()
-
-        need = pool_needed(faults, world)
-        spares = need + 3 if any(f["kind"] == "node" for f in faults) else need  # a node loss takes its spares too
-        cfg = make_cfg(s3.uri(f"{tag}/run"), f"/tmp/{tag}/run", steps, spares_for(spares, engine, nodes),
-                       chaos_events(faults, world), engine, nodes)
-        group = ActorGroup(MegatronActor, cfg)
-        by_step = {f["step"]: f for f in faults}
-        corrupted: set[int] = set()
-        outage: list[threading.Thread] = []
-
-        def restart_later():  # longer than a save's retries (a single attempt can take ~3 s)
-            time.sleep(OUTAGE_S)
-            s3.start()
-
-        def after_step(trainer, step):
-            nxt = step + 1
-            if any(e["step"] == nxt for e in cfg.chaos.events) or nxt in by_step:
-                for t in outage:  # the store must be back before the next fault
-                    t.join()
-                outage.clear()
-                deadline = time.monotonic() + 120
-                while len(group.pool) < need and time.monotonic() < deadline:  # refills keep up
-                    group.poll_refills()
-                    time.sleep(0.2)
-            f = by_step.get(step)
-            if f and f["kind"] == "storage_outage":
-                s3.stop()  # down before the next step, and so before the next save
-                outage.append(threading.Thread(target=restart_later))
-                outage[-1].start()
-            elif f and f["kind"] == "corrupt_shard" and trainer.checkpoints:
-                corrupted.add(corrupt_newest(trainer.ckpt))
-
-        stopped = None
-        try:
-            t0 = time.perf_counter()
-            run = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
-            try:
-                run.train(steps, after_step=after_step)
-            except Exception as e:  # noqa: BLE001 (the soak reports what stopped the run)
-                stopped = f"{type(e).__name__}: {e}"
-            wall = time.perf_counter() - t0
-        finally:
-            for t in outage:
-                t.join()
-            group.shutdown()
-        retained = set(run.ckpt.committed_steps())
-        lost = [s for s in retained - corrupted if run.ckpt.verify(s)]
-        diffs = [abs(run.losses[s] - ref.losses[s]) for s in ref.losses if s in run.losses]
-        result = {
-            "engine": engine, "nodes": nodes, "faults": len(faults),
-            "recovered": len(faults) if stopped is None and len(run.losses) == steps else 0,
-            "run_stopped": stopped,
-            "recoveries": len(run.recoveries),
-            "steps_lost": sum(t.steps_lost for t in run.recoveries),
-            "max_abs_loss_diff": max(diffs, default=0.0),
-            "replays_equal": all(v == run.losses[s] for s, vs in run.replayed.items() for v in vs),
-            "checkpoints_lost": len(lost),
-            "checkpoints_corrupted_on_purpose": sorted(corrupted),
-            "saves_skipped_by_storage_outage": run.failed_saves,
-            "max_stall_s": max((t.total_s for t in run.recoveries), default=0.0),
-            "steps": steps, "wall_s": wall,
-            "kinds": {k: sum(f["kind"] == k for f in faults) for k in KINDS},
-            "recovery_kinds": {k: sum(t.kind == k for t in run.recoveries) for k in ("crash", "exception", "hang")},
-            "restore_sources": sorted({t.restore_source for t in run.recoveries}),
-            "schedule": faults, "timelines": [t.to_dict() for t in run.recoveries],
-            "seed": seed, "date": time.strftime("%Y-%m-%d"),
-        }
-        return result
+        with logical_cluster(nodes, ROOT):
+            return soak(faults, s3, tag, nodes, engine, seed)
     finally:
-        ray.shutdown()
-        cluster.shutdown()
         s3.stop()
         for k, v in saved.items():  # callers (tests) keep their own storage endpoints
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def soak(faults: list[dict], s3, tag: str, nodes: int, engine: str, seed: int) -> dict:
+    """The reference and the faulty run on the cluster `run_soak` made; returns the result."""
+    from checkpoint import CheckpointManager
+    from ftrain.control.actor_group import ActorGroup
+    from ftrain.trainer import Trainer
+    from megatron_actor import MegatronActor
+
+    world = WORLD[engine]
+    steps = faults[-1]["step"] + GAP
+    ref_cfg = make_cfg(s3.uri(f"{tag}/ref"), f"/tmp/{tag}/ref", steps, spares_for(0, engine, nodes), [], engine, nodes)
+    group = ActorGroup(MegatronActor, ref_cfg)
+    try:
+        ref = Trainer(ref_cfg, group, CheckpointManager.from_config(ref_cfg.checkpoint))
+        ref.train(steps)
+    finally:
+        group.shutdown()
+
+    need = pool_needed(faults, world)
+    spares = need + 3 if any(f["kind"] == "node" for f in faults) else need  # a node loss takes its spares too
+    cfg = make_cfg(s3.uri(f"{tag}/run"), f"/tmp/{tag}/run", steps, spares_for(spares, engine, nodes),
+                   chaos_events(faults, world), engine, nodes)
+    group = ActorGroup(MegatronActor, cfg)
+    by_step = {f["step"]: f for f in faults}
+    corrupted: set[int] = set()
+    outage: list[threading.Thread] = []
+
+    def restart_later():  # longer than a save's retries (a single attempt can take ~3 s)
+        time.sleep(OUTAGE_S)
+        s3.start()
+
+    def after_step(trainer, step):
+        nxt = step + 1
+        if any(e["step"] == nxt for e in cfg.chaos.events) or nxt in by_step:
+            for t in outage:  # the store must be back before the next fault
+                t.join()
+            outage.clear()
+            deadline = time.monotonic() + 120
+            while len(group.pool) < need and time.monotonic() < deadline:  # refills keep up
+                group.poll_refills()
+                time.sleep(0.2)
+        f = by_step.get(step)
+        if f and f["kind"] == "storage_outage":
+            s3.stop()  # down before the next step, and so before the next save
+            outage.append(threading.Thread(target=restart_later))
+            outage[-1].start()
+        elif f and f["kind"] == "corrupt_shard" and trainer.checkpoints:
+            corrupted.add(corrupt_newest(trainer.ckpt))
+
+    stopped = None
+    try:
+        t0 = time.perf_counter()
+        run = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
+        try:
+            run.train(steps, after_step=after_step)
+        except Exception as e:  # noqa: BLE001 (the soak reports what stopped the run)
+            stopped = f"{type(e).__name__}: {e}"
+        wall = time.perf_counter() - t0
+    finally:
+        for t in outage:
+            t.join()
+        group.shutdown()
+    retained = set(run.ckpt.committed_steps())
+    lost = [s for s in retained - corrupted if run.ckpt.verify(s)]
+    diffs = [abs(run.losses[s] - ref.losses[s]) for s in ref.losses if s in run.losses]
+    result = {
+        "engine": engine, "nodes": nodes, "faults": len(faults),
+        "recovered": len(faults) if stopped is None and len(run.losses) == steps else 0,
+        "run_stopped": stopped,
+        "recoveries": len(run.recoveries),
+        "steps_lost": sum(t.steps_lost for t in run.recoveries),
+        "max_abs_loss_diff": max(diffs, default=0.0),
+        "replays_equal": all(v == run.losses[s] for s, vs in run.replayed.items() for v in vs),
+        "checkpoints_lost": len(lost),
+        "checkpoints_corrupted_on_purpose": sorted(corrupted),
+        "saves_skipped_by_storage_outage": run.failed_saves,
+        "max_stall_s": max((t.total_s for t in run.recoveries), default=0.0),
+        "steps": steps, "wall_s": wall,
+        "kinds": {k: sum(f["kind"] == k for f in faults) for k in KINDS},
+        "recovery_kinds": {k: sum(t.kind == k for t in run.recoveries) for k in ("crash", "exception", "hang")},
+        "restore_sources": sorted({t.restore_source for t in run.recoveries}),
+        "schedule": faults, "timelines": [t.to_dict() for t in run.recoveries],
+        "seed": seed, "date": time.strftime("%Y-%m-%d"),
+    }
+    return result
 
 
 def main(argv=None) -> dict:

@@ -58,15 +58,17 @@ from main import losses_match, start_ray
 from megatron_actor import MegatronActor
 
 ROOT = Path(__file__).resolve().parent.parent
-# What a run with the defaults may still set: the cluster's size, the model's shape, the steps.
-SIZE_KEYS = {"cluster.num_workers", "cluster.num_spares", "train.steps", "train.seq_len"} | {
+# What a run with the defaults may still set: the cluster's size, the model's shape, the
+# parallel layout, the batch and the steps (the job, not how it is protected).
+SIZE_KEYS = {"cluster.num_workers", "cluster.num_spares", "train.steps", "train.seq_len", "train.global_batch_size",
+             "train.mini_batch_size", "train.micro_batch_size", "parallel.tp", "parallel.pp", "parallel.cp"} | {
     f"model.{k}" for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                            "vocab_size", "max_seq_len")}
 
 
 def defaults_only(config: str, overrides: list[str]) -> bool:
-    """Whether a run of `config` with `--set` `overrides` keeps every default but the sizes
-    (`SIZE_KEYS`): the repository's config.yaml and no other key set."""
+    """Whether a run of `config` with `--set` `overrides` keeps every default but the job's
+    shape (`SIZE_KEYS`): the repository's config.yaml and no other key set."""
     return Path(config).resolve() == ROOT / "config.yaml" and all(o.split("=")[0] in SIZE_KEYS for o in overrides)
 
 

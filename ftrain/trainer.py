@@ -108,6 +108,7 @@ class Trainer:
         self._save_due = False               # a due save postponed (`_postpone`)
         self.postponed_saves: list[int] = []  # steps whose due save waited for the previous one's write
         self._chaos_fired: set[int] = set()
+        self.kept_step: int | None = None  # newest step every rank's keeper held at the last step's end (-1: none; None: no keeper)
 
     def batch(self, step: int):
         """The global batch of `step` for PPO on synthetic data (`synthetic_batch`), validated
@@ -182,6 +183,8 @@ class Trainer:
         elif len(self.step_times) > 1:
             self._steady_times.append(self.step_times[-1])
         self.grad_norms[step] = results[0]["grad_norm"]  # after the all-reduce: the same on every replica
+        kept = [r.get("kept_step") for r in results if "kept_shards" in r]
+        self.kept_step = None if not kept else -1 if None in kept else min(kept)
         return sum(r["loss"] for r in results) / len(results)
 
     def train(self, until_step: int, after_step=None) -> None:
@@ -279,7 +282,8 @@ class Trainer:
             self.recoveries[-1].append_jsonl(self.run_dir / "recoveries.jsonl")
             self.metrics.on_recovery(self.recoveries[-1])
             self._resume_t = None
-        self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool), reward, self._digest)
+        self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool), reward, self._digest,
+                             self.kept_step)
 
     def _postpone(self, step: int) -> None:
         """A save is due at `step` while the previous async save is still being written: rather

@@ -227,12 +227,10 @@ TINY_MEGATRON = ["model.distributed_optimizer=false", "model.dtype=float32", "mo
 def megatron_cpu_cfg(tmp_path, *sets: str):
     """A config of MegatronActors on CPU (gloo) with a tiny float32 model (`TINY_MEGATRON`, then
     `sets`): resolved as for one GPU so the engine is Megatron, then the cluster set to CPU."""
-    import dataclasses
+    from bench import megatron_on_cpu
+    from ftrain.config import load_config
 
-    from ftrain.config import load_config, resolve
-
-    cfg = resolve(load_config("config.yaml", [*TINY_MEGATRON, *sets, f"run_dir={tmp_path}",
-                                              f"checkpoint.uri={tmp_path}/ckpt"]), num_gpus=1)
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0))
+    cfg = megatron_on_cpu(load_config("config.yaml", [*TINY_MEGATRON, *sets, f"run_dir={tmp_path}",
+                                                      f"checkpoint.uri={tmp_path}/ckpt"]))
     assert cfg.model.engine == "megatron"
     return cfg

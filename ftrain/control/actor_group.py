@@ -19,7 +19,7 @@ from ray.util.placement_group import get_placement_group, placement_group, remov
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ftrain.config import Config, require
-from ftrain.control.actor_slot import ActorSlot
+from ftrain.control.actor_slot import ActorSlot, exited_on_its_gpus
 from ftrain.control.driver_failover import PLACEMENT_GROUP, CannotReattach, new_name
 from ftrain.control.health import HealthMonitor
 from ftrain.control.node_agent import NodeAgent, NodeCalls
@@ -261,6 +261,7 @@ class ActorGroup:
         self.quarantined: dict[tuple, str] = {}  # device -> why: no rank goes there before a probe passes
         self.agents: dict[str, object] = {}  # node id -> its NodeAgent (heartbeats and step calls through their tree: agent_tree)
         self.fence: Callable[[], None] = lambda: None
+        self._exited: list[ActorSlot] = []  # failed ranks replaced since the last generation formed
         if attach is not None:
             self._attach(attach)
             return
@@ -284,7 +285,7 @@ class ActorGroup:
         self.injected_at: float | None = None  # wall-clock time of the last injected fault (`kill`)
         handles = [self._new_actor(i) for i in range(n)]
         infos = ray.get([h.info.remote() for h in handles])
-        slots = [ActorSlot(h, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"])
+        slots = [ActorSlot(h, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"], i["pid"])
                  for h, i in zip(handles, infos)]
         try:
             self.workers, spares = assign_roles(slots, c.num_workers, self.dims.tp)
@@ -446,9 +447,11 @@ class ActorGroup:
             ray.wait(warming, num_returns=len(warming), timeout=self.cfg.fault_tolerance.step_timeout_s)
         waited = time.perf_counter() - t0
         refs = [s.handle.join.remote(self.generation, r, self.dims, self.store_host, self.store_port,
-                                     self.holder_for(s.node_id), self.holders.get(s.node_id))
+                                     self.holder_for(s.node_id), self.holders.get(s.node_id),
+                                     exited_on_its_gpus(s, self._exited))
                 for r, s in enumerate(self.workers)]
         parts = self.wait(refs, self.cfg.fault_tolerance.rendezvous_timeout_s)
+        self._exited = []
         return {**slowest(parts), **({"spare_warm_wait_s": round(waited, 4)} if warming else {})}
 
     def state_digests(self) -> list[str]:
@@ -573,7 +576,7 @@ class ActorGroup:
                     ray.kill(handle, no_restart=True)
                     self.refill([bundle], attempt + 1)
                 continue
-            slot = ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"])
+            slot = ActorSlot(handle, i["node_ip"], i["node_id"], i["gpu_ids"], i["bundle_index"], i["pid"])
             if not self._probe_quarantined([slot]):
                 continue
             self.pool.spares.append(slot)
@@ -699,8 +702,10 @@ class ActorGroup:
 
     def replace(self, failed: set[int]) -> None:
         """Put a spare at each rank of `failed` (`BackupPool.take_for`). Raises ValueError when
-        the pool holds fewer spares than `failed` ranks."""
+        the pool holds fewer spares than `failed` ranks. The failed slots are remembered until
+        a generation forms: a member on one of their GPUs waits for their process's exit."""
         self.fence()
+        self._exited += [self.workers[r] for r in failed]
         for r, spare in self.pool.take_for(failed, self.workers, self.dims).items():
             self.workers[r] = spare
 

@@ -5,11 +5,16 @@ gone bad). Its device is quarantined (`ActorGroup.quarantine`) until an actor on
 this probe: memory is allocated, a small matmul runs and is compared with the same matmul on
 the host, and on NVIDIA GPUs the driver's error state is read through NVML where the
 `pynvml` module is installed (pending retired pages or row remaps, volatile uncorrected ECC
-errors). On CPU only the matmul runs.
+errors). On CPU only the matmul runs. And `wait_for_exit`: a replacement placed on the GPU of a rank
+killed a moment ago waits until that process has exited and freed its memory.
 """
 from __future__ import annotations
 
+import time
+
 import torch
+
+from ftrain.state.host_memory import process_gone
 
 N = 256  # matmul size: milliseconds on any device, big enough to touch a few MB
 
@@ -64,3 +69,17 @@ def _nvml_errors(device: torch.device) -> str | None:
         return f"GPU {index}: " + ", ".join(problems) if problems else None
     except pynvml.NVMLError:  # no NVML here (a driver without it): nothing more to read
         return None
+
+
+def wait_for_exit(pids: list[int], timeout_s: float, poll_s: float = 0.05) -> float:
+    """Wait until each process of `pids` (on this node) has exited: gone, or a zombie (its
+    memory, GPU memory included, is freed; only its exit status is left), at most `timeout_s`
+    seconds. Returns the seconds waited. Why: a rank SIGKILLed on a GPU frees its memory (tens
+    of GB) only as its exit completes, which takes seconds; a replacement on that GPU that
+    trains before would fail with CUDA out of memory (`host_memory.process_gone`: where /proc
+    is missing, not Linux, nothing is waited for)."""
+    t0 = time.monotonic()
+    while not all(map(process_gone, pids)) and time.monotonic() - t0 < timeout_s:
+        time.sleep(poll_s)
+    return time.monotonic() - t0
+

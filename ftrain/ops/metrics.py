@@ -62,16 +62,19 @@ class RunMetrics:
         self.phase_seconds = Histogram("ft_recovery_phase_seconds", "Seconds per recovery phase",
                                        boundaries=SECONDS_BUCKETS, tag_keys=("phase",))
         self.spares = Gauge("ft_spares_available", "Spare actors in the backup pool")
+        self.kept = Gauge("ft_kept_step", "Newest step every rank's keeper holds (what a lost rank comes back to)")
         self.save_stall = Histogram("ft_checkpoint_save_stall_seconds",
                                     "Seconds training waited for a checkpoint save",
                                     boundaries=SECONDS_BUCKETS)
         self.num_recoveries = 0
 
     def on_step(self, step: int, loss: float, step_s: float, spares: int,
-                reward: float | None = None, data_digest: str = "") -> None:
+                reward: float | None = None, data_digest: str = "", kept_step: int | None = None) -> None:
         """Step `step` committed with `loss` after `step_s` seconds; `spares` in the pool;
         `reward`: RL runs' mean reward of the step (None otherwise); `data_digest`: its global
-        batch's digest (logged as its first 16 hex digits)."""
+        batch's digest (logged as its first 16 hex digits); `kept_step`: with the keeper on, the
+        newest step every rank's keeper holds whole, what a rank lost now comes back to (-1:
+        one holds nothing yet, logged `kept_step=none`); None: no keeper."""
         tokens_per_s = self.tokens_per_step / step_s if step_s > 0 else 0.0
         self.step_seconds.observe(step_s)
         self.throughput.set(tokens_per_s)
@@ -80,6 +83,9 @@ class RunMetrics:
         extra = {} if reward is None else {"reward": f"{reward:.4f}"}
         if reward is not None:
             self.reward.set(reward)
+        if kept_step is not None:
+            extra["kept_step"] = kept_step if kept_step >= 0 else "none"
+            self.kept.set(kept_step)
         log.info("event=step step=%d loss=%.6f step_s=%.3f tokens_per_s=%.0f spares=%d%s%s",
                  step, loss, step_s, tokens_per_s, spares, "".join(f" {k}={v}" for k, v in extra.items()),
                  f" data_digest={data_digest[:16]}" if data_digest else "")

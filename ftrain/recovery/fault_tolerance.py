@@ -53,7 +53,9 @@ class RestorePlan:
     one (source rank, calling ranks, members) per DP group with a new member, `members` being
     the calling ranks when they are a strict subset of the DP group, else None: the whole
     group), 'peer+keeper' (those broadcasts, then `ranks` load their optimizer shard of `step`
-    from their keeper, keeper.py), 'local' (`ranks` load their state of `step` from the arena
+    from their keeper, keeper.py), 'keeper' (`ranks` load their optimizer shard of `step` from
+    their keeper and take their params from the shards: every rank when `step` is older than the
+    committed one), 'local' (`ranks` load their state of `step` from the arena
     their node's holder adopted: the local keeper at dp = 1, keeper.py), 'memory' (`ranks` load
     their in-memory snapshot of `step`) or 'checkpoint' (the
     newest verified checkpoint, else step 0; `step` is not known yet). `notes`: the cheaper
@@ -122,7 +124,8 @@ def plan_memory_restore(committed: int, clean: set[int], held: list[set[int]],
 def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivors: set[int],
                  clean: set[int], held: Callable[[], list[set[int]]] | None,
                  floor: Callable[[], int], kept: Callable[[], list[set[int]]] | None = None,
-                 subgroups: bool = True, local: Callable[[], list[set[int]]] | None = None) -> RestorePlan:
+                 subgroups: bool = True, local: Callable[[], list[set[int]]] | None = None,
+                 params_from_shards: bool = False) -> RestorePlan:
     """The cheapest restore source `mode` ('auto', 'peer', 'memory', 'checkpoint':
     `fault_tolerance.restore`) allows. `held()` (each rank's held snapshot steps; None: no
     holders) and `floor()` (the newest checkpoint's step) are `plan_memory_restore`'s inputs,
@@ -132,6 +135,12 @@ def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivor
     keepers), and a peer restore needs the committed step's shard of every replaced rank
     (`peer+keeper`): a shard of another step would not match the peer's parameters.
     `subgroups`: as `plan_peer_restore`'s.
+    `params_from_shards`: the engine can make its params from the optimizer shards alone (the
+    Megatron engine's `sync_params`); then, where no peer restore serves, the keepers are tried
+    next with `plan_memory_restore`'s rule over `kept()`: the replaced ranks load the committed
+    step's shards (a whole DP group lost), or, when a replaced rank's copy of it was still in
+    flight, every rank loads the newest step all keepers hold, none older than the newest
+    checkpoint (one step re-run instead of the steps since the checkpoint).
     `local`: None without the local keeper; else `local()` gives, per rank, the steps the holder
     of the node that rank now runs on keeps of that rank position's whole state (a replacement
     on another node has none there); tried before the in-memory snapshots, with the same rule
@@ -153,6 +162,11 @@ def plan_restore(mode: str, committed: int, dp_groups: list[list[int]], survivor
                                 "holds no snapshot of the committed step or no keeper holds a replaced "
                                 "rank's optimizer shard of it; use restore=auto")
         notes.append("peer restore impossible")
+    if mode == "auto" and kept is not None and params_from_shards:
+        found = plan_memory_restore(committed, clean, kept(), floor)
+        if found is not None:
+            return RestorePlan("keeper", found[0], ranks=found[1], notes=notes)
+        notes.append("keeper restore impossible")
     if mode in ("auto", "memory"):
         for source, steps in (("local", local), ("memory", held)):
             if steps is not None:
@@ -252,7 +266,9 @@ def _restore(group: ActorGroup, ckpt, committed: int, survivor_slots: list,
                         held if group.holders else None, floor, kept if sharded else None,
                         subgroups=group.cfg.model.engine != "megatron",
                         local=local if group.holders and keeps_locally(
-                            ft.shard_keeper, dims.dp, group.cfg.cluster.num_spares) else None)
+                            ft.shard_keeper, dims.dp, group.cfg.cluster.num_spares) else None,
+                        # RL: a replacement's rollout position is in no shard (a peer gives it)
+                        params_from_shards=group.cfg.model.engine == "megatron" and not group.cfg.rl.enabled)
     timeline.notes += plan.notes
     timeline.restore_detail = {"plan_s": round(time.perf_counter() - t0, 4)}  # survivors' rollbacks included
     if plan.source in ("peer", "peer+keeper"):
@@ -272,9 +288,10 @@ def _restore(group: ActorGroup, ckpt, committed: int, survivor_slots: list,
                 group.drop_snapshots_after(committed)
             return synced(committed)
         timeline.notes.append("a keeper lost the optimizer shard it held")  # on to the checkpoint
-    if plan.source in ("local", "memory"):
-        call = ("restore_local", plan.step) if plan.source == "local" else \
-            ("restore_snapshot", plan.step, list(group.holders.values()))
+    if plan.source in ("keeper", "local", "memory"):
+        call = {"local": ("restore_local", plan.step),
+                "memory": ("restore_snapshot", plan.step, list(group.holders.values())),
+                "keeper": ("restore_snapshot", plan.step, list(group.holders.values()), True, True)}[plan.source]
         ok = group.wait(group.submit(*call, ranks=plan.ranks), timeout, plan.ranks)
         if all(ok):
             if plan.source == "local":
@@ -284,7 +301,7 @@ def _restore(group: ActorGroup, ckpt, committed: int, survivor_slots: list,
                 elif not all(r["taken_over"] for r in ok):  # new arenas pinned beside the next steps
                     timeline.notes.append("a replacement did not take over the replaced rank's arenas")
             timeline.restore_source = plan.source if plan.step == committed else f"{plan.source} step {plan.step}"
-            if plan.step < committed or plan.source == "local":  # local: fence off survivors' copies of later steps
+            if plan.step < committed or plan.source != "memory":  # fence off survivors' copies of later steps
                 group.drop_snapshots_after(plan.step)
             return synced(plan.step)
         if ft.restore == "memory":

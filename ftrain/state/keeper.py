@@ -89,12 +89,14 @@ def load_local(engine, holder, key: tuple, step: int, timeout_s: float, maps: Lo
     return _load_adopted(engine.load_state, holder, key, step, timeout_s, maps)
 
 
-def load_adopted_shard(engine, holder, key: tuple, step: int, timeout_s: float) -> dict | None:
+def load_adopted_shard(engine, holder, key: tuple, step: int, timeout_s: float, rewind: bool = False) -> dict | None:
     """`load_local` of an optimizer shard: the shard of `step` that `holder` (this node's
     `SnapshotHolder`) adopted under `key` (`shard_key`) loaded into `engine`, whose other state
-    is at `step` already (`Engine.load_shard`), through a mapping of the arena. Returns as
-    `load_local` (None: no complete copy, no answer in time, or retired while read)."""
-    return _load_adopted(engine.load_shard, holder, key, step, timeout_s)
+    is at `step` already (`Engine.load_shard`), or with `rewind` whatever its state
+    (`Engine.load_state`: the shard's step and schedule become the live state's, the params
+    wait for `sync_params`), through a mapping of the arena. Returns as `load_local` (None: no
+    complete copy, no answer in time, or retired while read)."""
+    return _load_adopted(engine.load_state if rewind else engine.load_shard, holder, key, step, timeout_s)
 
 
 def _load_adopted(load, holder, key: tuple, step: int, timeout_s: float,
@@ -256,6 +258,7 @@ class ShardSender:
         self.timeout_s, self.part_bytes = timeout_s, part_bytes
         self.sent = self.skipped = self.failed = self.waits = self.couriers = 0
         self.wait_s = 0.0
+        self.kept_step: int | None = None  # newest step of this membership whose copy the keeper holds whole
         self._quiet_until = 0.0  # time.monotonic() before which no copy is sent: the keeper did not answer
         self.courier, self.whole, self.adopt = None, False, False
         self._attached: dict[int, object] = {}  # arena index -> the SharedArena the courier maps there
@@ -272,7 +275,7 @@ class ShardSender:
         run in the background (the send thread, before any send): an actor's start and a first
         call take seconds on a busy machine, which the first steps' sends would otherwise wait
         for."""
-        self.whole, self._quiet_until = whole, 0.0
+        self.whole, self._quiet_until, self.kept_step = whole, 0.0, None
         self._thread.submit(self._connect, holder, adopt)
 
     def _connect(self, holder, adopt: bool | None) -> None:
@@ -303,6 +306,9 @@ class ShardSender:
         being allocated (pinned in the background on GPU; at once on CPU, where nothing is
         pinned), its first `SEAL_BYTES` bytes for the seal. Call only when no send reads it."""
         need, future = engine.shard_nbytes(self.whole) + SEAL_BYTES, self._arenas[index]
+        if future is not None and future.done() and future.exception():
+            log.warning("%s: host arena %d of %.2f GB could not be allocated (%r): trying again", self._what(),
+                        index, need / 1e9, future.exception())
         if future is None or future.done() and (future.exception() or future.result().nbytes < need):
             name = f"shard-keeper-{os.getpid()}-{index}"
             if torch.cuda.is_available():
@@ -327,11 +333,12 @@ class ShardSender:
         self._next = (newest + 1) % self.BUFFERS
 
     def prepare(self, engine) -> None:
-        """Allocate both arenas for the engine's current shard now and wait for them (raises
-        what the allocation raised)."""
+        """Start allocating both arenas for the engine's current state (in the background on
+        GPU), so that both are ready as early as the first steps after a join rather than one
+        at a time, each when its first copy is due."""
         for i in range(self.BUFFERS):
-            self.arena(engine, i)
-            self._arenas[i].result()
+            if self._sends[i] is None or self._sends[i].done():  # none replaced under a send reading it
+                self.arena(engine, i)
 
     def after_step(self, engine, holder, key: tuple, step: int, generation: int = 0) -> dict:
         """Send the shard of committed step `step` to `holder` (a `SnapshotHolder`) under `key`,
@@ -361,6 +368,11 @@ class ShardSender:
         self._next = (index + 1) % self.BUFFERS
         return self.counts()
 
+    def _kept(self, step: int) -> None:
+        """Send thread: the copy of `step` is the keeper's, whole."""
+        self.sent += 1
+        self.kept_step = max(step, self.kept_step or 0)
+
     def _send(self, holder, key, step, index, arena, copy, layout, generation) -> None:
         """Send thread: with `adopt` have the holder adopt the arena and seal it once the copy is
         complete, else wait for the copy and have the courier send it (a new courier, once, if
@@ -371,7 +383,7 @@ class ShardSender:
                                             generation), timeout=self.timeout_s)
                 copy.wait()
                 arena.seal(step)
-                self.sent += 1
+                self._kept(step)
                 return
             copy.wait()
             for attempt in range(2):
@@ -382,7 +394,7 @@ class ShardSender:
                         self._attached[index] = arena
                     ray.get(courier.send.remote(holder, key, step, index, layout, generation, self.timeout_s,
                                                 self.part_bytes))
-                    self.sent += 1
+                    self._kept(step)
                     return
                 except ray.exceptions.RayActorError as exc:
                     if isinstance(exc, ray.exceptions.RayTaskError) or attempt:

@@ -121,3 +121,16 @@ def test_dry_run_plans_a_gpu_layout_on_a_cpu_machine(capsys):
     devices = [tuple(line.split()[-3:]) for line in plan.splitlines()[2:]]  # (node, "GPU", id)
     assert len(devices) == 12 and len(set(devices)) == 12  # one actor per GPU
     assert {d[0] for d in devices} == {"node0", "node1"}
+
+
+def test_the_step_line_shows_the_newest_step_the_keepers_hold(caplog):
+    """With the keeper on, each `event=step` line carries `kept_step` (the step a rank lost now
+    comes back to; `none` while a keeper holds nothing); without it, no such field."""
+    from ftrain.ops.metrics import RunMetrics
+
+    m = RunMetrics(100)
+    with caplog.at_level(logging.INFO, logger="events"):
+        for step, kept in ((5, 4), (6, -1), (7, None)):
+            m.on_step(step, 1.0, 0.5, 1, kept_step=kept)
+    lines = [r.getMessage() for r in caplog.records if "event=step" in r.getMessage()]
+    assert "kept_step=4" in lines[0] and "kept_step=none" in lines[1] and "kept_step" not in lines[2]

@@ -135,6 +135,28 @@ def test_at_dp1_the_local_keeper_serves_before_snapshots_and_checkpoints(groups,
     assert "peer restore impossible" in plan.notes  # no DP peer at dp=1
 
 
+DP2 = ParallelDims(tp=1, pp=1, cp=1, dp=2).group_ranks("dp")       # [[0, 1]]
+
+
+@pytest.mark.parametrize("survivors, kept, floor, from_shards, source, step, ranks", [
+    # dp=2, rank 1 replaced, its keeper holds the committed step: a peer gives the params
+    ({0}, [{4, 5}, {4, 5}], 2, True, "peer+keeper", 5, [1]),
+    # rank 1's copy of step 5 was in flight: every rank loads step 4 from its keeper (one step re-run)
+    ({0}, [{4, 5}, {3, 4}], 2, True, "keeper", 4, [0, 1]),
+    # ... not older than the newest checkpoint, which is then as good
+    ({0}, [{4, 5}, {3, 4}], 5, True, "checkpoint", None, []),
+    # ... nor for an engine that cannot make its params from the shards (the torch engine's ZeRO-1)
+    ({0}, [{4, 5}, {3, 4}], 2, False, "checkpoint", None, []),
+    # the whole DP group lost (one node held it): no peer, the keepers (on other nodes) serve step 5
+    (set(), [{4, 5}, {4, 5}], 2, True, "keeper", 5, [0, 1]),
+])
+def test_with_a_sharded_optimizer_the_keepers_serve_where_no_peer_can(survivors, kept, floor, from_shards,
+                                                                     source, step, ranks):
+    plan = plan_restore("auto", 5, DP2, survivors, survivors, None, lambda: floor, kept=lambda: kept,
+                        params_from_shards=from_shards)
+    assert (plan.source, plan.step, plan.ranks) == (source, step, ranks)
+
+
 @pytest.mark.parametrize("mode, held, match", [
     ("peer", None, "restore=peer"),
     ("memory", lambda: [set()] * 4, "restore=memory"),

@@ -622,6 +622,37 @@ def test_megatron_actors_with_the_distributed_optimizer_restore_killed_ranks_fro
     assert_restored_after_step_3(cfg, kill, "peer+keeper")
 
 
+def test_megatron_s_rank_lost_inside_its_keepers_copy_window_reruns_one_step_from_the_keepers(ray_session, tmp_path):
+    """Megatron's distributed optimizer at dp=2 (gloo) with the shard keeper; rank 1's copy of
+    step 3 is lost in flight (its arena retired before the holder listed it) and rank 1 is
+    SIGKILLed: no keeper holds its shard of step 3, so no peer restore; every rank loads its
+    shard of step 2 from its keeper and takes its params from the shards (`keeper step 2`):
+    one step re-run instead of the steps since the checkpoint, and the losses (the re-run's
+    too) and every rank's final state bitwise as the run without failure."""
+    cfg = megatron_cpu_cfg(tmp_path, "model.distributed_optimizer=true", "cluster.num_workers=2",
+                           "cluster.num_spares=1", "train.steps=5", "fault_tolerance.refill_spares=false",
+                           "checkpoint.interval=0")
+    ref_losses, ref_digests = reference_run(cfg, 5)
+    group = ActorGroup(MegatronActor, cfg)
+    try:
+        trainer = Trainer(cfg, group, CheckpointManager.from_config(cfg.checkpoint))
+        trainer.train(3)
+        assert trainer.kept_step >= 1  # what a rank lost now comes back to (`event=step ... kept_step`)
+        wait_for_shards(group, 3)
+        rank = group.workers[1].handle
+        ray.get(rank.__ray_call__.remote(
+            lambda a: [f.result().retire() for f in a._shards._arenas if f.result().sealed() == 3]))
+        os.kill(ray.get(rank.__ray_call__.remote(lambda a: os.getpid())), signal.SIGKILL)
+        trainer.train(5)
+        (tl,) = trainer.recoveries
+        assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("keeper step 2", 1, 2), tl.notes
+        assert trainer.kept_step in (3, 4, 5)  # the new membership's copies: from its first step (3) on
+        assert trainer.losses == ref_losses and trainer.replayed == {3: [ref_losses[3]]}
+        assert group.state_digests() == ref_digests
+    finally:
+        group.shutdown()
+
+
 def test_the_rollback_snapshot_takes_what_the_keeper_copied_of_the_same_step():
     from ranks import spawn_ranks
 
