@@ -302,7 +302,11 @@ class MegatronActor:
             self.cfg.model.distributed_optimizer, ft.shard_keeper, dims.dp) else None
         if self._keeper is not None:
             self._shards.connect(self._keeper, whole=local)
-            self._shards.prepare(self.engine)  # both arenas from the first steps on, not one at a time
+            # Both arenas from the first steps on, not one at a time. Not the torch engine at step
+            # 0: its optimizer state is made by the first update, and reading it sooner (DCP's
+            # `_init_optim_state`: a zero-grad step) would change that update.
+            if self.engine.step or self.cfg.model.engine == "megatron":
+                self._shards.prepare(self.engine)
         else:
             self._shards.close()  # no shard kept in this layout: its courier and arenas go
         self.generation, self.rank, self.dims, self._holder = generation, rank, dims, holder
