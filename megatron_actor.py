@@ -355,8 +355,9 @@ class MegatronActor:
         flight or the host buffers are not pinned yet. The result carries the sender's counts
         as `memory_snapshots` when snapshots are on. With the shard keeper (keeper.py) the
         optimizer shard of step `step` is then sent to its keeper, and the result carries
-        `kept_shards` ({"sent", "skipped", "failed"}) and `kept_step` (the newest step whose
-        copy its keeper holds whole; None: none yet in this membership)."""
+        `kept_shards` ({"sent", "skipped", "failed"}), `kept_step` (the newest step whose
+        copy its keeper holds whole; None: none yet in this membership) and `kept_wait_s` (the
+        seconds this step waited for the previous send to end: a send slower than a step)."""
         self._check(generation)
         self._local_maps.close()  # a spare's mappings of other ranks' arenas: no use once training
         self.engine.snapshot()
@@ -380,7 +381,7 @@ class MegatronActor:
         if self._keeper is not None:
             result["kept_shards"] = self._shards.after_step(self.engine, self._keeper, self._kept_key(), step,
                                                             self.generation)
-            result["kept_step"] = self._shards.kept_step
+            result["kept_step"], result["kept_wait_s"] = self._shards.kept_step, self._shards.last_wait_s
         return result
 
     def _kept_key(self) -> tuple:

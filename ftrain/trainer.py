@@ -109,6 +109,7 @@ class Trainer:
         self.postponed_saves: list[int] = []  # steps whose due save waited for the previous one's write
         self._chaos_fired: set[int] = set()
         self.kept_step: int | None = None  # newest step every rank's keeper held at the last step's end (-1: none; None: no keeper)
+        self.keeper_wait_s = 0.0  # the last step's longest wait of a rank for its previous keeper send
 
     def batch(self, step: int):
         """The global batch of `step` for PPO on synthetic data (`synthetic_batch`), validated
@@ -185,6 +186,7 @@ class Trainer:
         self.grad_norms[step] = results[0]["grad_norm"]  # after the all-reduce: the same on every replica
         kept = [r.get("kept_step") for r in results if "kept_shards" in r]
         self.kept_step = None if not kept else -1 if None in kept else min(kept)
+        self.keeper_wait_s = max((r.get("kept_wait_s", 0.0) for r in results), default=0.0)
         return sum(r["loss"] for r in results) / len(results)
 
     def train(self, until_step: int, after_step=None) -> None:
@@ -283,7 +285,7 @@ class Trainer:
             self.metrics.on_recovery(self.recoveries[-1])
             self._resume_t = None
         self.metrics.on_step(step, loss, self.step_times[-1], len(self.group.pool), reward, self._digest,
-                             self.kept_step)
+                             self.kept_step, self.keeper_wait_s)
 
     def _postpone(self, step: int) -> None:
         """A save is due at `step` while the previous async save is still being written: rather

@@ -69,12 +69,15 @@ class RunMetrics:
         self.num_recoveries = 0
 
     def on_step(self, step: int, loss: float, step_s: float, spares: int,
-                reward: float | None = None, data_digest: str = "", kept_step: int | None = None) -> None:
+                reward: float | None = None, data_digest: str = "", kept_step: int | None = None,
+                keeper_wait_s: float = 0.0) -> None:
         """Step `step` committed with `loss` after `step_s` seconds; `spares` in the pool;
         `reward`: RL runs' mean reward of the step (None otherwise); `data_digest`: its global
         batch's digest (logged as its first 16 hex digits); `kept_step`: with the keeper on, the
         newest step every rank's keeper holds whole, what a rank lost now comes back to (-1:
-        one holds nothing yet, logged `kept_step=none`); None: no keeper."""
+        one holds nothing yet, logged `kept_step=none`); None: no keeper. `keeper_wait_s`: the
+        longest a rank waited in this step for its previous keeper send (a send slower than a
+        step), logged when above 0."""
         tokens_per_s = self.tokens_per_step / step_s if step_s > 0 else 0.0
         self.step_seconds.observe(step_s)
         self.throughput.set(tokens_per_s)
@@ -86,6 +89,8 @@ class RunMetrics:
         if kept_step is not None:
             extra["kept_step"] = kept_step if kept_step >= 0 else "none"
             self.kept.set(kept_step)
+        if keeper_wait_s > 0:
+            extra["keeper_wait_s"] = f"{keeper_wait_s:.3f}"
         log.info("event=step step=%d loss=%.6f step_s=%.3f tokens_per_s=%.0f spares=%d%s%s",
                  step, loss, step_s, tokens_per_s, spares, "".join(f" {k}={v}" for k, v in extra.items()),
                  f" data_digest={data_digest[:16]}" if data_digest else "")

@@ -257,7 +257,7 @@ class ShardSender:
     def __init__(self, timeout_s: float, part_bytes: int = PART_BYTES):
         self.timeout_s, self.part_bytes = timeout_s, part_bytes
         self.sent = self.skipped = self.failed = self.waits = self.couriers = 0
-        self.wait_s = 0.0
+        self.wait_s = self.last_wait_s = 0.0  # seconds waited for a send: in all, in the last `after_step`
         self.kept_step: int | None = None  # newest step of this membership whose copy the keeper holds whole
         self._quiet_until = 0.0  # time.monotonic() before which no copy is sent: the keeper did not answer
         self.courier, self.whole, self.adopt = None, False, False
@@ -344,12 +344,13 @@ class ShardSender:
         """Send the shard of committed step `step` to `holder` (a `SnapshotHolder`) under `key`,
         as a rank of membership `generation` (`SnapshotHolder.drop_after`); returns the counts
         so far (`counts`)."""
-        index = self._next
+        index, self.last_wait_s = self._next, 0.0
         if self._sends[index] is not None:
             if not self._sends[index].done():
                 t0 = time.perf_counter()
                 self._sends[index].result()
-                self.waits, self.wait_s = self.waits + 1, self.wait_s + time.perf_counter() - t0
+                self.last_wait_s = time.perf_counter() - t0
+                self.waits, self.wait_s = self.waits + 1, self.wait_s + self.last_wait_s
             self._sends[index] = None
         if time.monotonic() < self._quiet_until:
             self.skipped += 1

@@ -125,12 +125,14 @@ def test_dry_run_plans_a_gpu_layout_on_a_cpu_machine(capsys):
 
 def test_the_step_line_shows_the_newest_step_the_keepers_hold(caplog):
     """With the keeper on, each `event=step` line carries `kept_step` (the step a rank lost now
-    comes back to; `none` while a keeper holds nothing); without it, no such field."""
+    comes back to; `none` while a keeper holds nothing) and, when a rank waited for its
+    previous send, `keeper_wait_s`; without the keeper, neither."""
     from ftrain.ops.metrics import RunMetrics
 
     m = RunMetrics(100)
     with caplog.at_level(logging.INFO, logger="events"):
-        for step, kept in ((5, 4), (6, -1), (7, None)):
-            m.on_step(step, 1.0, 0.5, 1, kept_step=kept)
+        for step, kept, wait in ((5, 4, 0.25), (6, -1, 0.0), (7, None, 0.0)):
+            m.on_step(step, 1.0, 0.5, 1, kept_step=kept, keeper_wait_s=wait)
     lines = [r.getMessage() for r in caplog.records if "event=step" in r.getMessage()]
-    assert "kept_step=4" in lines[0] and "kept_step=none" in lines[1] and "kept_step" not in lines[2]
+    assert "kept_step=4 keeper_wait_s=0.250" in lines[0] and "kept_step=none" in lines[1]
+    assert "kept_step" not in lines[2] and "keeper_wait_s" not in lines[1] + lines[2]
