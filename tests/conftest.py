@@ -31,7 +31,7 @@ MODULE_SECONDS = {"test_recovery": 254, "test_resume": 117, "test_scenarios": 11
                   "test_train_speed": 49, "test_driver_crash": 46, "test_rank_rows": 44, "test_health": 33, "test_agent_tree": 40,
                   "test_observability": 29, "test_bad_input": 26, "test_sft": 25, "test_megatron_groups": 24,
                   "test_security": 22, "test_checkpoint": 20, "test_megatron_checkpoint": 19,
-                  "test_snapshots": 25, "test_fencing": 30, "test_megatron_rl": 11, "test_megatron_peer_restore": 9}
+                  "test_snapshots": 25, "test_fencing": 30, "test_goodput": 80, "test_megatron_rl": 11, "test_megatron_peer_restore": 9}
 
 
 def pytest_collection_modifyitems(items):
