@@ -27,6 +27,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from ftrain.config import Config, ConfigError, gpus_visible, load_config, resolve
@@ -490,6 +491,9 @@ def setup_logging(args) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Megatron-Core warns at import, once per module, that Transformer Engine and Apex are
+    # missing; it then uses its local implementations, the engine's documented set-up.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     if argv[:1] == ["plan"]:
         return cmd_plan(argv[1:])
     if argv[:1] == ["data"]:

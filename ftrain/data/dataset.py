@@ -397,18 +397,19 @@ class Data:
                 f"epochs={epochs:.3g} tokens_per_step={self.gbs * seq}")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, name: str = "data.tokenizer"):
     """A local Hugging Face tokenizer directory through `AutoTokenizer` (never a class built
-    directly: a wrong class silently gives a 3-token tokenizer). Raises ConfigError."""
+    directly: a wrong class silently gives a 3-token tokenizer). Raises ConfigError naming the
+    setting as the user gave it (`name`: the config key, or a command's flag)."""
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
-        raise ConfigError(f"data.tokenizer: {path!r} is not a local directory (tokenizer.json, "
+        raise ConfigError(f"{name}: {path!r} is not a local directory (tokenizer.json, "
                           "tokenizer_config.json); nothing is downloaded at run time")
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer: {path}: cannot load it with AutoTokenizer: {e}") from None
+        raise ConfigError(f"{name}: {path}: cannot load it with AutoTokenizer: {e}") from None
     return tok
 
 

@@ -51,7 +51,7 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, key: str = "t
 
     from ftrain.data.dataset import load_tokenizer
 
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, "--tokenizer")
     eod = tok.eos_token_id
     if append_eod and eod is None:
         raise ConfigError(f"--tokenizer: {tokenizer} has no EOS token to end documents with; pass --no-append-eod")
@@ -164,7 +164,7 @@ def prepare_sft(inputs: list[str], tokenizer: str, output_prefix: str, key: str 
 
     from ftrain.data.dataset import LOSS_MASK_SUFFIX, load_tokenizer
 
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, "--tokenizer")
     if chat_template is not None and not Path(chat_template).is_file():
         raise ConfigError(f"--chat-template: {chat_template}: no such file")
     chat = ChatTemplate(tok, tokenizer, Path(chat_template).read_text(encoding="utf-8") if chat_template else None)

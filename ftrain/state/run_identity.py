@@ -143,7 +143,16 @@ def plan_start(cfg: Config, manifests: list[Manifest], uncommitted: list[int]) -
     `manifests` (ascending) and the `uncommitted` step directories (see the module docstring).
     Raises ConfigError, one line naming both runs and what differs, when a checkpoint is of
     another run, or (`check_compatible`) of a layout this run cannot load."""
+    given = cfg.train.lr_decay_steps
     cfg = with_lr_horizon(cfg, manifests)
+    horizon, steps = cfg.train.lr_decay_steps, cfg.train.steps
+    if given is None and manifests and horizon < steps:
+        raise ConfigError(
+            f"train.steps: {steps} goes past this run's LR horizon of {horizon} steps (train.lr_decay_steps, "
+            f"unset, was train.steps at the run's start and its checkpoints record it): steps {horizon + 1}-{steps} "
+            f"would train at learning rate 0; set train.lr_decay_steps={horizon} to train them anyway, keep "
+            f"train.steps <= {horizon}, or start a new run with train.lr_decay_steps >= {steps} (another "
+            f"checkpoint.uri, or --fresh)")
     ours, uri = RunIdentity.new(cfg), cfg.checkpoint.uri
     if not manifests:
         if uncommitted:

@@ -463,3 +463,16 @@ def test_the_pretrain_cpu_preset_opens_on_the_stdlib_corpus(stdlib_corpus):
     preset = open_data(cfg)
     assert preset.batch(1).input_ids.shape == (cfg.train.global_batch_size, cfg.train.seq_len)
     assert len(preset.tokenizer) == cfg.model.vocab_size == 2048
+
+
+def test_data_prepare_without_a_tokenizer_says_so_in_one_line_in_the_commands_words(tmp_path):
+    """`main.py data prepare --tokenizer DIR` where DIR is no tokenizer: exit 2 and one line on
+    stderr naming `--tokenizer` (the flag typed, not the config key), nothing before it (no
+    Megatron-Core import warnings)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "hello"}\n')
+    proc = _cli("data", "prepare", "--input", str(rows), "--tokenizer", str(tmp_path / "none"),
+                "--output-prefix", str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [f"error: --tokenizer: '{tmp_path / 'none'}' is not a local directory "
+                                        "(tokenizer.json, tokenizer_config.json); nothing is downloaded at run time"]

@@ -89,11 +89,12 @@ def test_a_checkpoint_written_before_the_layout_move_resumes_as_its_run(ray_sess
 
 @pytest.mark.slow
 def test_raising_train_steps_continues_a_finished_run_bitwise(ray_session, tmp_path):
-    """A finished 4-step run, then the same config with train.steps=6: it resumes from step 4,
-    trains steps 5-6 only, and they (and the final state) equal those of a 6-step run with the
-    same LR horizon (train.lr_decay_steps=4, recorded at the first run's start)."""
+    """A finished 4-step run, then the same config with train.steps=6 and its LR horizon given
+    (train.lr_decay_steps=4, recorded at the first run's start; unset, the command stops:
+    test_run_identity.py): it resumes from step 4, trains steps 5-6 only, and they (and the final
+    state) equal those of a 6-step run with the same LR horizon."""
     first, _ = drive(make_cfg(tmp_path), 4)
-    second, digests = drive(make_cfg(tmp_path, "train.steps=6"), 6)
+    second, digests = drive(make_cfg(tmp_path, "train.steps=6", "train.lr_decay_steps=4"), 6)
     full, full_digests = reference_run(make_cfg(tmp_path / "full", "train.steps=6", "train.lr_decay_steps=4"), 6)
     assert second.resumed_from == 4 and second.run.id == first.run.id and set(second.losses) == {5, 6}
     assert {s: second.losses[s] for s in (5, 6)} == {s: full[s] for s in (5, 6)}

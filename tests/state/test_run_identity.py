@@ -64,16 +64,24 @@ def test_plan_start_resumes_its_own_run_and_starts_fresh_without_one(tmp_path, c
     assert (plan.resume_step, plan.run.id) == (4, earlier.id)
 
 
-def test_raising_train_steps_continues_the_run_on_its_lr_horizon(tmp_path):
+def test_raising_train_steps_past_the_lr_horizon_stops_unless_the_horizon_is_given(tmp_path):
     """A finished 4-step run (horizon unset: 4 recorded) and the same config at train.steps=6:
-    the same run, resumed at its step 4, on the horizon it started with. An explicit other
+    steps 5-6 would train at learning rate 0, so the command stops with one line naming the
+    horizon and what to set. With train.lr_decay_steps=4 given, the same run resumes at its step
+    4 on the horizon it started with; within the horizon nothing needs setting. An explicit other
     horizon is another run."""
     cfg = make_cfg(tmp_path)
     m = CheckpointManager(cfg.checkpoint.uri)
     first = plan_start(cfg, [], [])
     assert first.cfg.train.lr_decay_steps == 4 and first.run.fields["train.lr_decay_steps"] == 4
+    commit(cfg, 2, first.run)
+    assert plan_start(make_cfg(tmp_path), m.committed_manifests(), []).resume_step == 2  # within the horizon
     commit(cfg, 4, first.run)
-    plan = plan_start(make_cfg(tmp_path, "train.steps=6"), m.committed_manifests(), [])
+    with pytest.raises(ConfigError, match=r"^train.steps: 6 goes past this run's LR horizon of 4 steps .*steps 5-6 "
+                                          r"would train at learning rate 0; set train.lr_decay_steps=4") as e:
+        plan_start(make_cfg(tmp_path, "train.steps=6"), m.committed_manifests(), [])
+    assert "\n" not in str(e.value)
+    plan = plan_start(make_cfg(tmp_path, "train.steps=6", "train.lr_decay_steps=4"), m.committed_manifests(), [])
     assert (plan.resume_step, plan.run.id) == (4, first.run.id)
     assert plan.cfg.train.steps == 6 and plan.cfg.train.lr_decay_steps == 4
     with pytest.raises(ConfigError, match="train.lr_decay_steps: 4 there, 6 here"):
