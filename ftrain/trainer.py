@@ -102,6 +102,7 @@ class Trainer:
         self.step_times: list[float] = []
         self._steady_times: list[float] = []  # step times, without the first and the first after a recovery
         self.save_stalls: list[float] = []   # seconds training waited for each save
+        self._save_call_times: list[float] = []  # seconds of each save call that returned (`save_deadline`)
         self.save_details: list[dict] = []   # async saves: the slowest rank's seconds by part of starting each
         self.final_save_wait_s = 0.0         # seconds the end of `train` waited for the last writes
         self._pending_save: tuple[int, float] | None = None  # (step, start) of an async save
@@ -136,6 +137,26 @@ class Trainer:
             return ft.step_timeout_s
         median = statistics.median(self.step_times[-20:])
         return min(ft.step_timeout_s, max(ft.min_step_timeout_s, ft.hang_factor * median))
+
+    def save_deadline(self) -> float:
+        """Seconds a save call may go without progress before it is a hang (`HealthMonitor.wait`
+        extends it while any progress counter moves, checkpoint I/O included: slow storage that
+        moves stays alive): `hang_factor` x the median of the last 20 save calls' seconds, at
+        least the step deadline (`step_deadline`), at most `step_timeout_s`; before a save call
+        returned, `step_timeout_s` (a first save plans its layout, a collective of every rank
+        that moves no byte)."""
+        ft = self.cfg.fault_tolerance
+        if not self._save_call_times:
+            return ft.step_timeout_s
+        pace = ft.hang_factor * statistics.median(self._save_call_times[-20:])
+        return min(ft.step_timeout_s, max(self.step_deadline(), pace))
+
+    def _save_call(self, method: str, *args):
+        """`group.call(method, *args)` of a save within `save_deadline`, its seconds recorded."""
+        t0 = time.perf_counter()
+        out = self.group.call(method, *args, timeout=self.save_deadline())
+        self._save_call_times.append(time.perf_counter() - t0)
+        return out
 
     def steady_step_s(self) -> float:
         """Median seconds of the steps run so far, without this trainer's first step and the
@@ -310,11 +331,11 @@ class Trainer:
         self.finish_save(stall=not final)
         t0 = time.perf_counter()
         if self.cfg.checkpoint.async_save:
-            started = self.group.call("save_checkpoint", step, True)
+            started = self._save_call("save_checkpoint", step, True)
             self.save_details.append({"step": step, **slowest([r for r in started if isinstance(r, dict)])})
             self._pending_save = (step, t0)
         else:
-            self._commit_save(step, self.group.call("save_checkpoint", step), t0)
+            self._commit_save(step, self._save_call("save_checkpoint", step), t0)
         self.save_stalls.append(time.perf_counter() - t0)
         if not self.cfg.checkpoint.async_save:
             self.metrics.on_save(step, self.save_stalls[-1])
@@ -335,7 +356,7 @@ class Trainer:
             self.save_stalls[-1] += time.perf_counter() - t0
             return
         (step, started), self._pending_save = self._pending_save, None
-        self._commit_save(step, self.group.call("finish_checkpoint"), started)
+        self._commit_save(step, self._save_call("finish_checkpoint"), started)
         if stall:
             self.save_stalls[-1] += time.perf_counter() - t0
         else:
@@ -346,13 +367,13 @@ class Trainer:
         """Poll `checkpoint_written` (answered beside training) until every rank's background
         write has ended, so that `finish_checkpoint`, whose finalize is a collective, never waits
         there for a slow upload (NCCL's watchdog would end a rank waiting in it). Stops polling
-        once no rank's progress (checkpoint I/O included) moved for `step_timeout_s`: the call
+        once no rank's progress (checkpoint I/O included) moved for `save_deadline`: the call
         to `finish_checkpoint` then finds the hang."""
-        ft, last, moved_at = self.cfg.fault_tolerance, None, time.monotonic()
+        ft, last, moved_at, limit = self.cfg.fault_tolerance, None, time.monotonic(), self.save_deadline()
         while not all(self.group.call("checkpoint_written")):
             if (now := self.group.health.work_done()) != last:
                 last, moved_at = now, time.monotonic()
-            elif time.monotonic() - moved_at > ft.step_timeout_s:
+            elif time.monotonic() - moved_at > limit:
                 break
             time.sleep(ft.health_interval_s)
 

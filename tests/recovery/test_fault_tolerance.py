@@ -142,6 +142,19 @@ def test_a_failure_while_the_refill_is_being_built_waits_for_it(reference, tmp_p
     assert trainer.losses == reference[0] and digests == reference[1]
 
 
+def test_a_hang_inside_a_save_is_found_by_the_saves_own_deadline(reference, tmp_path):
+    """Checkpoints every 2 steps; rank 1's compute thread hangs inside the save of step 4. The
+    save call's deadline comes from the pace of the saves before (`Trainer.save_deadline`, here
+    the step deadline's floor, 3 s), not from `step_timeout_s` (120 s): the hang is found within
+    seconds, the rank replaced, and the run ends with the losses of the run without failure."""
+    cfg = make_cfg(tmp_path, "cluster.num_spares=1", "checkpoint.interval=2",
+                   "chaos.events=[{step: 4, rank: 1, kind: hang, point: during_save}]")
+    trainer, digests, _ = train(cfg)
+    (tl,) = trainer.recoveries
+    assert tl.kind == "hang" and tl.failed_ranks == [1] and tl.detect_s < 30, tl.to_dict()
+    assert trainer.losses == reference[0] and digests == reference[1]
+
+
 def test_empty_pool_without_shrink_stops_with_clear_error(ray_session, tmp_path):
     cfg = make_cfg(tmp_path, "cluster.num_spares=0", "fault_tolerance.refill_spares=false",
                    "chaos.events=[{step: 2, rank: 0, kind: kill, point: step_start}]")
