@@ -403,6 +403,14 @@ def test_at_dp1_a_sigkilled_rank_comes_back_from_its_nodes_holder(reference1, tm
     assert unmapped(pids)
 
 
+def kill_inside_the_copy_window(rank, step: int) -> None:
+    """SIGKILL the rank actor `rank` as if its keeper copy of `step` were still in flight: the
+    arena sealed with that step retired first (the holder no longer serves it)."""
+    ray.get(rank.__ray_call__.remote(
+        lambda a: [f.result().retire() for f in a._shards._arenas if f.result().sealed() == step]))
+    os.kill(ray.get(rank.__ray_call__.remote(lambda a: os.getpid())), signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_at_dp1_a_rank_lost_inside_the_copy_window_reruns_one_step_from_its_holder(reference1, tmp_path):
     """As above, but the arena of step 3 retired as the copy of step 3 leaves it while in
@@ -413,10 +421,7 @@ def test_at_dp1_a_rank_lost_inside_the_copy_window_reruns_one_step_from_its_hold
         trainer = Trainer(group.cfg, group, CheckpointManager.from_config(group.cfg.checkpoint))
         trainer.train(3)
         wait_for_local(group, 3)
-        rank = group.workers[0].handle
-        ray.get(rank.__ray_call__.remote(
-            lambda a: [f.result().retire() for f in a._shards._arenas if f.result().sealed() == 3]))
-        os.kill(ray.get(rank.__ray_call__.remote(lambda a: os.getpid())), signal.SIGKILL)
+        kill_inside_the_copy_window(group.workers[0].handle, 3)
         trainer.train(5)
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("local step 2", 1, 2)
@@ -639,10 +644,7 @@ def test_megatron_s_rank_lost_inside_its_keepers_copy_window_reruns_one_step_fro
         trainer.train(3)
         assert trainer.kept_step >= 1  # what a rank lost now comes back to (`event=step ... kept_step`)
         wait_for_shards(group, 3)
-        rank = group.workers[1].handle
-        ray.get(rank.__ray_call__.remote(
-            lambda a: [f.result().retire() for f in a._shards._arenas if f.result().sealed() == 3]))
-        os.kill(ray.get(rank.__ray_call__.remote(lambda a: os.getpid())), signal.SIGKILL)
+        kill_inside_the_copy_window(group.workers[1].handle, 3)
         trainer.train(5)
         (tl,) = trainer.recoveries
         assert (tl.restore_source, tl.steps_lost, tl.restored_step) == ("keeper step 2", 1, 2), tl.notes
