@@ -3,10 +3,11 @@
 A rank that crashed or hung may have done so because of its GPU (an Xid error, a row of HBM
 gone bad). Its device is quarantined (`ActorGroup.quarantine`) until an actor on it passes
 this probe: memory is allocated, a small matmul runs and is compared with the same matmul on
-the host, and on NVIDIA GPUs the driver's error state is read through NVML where the
-`pynvml` module is installed (pending retired pages or row remaps, volatile uncorrected ECC
-errors). On CPU only the matmul runs. And `wait_for_exit`: a replacement placed on the GPU of a rank
-killed a moment ago waits until that process has exited and freed its memory.
+the host, and on NVIDIA GPUs the driver's error state is read through NVML (`nvidia-ml-py`)
+for the physical GPU the actor was given, found by its PCI bus id (pending retired pages or
+row remaps, volatile uncorrected ECC errors). On CPU only the matmul runs. And
+`wait_for_exit`: a replacement placed on the GPU of a rank killed a moment ago waits until
+that process has exited and freed its memory.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _nvml_errors(device: torch.device) -> str | None:
     try:
         pynvml.nvmlInit()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id(index))
         problems = []
         try:
             if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle):
@@ -69,6 +70,15 @@ def _nvml_errors(device: torch.device) -> str | None:
         return f"GPU {index}: " + ", ".join(problems) if problems else None
     except pynvml.NVMLError:  # no NVML here (a driver without it): nothing more to read
         return None
+
+
+def pci_bus_id(index: int) -> str:
+    """The PCI bus id of torch's CUDA device `index`, as NVML writes it ("00000000:DC:00.0"):
+    the physical GPU. NVML numbers GPUs physically and ignores CUDA_VISIBLE_DEVICES, which Ray
+    sets per actor (its CUDA device 0 may be physical GPU 3), so NVML is asked by this id, not
+    by the index."""
+    p = torch.cuda.get_device_properties(index)
+    return f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
 
 
 def wait_for_exit(pids: list[int], timeout_s: float, poll_s: float = 0.05) -> float:

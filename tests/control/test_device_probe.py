@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from ftrain.control.actor_slot import ActorSlot, exited_on_its_gpus
@@ -62,3 +63,19 @@ def test_only_failed_ranks_on_the_members_gpus_are_awaited():
 
 def test_a_healthy_cpu_passes_the_probe():
     assert probe_device(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nvml_reads_the_physical_gpu_torch_runs_on():
+    """NVML ignores CUDA_VISIBLE_DEVICES: the probe finds torch's device 0 by its PCI bus id, and
+    that handle is the same GPU (its UUID) as torch's."""
+    import pynvml
+
+    from ftrain.control.device_probe import pci_bus_id
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id(0))
+    uuid = pynvml.nvmlDeviceGetUUID(handle)
+    assert str(torch.cuda.get_device_properties(0).uuid) in (uuid.decode() if isinstance(uuid, bytes) else uuid)
+    assert probe_device(torch.device("cuda", 0)) is None
