@@ -138,6 +138,19 @@ class Trainer:
         median = statistics.median(self.step_times[-20:])
         return min(ft.step_timeout_s, max(ft.min_step_timeout_s, ft.hang_factor * median))
 
+    def culprit_deadline(self) -> float | None:
+        """Seconds without any progress after which a rank that its peers wait for in a
+        collective is hung (`HealthMonitor.wait`'s `culprit_s`: found before the step deadline
+        and its `min_step_timeout_s` floor): `hang_factor` x the median step time, at least
+        `health_timeout_s` (the silence that makes an actor dead), at most the step deadline.
+        None before a steady step ran and for the first step after a recovery, which may build
+        and warm up without progress."""
+        ft = self.cfg.fault_tolerance
+        if not self._steady_times or self._resume_t is not None:
+            return None
+        median = statistics.median(self.step_times[-20:])
+        return min(self.step_deadline(), max(ft.health_timeout_s, ft.hang_factor * median))
+
     def save_deadline(self) -> float:
         """Seconds a save call may go without progress before it is a hang (`HealthMonitor.wait`
         extends it while any progress counter moves, checkpoint I/O included: slow storage that
@@ -191,12 +204,14 @@ class Trainer:
         self._arm_chaos(step)
         t0 = time.perf_counter()
         if self.data is not None:  # ce: each rank reads its own rows (`rank_rows`)
-            results = self.group.call("train_step", step, timeout=self.step_deadline())
+            results = self.group.call("train_step", step, timeout=self.step_deadline(),
+                                      culprit_s=self.culprit_deadline())
             self._digest = global_digest([r.pop("row_digests") for r in results])
         else:
             batch = self.with_loss_weights(self.batch(step) if self.rollouts is None else self.experience(step))
             self._digest = batch.digest()
-            results = self.group.call("train_step", step, batch, timeout=self.step_deadline())
+            results = self.group.call("train_step", step, batch, timeout=self.step_deadline(),
+                                      culprit_s=self.culprit_deadline())
         self.step_times.append(time.perf_counter() - t0)
         if self._resume_t is not None:  # first step after a recovery: where its time went
             parts = [r["phases"] for r in results if "phases" in r]

@@ -459,10 +459,10 @@ class ActorGroup:
         return ray.get([s.handle.state_digest.remote() for s in self.workers],
                        timeout=self.cfg.fault_tolerance.step_timeout_s)
 
-    def wait(self, refs: list, timeout: float, ranks: list[int] | None = None) -> list:
+    def wait(self, refs: list, timeout: float, ranks: list[int] | None = None, culprit_s: float | None = None) -> list:
         """Results of `refs` (one per rank, or one per rank of `ranks`); raises WorkerFailure
         naming the failed ranks (`HealthMonitor.wait`)."""
-        return self.health.wait(refs, timeout, ranks)
+        return self.health.wait(refs, timeout, ranks, culprit_s)
 
     def _forget_lost_holders(self) -> None:
         """Drop the holders of lost nodes (raylet refusing connections, or no longer listed alive:
@@ -516,17 +516,18 @@ class ActorGroup:
         ranks = range(len(self.workers)) if ranks is None else ranks
         return [getattr(self.workers[r].handle, method).remote(self.generation, *args) for r in ranks]
 
-    def call(self, method: str, *args, dispatch: type[Dispatch] | None = None, timeout: float | None = None):
+    def call(self, method: str, *args, dispatch: type[Dispatch] | None = None, timeout: float | None = None,
+             culprit_s: float | None = None):
         """Call `method(generation, *args)` on every worker as its dispatch splits it (the one the
         method declares, `dispatch_of`, unless `dispatch` is given), sent through the node
         agents' fan-out tree with the call's arguments cut once (`NodeCalls`: one call per root;
         each agent forwards it to its children and derives its ranks' arguments,
         `Dispatch.for_rank`; directly to a rank whose node has no agent in the tree), wait with a
-        deadline, and return the dispatch's collected results. Raises WorkerFailure, and
-        TypeError when `method` declares no dispatch."""
+        deadline (`timeout`; `culprit_s`: `HealthMonitor.wait`'s), and return the dispatch's
+        collected results. Raises WorkerFailure, and TypeError when `method` declares no dispatch."""
         kind = dispatch or dispatch_of(self.actor_cls, method)
         results = self.wait(self.node_calls.start(self.workers, method, self.dims, kind, (self.generation, *args)),
-                            timeout or self.cfg.fault_tolerance.step_timeout_s)
+                            timeout or self.cfg.fault_tolerance.step_timeout_s, culprit_s=culprit_s)
         return kind.collect(self.dims, results)
 
     def _new_actor(self, bundle_index: int):

@@ -522,7 +522,8 @@ class HealthMonitor:
     def _failure(self, ranks: set[int], kind: str, detail: str, **kw) -> WorkerFailure:
         return WorkerFailure(ranks, kind, detail, last_seen=kw.pop("last_seen", None) or self.last_seen(ranks), **kw)
 
-    def wait(self, refs: list | Calls, timeout: float, ranks: list[int] | None = None) -> list:
+    def wait(self, refs: list | Calls, timeout: float, ranks: list[int] | None = None,
+             culprit_s: float | None = None) -> list:
         """Results of `refs` (ObjectRefs or `Calls`: one call per rank, or one per rank of
         `ranks`), or WorkerFailure naming the failed ranks.
 
@@ -535,7 +536,10 @@ class HealthMonitor:
         progress, the hung ranks are named ('hang', `_hang_failure`): those that did not enter
         a collective their group's other members wait in, else those whose compute thread
         still does not answer once every rank's communicators are aborted (an empty set: the
-        collective itself stalled and every rank was freed). A call whose answer is lost to
+        collective itself stalled and every rank was freed). With `culprit_s`, such a culprit
+        is a hang as soon as no progress counter moved for `culprit_s` seconds (a rank that
+        stopped outside any collective while its peers wait for it; a slow rank's counters
+        move), before the deadline. A call whose answer is lost to
         `ActorUnavailableError` re-forms without blame, as does one lost with a node agent that
         carried it (`CallLost`: the agent's call failed, or the agent died or stopped answering
         its rounds, `Heartbeats.gone_agents`) on a node whose raylet still answers (one that
@@ -548,6 +552,7 @@ class HealthMonitor:
         transient: dict[int, BaseException] = {}  # call index -> its answer lost or its wait for a peer timed out
         pending, deadline = calls.waitables(), time.monotonic() + timeout
         looked, moved_at, keys = time.monotonic(), time.time(), None
+        still_since = time.monotonic()  # no progress counter moved since
         next_look = time.monotonic() + ft.health_interval_s
         while pending:
             # Batched: every call that ends within BATCH_S of the first is taken in one pass
@@ -616,8 +621,13 @@ class HealthMonitor:
                     raise self._failure(silent | lost, "crash", "node(s) lost: raylet refuses connections")
                 raise self._failure(silent, "unreachable", self._silence_detail(silent))
             if moved:  # no O(ranks) snapshot per call: the beats time each rise
-                deadline, moved_at = max(deadline, time.monotonic() + timeout), time.time()
+                deadline, moved_at, still_since = max(deadline, time.monotonic() + timeout), time.time(), look
             looked = look
+            if culprit_s is not None and look - still_since >= culprit_s and \
+                    (culprits := hang_culprits(counts := self._collectives())):
+                raise WorkerFailure(culprits, "hang", f"no progress for {look - still_since:.1f} s; rank(s) "
+                                    f"{sorted(culprits)} did not enter a collective their group's other members "
+                                    f"wait in; collectives {counts}", last_seen=moved_at)
             if time.monotonic() < deadline:
                 continue
             raise self._hang_failure({rank_of[i] for i in calls.indices(pending)}, timeout, moved_at)
