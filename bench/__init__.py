@@ -39,15 +39,3 @@ def logical_cluster(nodes: int, root, cpus_per_node: int = 4):
         ray.shutdown()
         cluster.shutdown()
 
-
-def megatron_on_cpu(cfg):
-    """`cfg` (a loaded, unresolved Config) resolved as for one GPU, so that `auto` picks the
-    Megatron engine's GPU defaults (distributed optimizer, keeper), then put on CPU: gloo, no
-    GPU per actor, float32 unless model.dtype was set. Raises ConfigError as `resolve` does."""
-    import dataclasses
-
-    from ftrain.config import resolve
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "float32"
-    cfg = resolve(cfg, num_gpus=1)
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0),
-                               model=dataclasses.replace(cfg.model, dtype=dtype))

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import actor_env, logical_cluster, megatron_on_cpu
+from bench import actor_env, logical_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -96,7 +96,7 @@ def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list, engi
     """The soak's config: `engine`'s layout (WORLD ranks) on `nodes` nodes, checkpoints every INTERVAL
     steps at `uri`, short timeouts, `events` as chaos.events. Megatron: resolved as for a GPU,
     then put on CPU (gloo)."""
-    from ftrain.config import load_config, resolve
+    from ftrain.config import load_config, resolve, resolve_megatron_on_cpu
     layout = [] if engine == "torch" else [*TINY_MEGATRON, f"parallel.tp={TP[engine]}", "model.distributed_optimizer=true",
                                            "fault_tolerance.shard_keeper=true"]
     cfg = load_config(ROOT / "config.yaml", [
@@ -106,7 +106,7 @@ def make_cfg(uri: str, run_dir: str, steps: int, spares: int, events: list, engi
         f"run_dir={run_dir}", "fault_tolerance.health_timeout_s=5",
         "fault_tolerance.min_step_timeout_s=3", "fault_tolerance.rendezvous_timeout_s=20",
         "fault_tolerance.health_interval_s=0.2", f"chaos.events={json.dumps(events)}"])
-    cfg = resolve(cfg, num_gpus=0) if engine == "torch" else megatron_on_cpu(cfg)
+    cfg = resolve(cfg, num_gpus=0) if engine == "torch" else resolve_megatron_on_cpu(cfg)
     assert cfg.model.engine == engine, cfg.model.engine
     return cfg
 

@@ -48,83 +48,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import random
 import statistics
 import threading
 import time
 from pathlib import Path
 
-from bench import logical_cluster, megatron_on_cpu, write_json
+from bench import logical_cluster, write_json
+from ftrain.ops.goodput import MIX, failure_schedule, parse_mix, restart_ettr
 
 ROOT = Path(__file__).resolve().parent.parent
-
-STEP_POINTS = ("step_start", "before_allreduce", "inside_allreduce", "after_optimizer_step")
-# Where each kind may strike: `now`, or a point of config.CHAOS_POINTS that every run reaches
-# (a crash `now` lands inside a save, a restore or a recovery whenever one is under way).
-POINTS = {
-    "crash": ("now", *STEP_POINTS, "during_save", "mid_save"),
-    "exception": (*STEP_POINTS, "during_save", "mid_save"),
-    "hang": STEP_POINTS,
-    "node": ("now",),
-}
-MIX = "crash=0.4,exception=0.4,hang=0.2"  # the field's mix: crashes and exceptions 80 %, hangs 20 %
-
-
-def parse_mix(text: str, nodes: int) -> dict[str, float]:
-    """`kind=weight,...` -> {kind: weight}. Raises ValueError naming the flag for an unknown
-    kind, a negative or all-zero weight, or `node` on one node."""
-    mix = {}
-    for part in filter(None, text.split(",")):
-        kind, _, w = part.partition("=")
-        if kind not in POINTS:
-            raise ValueError(f"--mix: unknown kind {kind!r} (one of {', '.join(POINTS)})")
-        mix[kind] = float(w)
-        if mix[kind] < 0:
-            raise ValueError(f"--mix: weight of {kind} must be >= 0")
-    if mix.get("node") and nodes < 2:
-        raise ValueError("--mix: node loss needs --nodes >= 2")
-    if not sum(mix.values()) > 0:
-        raise ValueError("--mix: give at least one kind a positive weight")
-    return mix
-
-
-def failure_schedule(mtbf_s: float, seed: int, horizon_s: float, mix: dict[str, float], world: int) -> list[dict]:
-    """The failures of a Poisson process of mean inter-arrival `mtbf_s` seconds over
-    [0, horizon_s), from `seed`: [{t_s, kind, point, rank}] in time order; kind drawn by the
-    weights of `mix`, point uniformly from POINTS[kind], rank uniformly from range(world)."""
-    rng = random.Random(seed)
-    kinds, weights = zip(*mix.items())
-    out, t = [], 0.0
-    while True:
-        t += rng.expovariate(1.0 / mtbf_s)
-        if t >= horizon_s:
-            return out
-        kind = rng.choices(kinds, weights)[0]
-        out.append({"t_s": round(t, 3), "kind": kind, "point": rng.choice(POINTS[kind]), "rank": rng.randrange(world)})
-
-
-def restart_ettr(failures: list[tuple[float, float]], steps: int, step_s: float, interval: int,
-                 restart_s: float) -> tuple[float, list[float]]:
-    """ETTR of a job that restarts from its newest checkpoint at each failure: `failures` are
-    (time in seconds from the start, seconds to detect it); the job trains `steps` steps of
-    `step_s` seconds, commits a checkpoint every `interval` steps (0: never; a restart then
-    begins at step 0), and a restart takes `restart_s` seconds to its first step. A failure
-    during a restart starts it again. Returns (ETTR, steps lost at each failure that struck
-    the job, fractions of the step in flight included)."""
-    t, done, lost = 0.0, 0.0, []
-    for at, detect_s in sorted(failures):
-        if t + (steps - done) * step_s <= at:
-            break  # the job ended first
-        if at >= t:
-            done += (at - t) / step_s
-            kept = math.floor(done / interval) * interval if interval else 0
-            lost.append(done - kept)
-            done = kept
-        t = at + detect_s + restart_s
-    wall = t + (steps - done) * step_s
-    return steps * step_s / wall, lost
-
 
 def stalls(seconds: list[float]) -> dict:
     """Checkpoint save stalls (seconds training waited for each save): count, total, largest."""
@@ -216,12 +148,12 @@ def rewind(group, ckpt, timeout_s: float) -> None:
 def make_cfg(args, run_dir: str):
     """The run's config: `--config` with `--set`, the run dir and checkpoints under `run_dir`
     (unless set), `--nodes`; `--engine megatron` without GPUs: Megatron on gloo."""
-    from ftrain.config import gpus_visible, load_config, resolve
+    from ftrain.config import gpus_visible, load_config, resolve, resolve_megatron_on_cpu
     overrides = [f"run_dir={run_dir}", f"checkpoint.uri={run_dir}/ckpt", f"cluster.num_nodes={args.nodes}",
                  *([] if args.engine == "auto" else [f"model.engine={args.engine}"]), *args.overrides]
     gpus = gpus_visible()
     if args.engine == "megatron" and not gpus:
-        return megatron_on_cpu(load_config(args.config, overrides))
+        return resolve_megatron_on_cpu(load_config(args.config, overrides))
     return resolve(load_config(args.config, overrides), num_gpus=gpus)
 
 

@@ -691,6 +691,18 @@ def gpus_visible() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def resolve_megatron_on_cpu(cfg: Config) -> Config:
+    """`cfg` (loaded, unresolved) resolved as for one GPU, so that `auto` picks the Megatron
+    engine's GPU defaults (the distributed optimizer, the keeper), then put on CPU: gloo, no GPU
+    per actor, float32 unless model.dtype was set. How tests and benchmarks run the GPU path on
+    a machine without GPUs (`resolve` alone picks the torch engine there). Raises ConfigError as
+    `resolve` does."""
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "float32"
+    cfg = resolve(cfg, num_gpus=1)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cpu", gpus_per_actor=0),
+                               model=dataclasses.replace(cfg.model, dtype=dtype))
+
+
 def resolve(cfg: Config, num_gpus: int | None = None) -> Config:
     """Return a copy with `auto` values made concrete for a machine with `num_gpus` GPUs.
 

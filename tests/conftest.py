@@ -31,7 +31,7 @@ MODULE_SECONDS = {"test_recovery": 254, "test_resume": 117, "test_scenarios": 11
                   "test_train_speed": 49, "test_driver_crash": 46, "test_rank_rows": 44, "test_health": 33, "test_agent_tree": 40,
                   "test_observability": 29, "test_bad_input": 26, "test_sft": 25, "test_megatron_groups": 24,
                   "test_security": 22, "test_checkpoint": 20, "test_megatron_checkpoint": 19,
-                  "test_snapshots": 25, "test_fencing": 30, "test_goodput": 80, "test_megatron_rl": 11, "test_megatron_peer_restore": 9}
+                  "test_snapshots": 25, "test_fencing": 30, "test_goodput": 150, "test_megatron_rl": 11, "test_megatron_peer_restore": 9}
 
 
 def pytest_collection_modifyitems(items):
@@ -227,10 +227,9 @@ TINY_MEGATRON = ["model.distributed_optimizer=false", "model.dtype=float32", "mo
 def megatron_cpu_cfg(tmp_path, *sets: str):
     """A config of MegatronActors on CPU (gloo) with a tiny float32 model (`TINY_MEGATRON`, then
     `sets`): resolved as for one GPU so the engine is Megatron, then the cluster set to CPU."""
-    from bench import megatron_on_cpu
-    from ftrain.config import load_config
+    from ftrain.config import load_config, resolve_megatron_on_cpu
 
-    cfg = megatron_on_cpu(load_config("config.yaml", [*TINY_MEGATRON, *sets, f"run_dir={tmp_path}",
+    cfg = resolve_megatron_on_cpu(load_config("config.yaml", [*TINY_MEGATRON, *sets, f"run_dir={tmp_path}",
                                                       f"checkpoint.uri={tmp_path}/ckpt"]))
     assert cfg.model.engine == "megatron"
     return cfg

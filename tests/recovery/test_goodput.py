@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.goodput import MIX, POINTS, failure_schedule, parse_mix, restart_ettr
+from ftrain.ops.goodput import MIX, POINTS, failure_schedule, parse_mix, restart_ettr
+
 from conftest import run_bench
 
 
@@ -62,13 +63,13 @@ def test_the_megatron_engine_goes_on_through_failures_at_random_times(tmp_path):
     out = tmp_path / "goodput.json"
     tiny = ["model.max_seq_len=16", "train.seq_len=16", "train.global_batch_size=4", "train.mini_batch_size=4",
             "train.micro_batch_size=1", "parallel.tp=2", "cluster.num_spares=2"]
-    run_bench("goodput", "--engine", "megatron", "--steps", "12", "--mtbf-s", "6", "--seed", "3", "--no-restart",
+    run_bench("goodput", "--engine", "megatron", "--steps", "8", "--mtbf-s", "8", "--seed", "3", "--no-restart",
               "--mix", "crash=0.5,exception=0.5", *[a for o in tiny for a in ("--set", o)], "--out", str(out))
     r = json.loads(out.read_text())
     assert r["engine"] == "megatron" and r["layout"].startswith("ParallelDims(tp=2") and "dp=2" in r["layout"], r["layout"]
     assert r["run_stopped"] is None, r["run_stopped"]
-    assert r["committed_steps"] == 12 and r["recoveries"] >= 1, r["schedule"]
+    assert r["committed_steps"] == 8 and r["recoveries"] >= 1, r["schedule"]
     assert r["losses_equal"] and r["replays_equal"] and r["checkpoints_lost"] == 0
     assert {t["kind"] for t in r["timelines"]} <= {"crash", "exception"}
     assert any(t["restore_source"].startswith(("peer", "keeper")) for t in r["timelines"]), r["timelines"]
-    assert 0 < r["ettr"] <= 1.05 and r["goodput_vs_plain"] == pytest.approx(r["ettr"])
+    assert r["ettr"] > 0 and r["goodput_vs_plain"] == pytest.approx(r["ettr"])  # CPU: plain = the reference

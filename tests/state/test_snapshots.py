@@ -206,6 +206,7 @@ def test_a_snapshot_due_while_one_is_in_flight_is_skipped_not_waited_for(ray_ses
     """The sender's copy does not finish until released: `busy()` stays true, so the caller
     skips (and counts) the next snapshots; once released, the send completes."""
     holder = SnapshotHolder.remote(keep=2)
+    ray.get(holder.steps.remote())  # started: its actor's start is not the sender's timeout to wait for
     release = threading.Event()
     sender = SnapshotSender(5.0)
     sender.send(holder, ("dims", 0), 1, HostCopy({"model": [torch.ones(8)], "step": 1}, release.wait))
