@@ -142,18 +142,26 @@ def test_a_failure_while_the_refill_is_being_built_waits_for_it(reference, tmp_p
     assert trainer.losses == reference[0] and digests == reference[1]
 
 
+def assert_rank_1_hung_at_step_4_found_within(reference, tmp_path, point: str, detect_s: float, *sets: str):
+    """Rank 1's compute thread hung at `point` of step 4 (1 spare, `sets`): one recovery, of a
+    hang of rank 1 detected within `detect_s` seconds, and the run's losses and final states
+    those of the run without failure."""
+    cfg = make_cfg(tmp_path, "cluster.num_spares=1", *sets,
+                   f"chaos.events=[{{step: 4, rank: 1, kind: hang, point: {point}}}]")
+    trainer, digests, _ = train(cfg)
+    (tl,) = trainer.recoveries
+    assert tl.kind == "hang" and tl.failed_ranks == [1] and tl.detect_s < detect_s, tl.to_dict()
+    assert trainer.losses == reference[0] and digests == reference[1]
+
+
 def test_a_rank_its_peers_wait_for_is_found_hung_before_the_step_deadline(reference, tmp_path):
     """Rank 1's compute thread hangs as step 4 starts; rank 0 waits for it in the gradient
     all-reduce. With the step deadline's floor at 30 s, the hang is found once no progress
     counter moved for `Trainer.culprit_deadline` (here `health_timeout_s`, 2 s): rank 1 named,
     replaced, the run ends with the losses of the run without failure. (A slow rank's counters
     move and it is not replaced: `test_mixed_chaos_recovers_with_identical_losses`.)"""
-    cfg = make_cfg(tmp_path, "cluster.num_spares=1", "fault_tolerance.min_step_timeout_s=30",
-                   "chaos.events=[{step: 4, rank: 1, kind: hang, point: step_start}]")
-    trainer, digests, _ = train(cfg)
-    (tl,) = trainer.recoveries
-    assert tl.kind == "hang" and tl.failed_ranks == [1] and tl.detect_s < 20, tl.to_dict()
-    assert trainer.losses == reference[0] and digests == reference[1]
+    assert_rank_1_hung_at_step_4_found_within(reference, tmp_path, "step_start", 20,
+                                              "fault_tolerance.min_step_timeout_s=30")
 
 
 def test_a_hang_inside_a_save_is_found_by_the_saves_own_deadline(reference, tmp_path):
@@ -161,12 +169,7 @@ def test_a_hang_inside_a_save_is_found_by_the_saves_own_deadline(reference, tmp_
     save call's deadline comes from the pace of the saves before (`Trainer.save_deadline`, here
     the step deadline's floor, 3 s), not from `step_timeout_s` (120 s): the hang is found within
     seconds, the rank replaced, and the run ends with the losses of the run without failure."""
-    cfg = make_cfg(tmp_path, "cluster.num_spares=1", "checkpoint.interval=2",
-                   "chaos.events=[{step: 4, rank: 1, kind: hang, point: during_save}]")
-    trainer, digests, _ = train(cfg)
-    (tl,) = trainer.recoveries
-    assert tl.kind == "hang" and tl.failed_ranks == [1] and tl.detect_s < 30, tl.to_dict()
-    assert trainer.losses == reference[0] and digests == reference[1]
+    assert_rank_1_hung_at_step_4_found_within(reference, tmp_path, "during_save", 30, "checkpoint.interval=2")
 
 
 def test_empty_pool_without_shrink_stops_with_clear_error(ray_session, tmp_path):
